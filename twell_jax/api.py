@@ -1,0 +1,149 @@
+"""`twell_jax.ffn` (module `twell_jax.api`): the feed-forward entry point and its implementation dispatch."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from twell_jax import dense as dense_lib
+from twell_jax import sparse_xla
+from twell_jax import stats as stats_lib
+
+__all__ = ["ffn", "IMPLEMENTATIONS", "default_implementation"]
+
+IMPLEMENTATIONS = ("dense", "xla", "mosaic_gpu")
+SPARSE_IMPLEMENTATIONS = ("xla", "mosaic_gpu")
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _check_array(a, name: str, ndim: Optional[int] = None):
+  if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+    raise ValueError(f"{name} must be an array; got {type(a).__name__}.")
+  if ndim is not None and a.ndim != ndim:
+    raise ValueError(f"{name} must have rank {ndim}; got shape {tuple(a.shape)}.")
+  if jnp.dtype(a.dtype) not in _FLOAT_DTYPES:
+    raise ValueError(f"{name} must have dtype bfloat16, float16 or float32; got {a.dtype}.")
+
+
+def _validate(x, w_gate, w_up, w_down, activation, implementation):
+  """Checks ranks, shapes, dtypes and choices; returns (D, H)."""
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}.")
+  if activation not in dense_lib.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {tuple(dense_lib.ACTIVATIONS)}; got {activation!r}.")
+  if implementation in SPARSE_IMPLEMENTATIONS and activation != "relu":
+    raise ValueError(
+        f"activation={activation!r} has no exact zeros, so implementation={implementation!r} "
+        "(sparse) cannot run it; use activation='relu' or implementation='dense'.")
+  _check_array(x, "x")
+  if x.ndim < 1:
+    raise ValueError(f"x must have shape [..., D] with rank >= 1; got shape {tuple(x.shape)}.")
+  _check_array(w_up, "w_up", 2)
+  _check_array(w_down, "w_down", 2)
+  d = x.shape[-1]
+  h = w_up.shape[1]
+  if w_up.shape[0] != d:
+    raise ValueError(f"w_up must have shape [D, H] = [{d}, H] to match x [..., {d}]; got {tuple(w_up.shape)}.")
+  if w_gate is not None:
+    _check_array(w_gate, "w_gate", 2)
+    if tuple(w_gate.shape) != (d, h):
+      raise ValueError(f"w_gate must have shape [D, H] = {(d, h)} like w_up; got {tuple(w_gate.shape)}.")
+  if tuple(w_down.shape) != (h, d):
+    raise ValueError(f"w_down must have shape [H, D] = {(h, d)}; got {tuple(w_down.shape)}.")
+  for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    if w is not None and w.dtype != x.dtype:
+      raise ValueError(f"{name} has dtype {w.dtype} but x has {x.dtype}; cast them to one compute dtype.")
+  return d, h
+
+
+@functools.cache
+def _mosaic_module():
+  """The kernels module, or None when it cannot be imported (e.g. not built yet)."""
+  try:
+    from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return ffn_mgpu
+
+
+def _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret: bool) -> Optional[str]:
+  mod = _mosaic_module()
+  if mod is None:
+    return "the Pallas Mosaic GPU kernels (pallas_kernels.ffn_mgpu) are not available in this install"
+  if not interpret and jax.default_backend() != "gpu":
+    return f"no GPU backend (default backend is {jax.default_backend()!r}); pass interpret=True to run the kernels in the interpreter"
+  return mod.supports(x2, w_gate, w_up, w_down)
+
+
+def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret: bool = False) -> str:
+  """The implementation `implementation=None` picks: mosaic_gpu where it supports the call, else xla; dense for non-ReLU."""
+  if activation != "relu":
+    return "dense"
+  if _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret) is None:
+    return "mosaic_gpu"
+  return "xla"
+
+
+def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Optional[str] = None,
+        interpret: bool = False, return_stats: bool = False, ell_width: int = 128,
+        tail_rows: Optional[int] = None):
+  """Feed-forward block y = h W_down with a (sparse) ReLU hidden activation h.
+
+  Gated (w_gate given):  h = act(x W_gate) * (x W_up).   Non-gated (w_gate=None): h = act(x W_up).
+
+  Args:
+    x: [..., D] activations (bf16 expected; f16/f32 accepted); leading axes are tokens.
+    w_gate: [D, H] or None.  w_up: [D, H].  w_down: [H, D]. Same dtype as x.
+    activation: "relu" (exact zeros: sparse implementations), "silu" or "gelu" (dense only).
+    implementation: "dense" (plain XLA dense, the baseline), "xla" (the sparse
+      algorithm in plain JAX with a sparse custom VJP; runs anywhere),
+      "mosaic_gpu" (Pallas Mosaic GPU kernels, Hopper), or None: the best one
+      that supports the call here (mosaic_gpu on Hopper where supported, else
+      xla; dense for non-ReLU activations).
+    interpret: run Pallas kernels in the Mosaic GPU interpreter (CPU).
+    return_stats: also return a `twell_jax.FFNStats`.
+    ell_width: W of the hybrid layout used by the "xla" implementation.
+    tail_rows: R, static heavy-row capacity of the "xla" implementation
+      (None: M/8); more heavy rows than R switch to the dense path on device.
+
+  Returns:
+    y [..., D] in x.dtype, or (y, FFNStats) with return_stats=True.
+
+  Raises:
+    ValueError: bad ranks, shapes, dtypes, activation or implementation.
+    NotImplementedError: implementation="mosaic_gpu" cannot run this call here.
+  """
+  x = jnp.asarray(x) if not hasattr(x, "shape") else x
+  d, _ = _validate(x, w_gate, w_up, w_down, activation, implementation)
+  lead = tuple(x.shape[:-1])
+  m = math.prod(lead)
+  x2 = x.reshape(m, d)
+  if m == 0:
+    implementation = "dense"   # nothing to sparsify; keeps shapes legal for top_k & co.
+  elif implementation is None:
+    implementation = default_implementation(x2, w_gate, w_up, w_down, activation, interpret)
+
+  if implementation == "dense":
+    if m == 0:
+      y2 = jnp.zeros((0, d), x.dtype)
+      st = stats_lib.FFNStats(l1=jnp.zeros((), jnp.float32), nnz_per_token=jnp.zeros((), jnp.float32),
+                              max_tile_nnz=jnp.zeros((), jnp.int32), overflow_rows=jnp.zeros((), jnp.int32),
+                              fired=jnp.zeros((w_up.shape[1],), bool))
+    else:
+      y2, st = dense_lib.dense_ffn(x2, w_gate, w_up, w_down, activation)
+  elif implementation == "xla":
+    y2, st = sparse_xla.sparse_ffn(x2, w_gate, w_up, w_down, ell_width=ell_width, tail_rows=tail_rows)
+  else:
+    reason = _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret)
+    if reason is not None:
+      raise NotImplementedError(f"implementation='mosaic_gpu' cannot run this call: {reason}.")
+    from twell_jax import mosaic  # pylint: disable=import-outside-toplevel
+    y2, st = mosaic.mosaic_ffn(_mosaic_module(), x2, w_gate, w_up, w_down, interpret=interpret,
+                               ell_width=ell_width, tail_rows=tail_rows)
+
+  y = y2.reshape(lead + (d,))
+  return (y, st) if return_stats else y

@@ -1,0 +1,50 @@
+"""Per-call activation statistics of a feed-forward block (L1 for the loss, L0 and layout counters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["FFNStats", "TILE_N", "tile_stats"]
+
+# Tile width used for the `max_tile_nnz` statistic (the TwELL tile of the paper).
+TILE_N = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FFNStats:
+  """Statistics of the hidden activation h [M, H] of one `twell_jax.ffn` call.
+
+  Attributes:
+    l1: f32 scalar, differentiable: mean over the M tokens of sum_j |h_mj|
+      (the reference code's normalization; multiply by H for the paper's
+      per-element mean).
+    nnz_per_token: f32 scalar: mean over tokens of the number of active
+      features (relu gate > 0; h != 0 for non-ReLU activations).
+    max_tile_nnz: int32 scalar: most active features in one row of one
+      256-column tile (TwELL slots per tile are 256 / compression).
+    overflow_rows: int32 scalar: rows that took the overflow path of the
+      implementation (TwELL tile overflow for "mosaic_gpu", rows over the ELL
+      width for "xla", 0 for "dense").
+    fired: bool [H]: feature j was active for at least one token of the call
+      (for dead-neuron tracking).
+  """
+
+  l1: jax.Array
+  nnz_per_token: jax.Array
+  max_tile_nnz: jax.Array
+  overflow_rows: jax.Array
+  fired: jax.Array
+
+
+def tile_stats(active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(nnz_per_token, max_tile_nnz, fired) from a boolean activity mask [M, H]."""
+  m, h = active.shape
+  pad = (-h) % TILE_N
+  tiles = jnp.pad(active, ((0, 0), (0, pad))).reshape(m, -1, TILE_N)
+  tile_nnz = jnp.sum(tiles, axis=-1, dtype=jnp.int32)
+  nnz_per_token = jnp.sum(tile_nnz, dtype=jnp.float32) / m
+  return nnz_per_token, jnp.max(tile_nnz), jnp.any(active, axis=0)
