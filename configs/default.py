@@ -1,0 +1,71 @@
+"""Base configuration: every field the trainer reads, with its default.
+
+The other configs import `get_config` from here and change what differs.
+Override anything on the command line, e.g. `--config.l1_coeff=3e-5` or
+`--config.model.ffn_implementation=dense`.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=259,         # >= the tokenizer's (byte tokenizer: 259)
+      d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1408,
+      rope_theta=10000.0, norm_eps=1e-6, init_std=0.02,
+      ffn_gated=True,
+      ffn_activation="relu",  # sparse kernels need relu; dense: silu/gelu too
+      # None = best available (mosaic_gpu where supported, else xla);
+      # "dense" is the dense baseline.
+      ffn_implementation=config_dict.placeholder(str),
+      dtype="bfloat16", param_dtype="float32",
+      remat=False,            # jax.checkpoint each block (memory for compute)
+  ))
+
+  c.data = ml_collections.ConfigDict(dict(
+      dataset="twell_stdlib_text",  # or any prepared TFDS text dataset (lm1b)
+      data_dir=config_dict.placeholder(str),  # TFDS data_dir
+      use_tfds=True,          # offline corpus: prepare/read it through TFDS
+      text_key="text", train_split="train", eval_split="validation",
+      tokenizer="byte",       # or "sentencepiece" with spm_model=path
+      spm_model=config_dict.placeholder(str),
+      seq_len=512,
+      prefetch=2,
+  ))
+
+  # Optimization: AdamW, linear warm-up then cosine to min_lr_ratio * peak.
+  c.num_train_steps = 10_000
+  c.batch_size = 32           # global sequences per optimizer step
+  c.grad_accum_steps = 1      # micro-batches per step (batch_size divisible)
+  c.learning_rate = 3e-4
+  c.warmup_steps = 500
+  c.min_lr_ratio = 0.1
+  c.adam_b1 = 0.9
+  c.adam_b2 = 0.95
+  c.adam_eps = 1e-8
+  c.weight_decay = 0.1        # not applied to RMSNorm scales
+  c.grad_clip = 1.0
+
+  # Sparsity: loss = CE + l1_coeff(step) * mean over layers of the L1 term.
+  c.l1_coeff = 2e-5
+  c.l1_warmup_steps = 0       # linear ramp of the coefficient from 0
+  # "per_token_sum": mean over tokens of sum over H of |h| (reference code);
+  # "per_element_mean": mean over all M*H entries (paper text; = above / H).
+  c.l1_normalization = "per_token_sum"
+
+  # Dead neurons: a feature is dead once it has not fired for this many
+  # training tokens; optionally re-draw its gate column every N steps.
+  c.dead_window_tokens = 1_000_000
+  c.dead_reinit = False
+  c.dead_reinit_every = 1000
+
+  c.log_every = 50
+  c.eval_every = 1000
+  c.eval_batches = 8
+  c.checkpoint_every = 1000
+  c.keep_checkpoints = 3
+  return c

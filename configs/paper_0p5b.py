@@ -1,0 +1,11 @@
+"""Paper shape, 8 layers (D=2048, H=5632, 32 heads, context 2048).
+
+Needs a prepared TFDS dataset and a SentencePiece model:
+  --config.data.spm_model=/path/to/32k.model (vocab_size must match).
+"""
+
+from configs import paper_shapes
+
+
+def get_config(variant=None):
+  return paper_shapes.get_paper_config(8, variant)

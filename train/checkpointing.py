@@ -1,0 +1,152 @@
+"""Orbax checkpoints: periodic async saves, retention, crash-safe resume.
+
+Layout: DIR/checkpoints/<step>/{state,data,meta}, one orbax CheckpointManager.
+  state: StandardSave of the train state pytree {params, opt_state, step, rng,
+         since} (arrays);
+  data:  JsonSave of the input pipeline position (`PackedBatches.get_state`);
+  meta:  JsonSave of {"step", "config", "twell_jax_version"}.
+Saves are asynchronous (orbax copies the arrays to host before `save`
+returns, then writes in a background thread) and atomic: a step directory
+only counts once orbax has committed it, so a run killed mid-write leaves no
+half checkpoint that looks complete.
+
+Resume tries the newest step first. A step whose files are unreadable
+(truncated, deleted, garbled) is moved aside to DIR/corrupt_checkpoints/ with
+a warning and the next older one is tried; if none is usable a
+`CheckpointError` with a plain message is raised (train.main prints it
+without a traceback).
+"""
+
+import os
+import shutil
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import orbax.checkpoint as ocp
+
+ITEMS = ("state", "data", "meta")
+
+
+class CheckpointError(Exception):
+  """A checkpoint problem the user must resolve; printed without traceback."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def make_manager(workdir: str, *, every_steps: int = 1, keep: int = 3,
+                 read_only: bool = False) -> ocp.CheckpointManager:
+  path = checkpoint_dir(workdir)
+  if read_only and not os.path.isdir(path):
+    raise CheckpointError(f"no checkpoints directory at {path}")
+  options = ocp.CheckpointManagerOptions(
+      save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(
+          max(1, every_steps)),
+      preservation_policy=ocp.checkpoint_managers.LatestN(max(1, keep)),
+      enable_async_checkpointing=not read_only,
+      read_only=read_only,
+      create=not read_only,
+  )
+  return ocp.CheckpointManager(path, options=options, item_names=ITEMS)
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict,
+         meta: dict, *, force: bool = False) -> bool:
+  """Saves if the interval policy (or force) says so; returns whether it did."""
+  return mngr.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      data=ocp.args.JsonSave(data_state),
+      meta=ocp.args.JsonSave(meta)), force=force)
+
+
+def abstract_of(tree: Any, sharding=None) -> Any:
+  """ShapeDtypeStructs (with `sharding` if given) for a pytree of arrays."""
+  def one(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=sharding or getattr(x, "sharding",
+                                                             None))
+  return jax.tree.map(one, tree)
+
+
+def _quarantine(workdir: str, step: int) -> str:
+  src = os.path.join(checkpoint_dir(workdir), str(step))
+  dst_root = os.path.join(os.path.abspath(workdir), "corrupt_checkpoints")
+  os.makedirs(dst_root, exist_ok=True)
+  dst = os.path.join(dst_root, f"{step}-{int(time.time())}")
+  shutil.move(src, dst)
+  return dst
+
+
+def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
+  """Restores the newest usable checkpoint.
+
+  Returns (manager, restored) where restored is None for a fresh run, else a
+  dict with keys step, state, data, meta. Unreadable steps are quarantined
+  (see module docstring) and the manager is re-opened without them.
+  """
+  mngr = make_manager(workdir, **manager_kwargs)
+  steps = sorted(mngr.all_steps(), reverse=True)
+  errors = []
+  for step in steps:
+    try:
+      out = mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          data=ocp.args.JsonRestore(),
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax raises many types (ValueError, FileNotFoundError, tensorstore
+      # errors...) for a damaged step; all mean "not usable".
+      msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      errors.append(f"step {step}: {msg}")
+      mngr.close()
+      moved = _quarantine(workdir, step)
+      logging.warning("Checkpoint step %d is unreadable (%s); moved it to %s "
+                      "and trying an older one.", step, msg[:300], moved)
+      mngr = make_manager(workdir, **manager_kwargs)
+      continue
+    return mngr, {"step": step, "state": out.state, "data": out.data,
+                  "meta": out.meta}
+  if errors:
+    mngr.close()
+    raise CheckpointError(
+        "no usable checkpoint in " + checkpoint_dir(workdir) + " (damaged "
+        "ones were moved to corrupt_checkpoints/): " + "; ".join(errors) +
+        ". Use a new --workdir to start from scratch.")
+  return mngr, None
+
+
+def restore_params(workdir: str, abstract_params: Any,
+                   step: int | None = None):
+  """Read-only restore of only the params (for evaluation).
+
+  Returns (step, params, meta). Raises CheckpointError with a plain message
+  if the step does not exist or cannot be read.
+  """
+  mngr = make_manager(workdir, read_only=True)
+  try:
+    steps = mngr.all_steps()
+    if not steps:
+      raise CheckpointError(f"no checkpoints in {checkpoint_dir(workdir)}")
+    if step is None:
+      step = max(steps)
+    elif step not in steps:
+      raise CheckpointError(f"no checkpoint for step {step} in "
+                            f"{checkpoint_dir(workdir)}; have {sorted(steps)}")
+    try:
+      out = mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(
+              item={"params": abstract_params},
+              restore_args=ocp.checkpoint_utils.construct_restore_args(
+                  {"params": abstract_params}),
+              partial_restore=True),
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f"checkpoint step {step} in {checkpoint_dir(workdir)} is unreadable"
+          f" ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    return step, out.state["params"], out.meta
+  finally:
+    mngr.close()

@@ -1,0 +1,40 @@
+"""Trains a sparse (TwELL) LM: python -m train.main --config=C --workdir=D.
+
+Override config values with --config.<field>=<value>. Rerunning the same
+command on the same workdir resumes from its latest checkpoint.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+from train import checkpointing
+from train import metrics
+from train import train_lib
+
+config_flags.DEFINE_config_file("config", None, "Training config file.",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  metrics.quiet_library_logs()
+  logging.info("jax %s, process %d/%d, devices %s", jax.__version__,
+               jax.process_index(), jax.process_count(), jax.devices())
+  try:
+    train_lib.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except checkpointing.CheckpointError as e:
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

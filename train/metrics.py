@@ -1,0 +1,129 @@
+"""Metric sinks (TensorBoard events, JSON lines, console) and progress/ETA.
+
+TensorBoard event files are written with the `tensorboard` package alone
+(`EventFileWriter` + the protos in `tensorboard.compat.proto`), so neither
+TensorFlow nor clu is needed. Every logged interval also appends one JSON
+object to DIR/metrics.jsonl, which is what scripts and tests read. Only
+process 0 writes; other processes log to the console only.
+"""
+
+import json
+import os
+import time
+
+from absl import logging
+import numpy as np
+
+
+def flatten_metrics(metrics: dict) -> dict[str, float]:
+  """{"nnz": [L] array, "loss": scalar} -> {"nnz/layer_0": .., "loss": ..}."""
+  out = {}
+  for k, v in metrics.items():
+    a = np.asarray(v)
+    if a.ndim == 0:
+      out[k] = float(a)
+    else:
+      for i, x in enumerate(a.reshape(-1)):
+        out[f"{k}/layer_{i}"] = float(x)
+  return out
+
+
+class MetricWriter:
+  """Writes scalar dicts to TensorBoard and DIR/metrics.jsonl."""
+
+  def __init__(self, logdir: str, *, enabled: bool = True):
+    self._enabled = enabled
+    self._tb = None
+    self._jsonl = None
+    if not enabled:
+      return
+    os.makedirs(logdir, exist_ok=True)
+    self._jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
+    try:
+      # pylint: disable=g-import-not-at-top
+      from tensorboard.summary.writer import event_file_writer
+      from tensorboard.compat.proto import event_pb2, summary_pb2
+      self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+      self._tb = event_file_writer.EventFileWriter(
+          os.path.join(logdir, "tensorboard"))
+    except ImportError:
+      logging.warning("tensorboard is not installed: no event files.")
+
+  def write_scalars(self, step: int, scalars: dict[str, float]):
+    if not self._enabled:
+      return
+    self._jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      values = [self._summary_pb2.Summary.Value(tag=k, simple_value=v)
+                for k, v in scalars.items()]
+      self._tb.add_event(self._event_pb2.Event(
+          wall_time=time.time(), step=int(step),
+          summary=self._summary_pb2.Summary(value=values)))
+
+  def write_text(self, step: int, tag: str, text: str):
+    """A text summary (shown in TensorBoard's text tab)."""
+    if self._tb is None:
+      return
+    # The text plugin reads a string tensor tagged with its plugin name.
+    from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2  # pylint: disable=g-import-not-at-top
+    tensor = tensor_pb2.TensorProto(
+        dtype=7, string_val=[text.encode()],  # 7 = DT_STRING
+        tensor_shape=tensor_shape_pb2.TensorShapeProto())
+    meta = self._summary_pb2.SummaryMetadata(
+        plugin_data=self._summary_pb2.SummaryMetadata.PluginData(
+            plugin_name="text"))
+    self._tb.add_event(self._event_pb2.Event(
+        wall_time=time.time(), step=int(step),
+        summary=self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(
+            tag=tag, tensor=tensor, metadata=meta)])))
+
+  def flush(self):
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
+
+
+class Progress:
+  """Steps/s and ETA over the steps done in this process (resume-aware)."""
+
+  def __init__(self, total_steps: int, start_step: int):
+    self.total, self.start = total_steps, start_step
+    self.t0 = time.time()
+
+  def eta_line(self, step: int) -> str:
+    done = step - self.start
+    elapsed = time.time() - self.t0
+    rate = done / elapsed if elapsed > 0 and done > 0 else 0.0
+    left = (self.total - step) / rate if rate > 0 else float("nan")
+    pct = 100.0 * step / max(1, self.total)
+    return (f"step {step}/{self.total} ({pct:.1f}%) {rate:.2f} steps/s "
+            f"elapsed {_hms(elapsed)} ETA {_hms(left)}")
+
+
+def _hms(seconds: float) -> str:
+  if not np.isfinite(seconds):
+    return "?"
+  s = int(seconds)
+  return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class _DropNoisyLibraries:
+  """absl logging filter: hides orbax's per-save INFO chatter."""
+
+  def filter(self, record) -> bool:
+    return (record.levelno >= 30 or
+            "orbax" not in getattr(record, "pathname", ""))
+
+
+def quiet_library_logs():
+  """Keeps console progress readable: orbax logs only warnings and up."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  absl_logging.get_absl_handler().addFilter(_DropNoisyLibraries())
+  py_logging.getLogger("absl").addFilter(_DropNoisyLibraries())

@@ -1,0 +1,212 @@
+"""Decoder-only Llama-style language model whose feed-forward blocks are TwELL.
+
+Architecture (one block, pre-norm, no biases anywhere):
+
+  a = x + Attention(RMSNorm(x))          causal, RoPE, grouped-query heads
+  y = a + twell_jax.FeedForward(RMSNorm(a))
+
+Shapes: B batch, T sequence, D d_model, H d_ff (FFN hidden width), V vocab,
+N query heads, K key/value heads (N % K == 0), E head dim (D = N * E).
+Embeddings are tied: logits[B, T, V] = RMSNorm(x_L) @ embedding[V, D]^T (f32).
+
+Layers are a Python loop over an `nnx.List` of blocks rather than `nnx.scan`
+over stacked parameters: FeedForward is someone else's module whose
+parameters must keep their natural [D, H] layout for the sparse kernels and for
+per-layer dead-neuron surgery, and a loop keeps both simple. The price is a
+compile time that grows with depth; `remat=True` wraps each block in
+`nnx.remat` to bound activation memory on deep configs.
+
+The model is used functionally by the trainer: `init_params` returns a plain
+nested dict of arrays (what optax and orbax see) and `apply` merges it into
+the module inside the traced function.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import twell_jax
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Static model hyper-parameters (converted once from the ConfigDict)."""
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  ffn_gated: bool = True
+  ffn_activation: str = "relu"
+  ffn_implementation: str | None = None
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.d_model % self.n_heads:
+      raise ValueError(f"{self.d_model=} must be divisible by {self.n_heads=}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"{self.n_heads=} must be divisible by {self.n_kv_heads=}")
+    if (self.d_model // self.n_heads) % 2:
+      raise ValueError("head dim must be even for RoPE")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"{name}={getattr(self, name)!r} not in {list(_DTYPES)}")
+
+  @classmethod
+  def from_config(cls, cfg: Any) -> "ModelConfig":
+    d = dict(cfg)
+    if d.get("ffn_implementation") in ("", "auto"):
+      d["ffn_implementation"] = None
+    return cls(**d)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * scale, computed in f32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + self.eps)
+    return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (rotate-half form) of x [B, T, heads, E], positions 0..T-1."""
+  t, e = x.shape[1], x.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)  # [E/2]
+  ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, E/2]
+  cos = jnp.cos(ang)[None, :, None, :]
+  sin = jnp.sin(ang)[None, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., : e // 2], xf[..., e // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head attention with K <= N key/value heads (GQA)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = nnx.initializers.normal(cfg.init_std)
+    pd = _DTYPES[cfg.param_dtype]
+    e = cfg.head_dim
+    self.wq = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_heads * e), pd))
+    self.wk = nnx.Param(
+        init(rngs.params(), (cfg.d_model, cfg.n_kv_heads * e), pd))
+    self.wv = nnx.Param(
+        init(rngs.params(), (cfg.d_model, cfg.n_kv_heads * e), pd))
+    self.wo = nnx.Param(init(rngs.params(), (cfg.n_heads * e, cfg.d_model), pd))
+
+  def __call__(self, x):  # x [B, T, D] in the compute dtype
+    cfg, (b, t, _) = self.cfg, x.shape
+    dt, e = x.dtype, cfg.head_dim
+    q = (x @ self.wq[...].astype(dt)).reshape(b, t, cfg.n_heads, e)
+    k = (x @ self.wk[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
+    v = (x @ self.wv[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
+    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    # jax.nn.dot_product_attention handles K < N (GQA) and the causal mask;
+    # softmax runs in f32 internally.
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return o.reshape(b, t, cfg.n_heads * e) @ self.wo[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block; returns (x, FFNStats)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd = _DTYPES[cfg.param_dtype]
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.attn = Attention(cfg, rngs)
+    self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.ffn = twell_jax.FeedForward(
+        cfg.d_model, cfg.d_ff, gated=cfg.ffn_gated,
+        activation=cfg.ffn_activation,
+        implementation=cfg.ffn_implementation, param_dtype=pd,
+        dtype=_DTYPES[cfg.dtype], init_std=cfg.init_std, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.attn_norm(x))
+    y, stats = self.ffn(self.ffn_norm(x), return_stats=True)
+    return x + y.astype(x.dtype), stats
+
+
+class Transformer(nnx.Module):
+  """tokens [B, T] int32 -> (logits [B, T, V] f32, per-layer FFNStats)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = _DTYPES[cfg.param_dtype]
+    self.embed = nnx.Param(
+        nnx.initializers.normal(cfg.init_std)(
+            rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+
+  def __call__(self, tokens):
+    cfg = self.cfg
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(_DTYPES[cfg.dtype])
+    all_stats = []
+    for block in self.blocks:
+      if cfg.remat:
+        x, stats = nnx.remat(lambda blk, h: blk(h))(block, x)
+      else:
+        x, stats = block(x)
+      all_stats.append(stats)
+    x = self.final_norm(x)
+    logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32),
+                        self.embed[...].astype(jnp.float32))
+    # Stack per-layer stats: every FFNStats leaf gains a leading [L] axis.
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *all_stats)
+    return logits, stacked
+
+
+class LanguageModel:
+  """Functional wrapper: pure-dict params in, (logits, stats) out."""
+
+  def __init__(self, cfg: ModelConfig):
+    self.cfg = cfg
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    self._graphdef, self._template = nnx.split(abstract)
+
+  def init_params(self, key: jax.Array) -> dict:
+    """Random parameters as a nested dict of arrays (keys follow the module)."""
+    model = Transformer(self.cfg, nnx.Rngs(params=key))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+  def bind(self, params: dict) -> Transformer:
+    state = jax.tree.map(lambda v: v, self._template)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(self._graphdef, state)
+
+  def apply(self, params: dict, tokens: jax.Array):
+    return self.bind(params)(tokens)
+
+
+def ffn_param_path(layer: int) -> tuple:
+  """Key path of layer `layer`'s FeedForward inside the params dict."""
+  return ("blocks", layer, "ffn")
+
+
+def count_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,122 @@
+"""Jittable train and eval steps.
+
+Train state (a plain pytree, what orbax saves):
+  params     nested dict of arrays (model.LanguageModel.init_params)
+  opt_state  optax state
+  step       int32 scalar, optimizer steps done
+  rng        uint32 [2] base key; step s uses fold_in(rng, s)
+  since      int32 [L, H] tokens since each FFN feature last fired
+
+One step takes tokens [A, b, T + 1] (A = grad_accum_steps micro-batches of b
+sequences) and minimizes
+
+  loss = CE(logits, next tokens) + l1_coeff(step) * mean_l L1_l
+
+with gradients summed over the A micro-batches by `lax.scan` and divided by
+A, then one clipped AdamW update. Per-layer FFN statistics are reduced over
+the micro-batches: means for l1 / nnz_per_token, max for max_tile_nnz, sum for
+overflow_rows, any for fired.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from train import optim
+from train import sparsity
+
+
+def _ce(logits, targets):
+  return optax.losses.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets)
+
+
+def make_loss_fn(lm, cfg):
+  d_ff = lm.cfg.d_ff
+
+  def loss_fn(params, tokens, l1_coeff):
+    logits, stats = lm.apply(params, tokens[:, :-1])
+    ce = jnp.mean(_ce(logits, tokens[:, 1:]))
+    l1 = sparsity.l1_term(stats.l1, d_ff, cfg.l1_normalization)
+    return ce + l1_coeff * l1, (ce, l1, stats)
+
+  return loss_fn
+
+
+def make_train_step(lm, tx, cfg):
+  """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics)."""
+  loss_fn = make_loss_fn(lm, cfg)
+  lr_fn, l1_fn = optim.lr_schedule(cfg), optim.l1_schedule(cfg)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def train_step(state, tokens):
+    params, step = state["params"], state["step"]
+    l1_coeff = l1_fn(step)
+    n_micro = tokens.shape[0]
+
+    def micro(grad_sum, toks):
+      (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
+      grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+      return grad_sum, (loss, ce, l1, stats)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
+    grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    params = optax.apply_updates(params, updates)
+
+    n_tokens = tokens.shape[0] * tokens.shape[1] * (tokens.shape[2] - 1)
+    fired = jnp.any(stats.fired, axis=0)  # [L, H]
+    since = sparsity.update_since(state["since"], fired, n_tokens)
+    # Measure dead features before any re-init so the log shows what was
+    # found, then optionally revive them.
+    dead_fraction = jnp.mean(
+        sparsity.dead_mask(since, cfg.dead_window_tokens), axis=-1)
+    n_reinit = jnp.int32(0)
+    if cfg.dead_reinit:
+      key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+
+      def do_reinit(args):
+        p, o, s = args
+        p, o, s, n = sparsity.reinit_dead(
+            p, o, tx, s, cfg.dead_window_tokens, key, lm.cfg.init_std)
+        return p, o, s, n.astype(jnp.int32)
+
+      params, opt_state, since, n_reinit = jax.lax.cond(
+          (step + 1) % cfg.dead_reinit_every == 0, do_reinit,
+          lambda args: (*args, jnp.int32(0)), (params, opt_state, since))
+
+    new_state = {**state, "params": params, "opt_state": opt_state,
+                 "step": step + 1, "since": since}
+    metrics = {
+        "loss": jnp.mean(loss), "cross_entropy": jnp.mean(ce),
+        "l1_term": jnp.mean(l1), "l1_coeff": l1_coeff,
+        "learning_rate": lr_fn(step), "grad_norm": grad_norm,
+        "dead_reinit": n_reinit,
+        # Per layer, [L]:
+        "active_per_token": jnp.mean(stats.nnz_per_token, axis=0),
+        "max_tile_nnz": jnp.max(stats.max_tile_nnz, axis=0),
+        "overflow_rows": jnp.sum(stats.overflow_rows, axis=0),
+        "dead_fraction": dead_fraction,
+    }
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(lm):
+  """eval_step(params, tokens [b, T+1]) -> sums to accumulate over batches."""
+
+  def eval_step(params, tokens):
+    logits, stats = lm.apply(params, tokens[:, :-1])
+    ce = _ce(logits, tokens[:, 1:])
+    return {
+        "ce_sum": jnp.sum(ce), "tokens": jnp.float32(ce.size),
+        "active_per_token": stats.nnz_per_token,   # [L], mean over tokens
+        "max_tile_nnz": stats.max_tile_nnz,        # [L]
+        "overflow_rows": stats.overflow_rows,      # [L]
+        "fired": stats.fired,                      # [L, H]
+    }
+
+  return eval_step

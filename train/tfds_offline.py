@@ -1,0 +1,58 @@
+"""TFDS builder for the offline corpus (`text_corpus`), prepared without TF.
+
+tensorflow-datasets 4.9.10 prepares a `GeneratorBasedBuilder` into ArrayRecord
+files without TensorFlow (only `tfds.core` and `array_record` are needed), and
+`tfds.data_source` reads it back, also without TF. Shuffling at preparation is
+disabled so that record i of the prepared split is document i of
+`text_corpus.iter_documents(split)`: the TFDS path and the TFDS-free path in
+`data.py` then feed the exact same documents in the same order.
+
+Importing this module registers the builder under `text_corpus.NAME`, so
+`tfds.data_source("twell_stdlib_text", data_dir=...)` works afterwards.
+"""
+
+from etils import epath
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core.utils import py_utils
+
+from train import text_corpus
+
+
+class TwellStdlibText(tfds.core.GeneratorBasedBuilder):
+  """Docstrings of the local Python standard library, one per example."""
+
+  name = text_corpus.NAME
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+  # tfds 4.9.10's default `code_path` lazily imports the `importlib_resources`
+  # backport (only declared for Python < 3.9) for builders that live in a
+  # package; naming the file directly avoids that dead dependency.
+  code_path = py_utils.classproperty(
+      classmethod(lambda cls: epath.Path(__file__)))
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # DatasetInfo directly: dataset_info_from_configs would look for metadata
+    # files next to this module.
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=__doc__,
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+        disable_shuffling=True,
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # Nothing to download.
+    return {split: self._generate_examples(split)
+            for split in text_corpus.SPLITS}
+
+  def _generate_examples(self, split):
+    for key, text in text_corpus.iter_documents(split):
+      yield key, {"text": text}
+
+
+def prepare(data_dir: str) -> TwellStdlibText:
+  """Builds the ArrayRecord files under data_dir (no-op if already there)."""
+  builder = TwellStdlibText(data_dir=data_dir, file_format="array_record")
+  builder.download_and_prepare()
+  return builder

@@ -1,0 +1,231 @@
+"""The training loop: data -> jitted step -> metrics, eval and checkpoints.
+
+`train_and_evaluate(config, workdir)` trains `config.num_train_steps` steps.
+If DIR/checkpoints holds a usable checkpoint it resumes from it (params,
+optimizer state, step, RNG, dead-feature counters and data position), so
+rerunning the same command after a crash continues the same run: on one
+machine the resumed run ends with bit-identical parameters, because every
+step is a pure function of (state, batch) and the batch stream is restored
+exactly.
+
+Data parallelism: a 1-D mesh "data" over all devices; the state is
+replicated, batches are sharded along the batch axis and XLA inserts the
+gradient all-reduce. Each process reads its own share of the documents.
+"""
+
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from train import checkpointing
+from train import data as data_lib
+from train import metrics as metrics_lib
+from train import model as model_lib
+from train import optim
+from train import sparsity
+from train import steps as steps_lib
+
+
+def make_mesh() -> jax.sharding.Mesh:
+  return jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+
+
+def check_config(cfg, n_devices: int, n_processes: int):
+  """Raises ValueError for inconsistent batch/device/vocab settings."""
+  if cfg.batch_size % cfg.grad_accum_steps:
+    raise ValueError(f"batch_size={cfg.batch_size} must be divisible by "
+                     f"grad_accum_steps={cfg.grad_accum_steps}")
+  micro = cfg.batch_size // cfg.grad_accum_steps
+  if micro % n_devices:
+    raise ValueError(f"micro-batch {micro} (batch_size / grad_accum_steps) "
+                     f"must be divisible by the {n_devices} devices")
+  if cfg.batch_size % n_processes:
+    raise ValueError(f"batch_size must be divisible by {n_processes} "
+                     "processes")
+  if cfg.l1_normalization not in ("per_token_sum", "per_element_mean"):
+    raise ValueError(f"l1_normalization={cfg.l1_normalization!r}")
+
+
+class Trainer:
+  """Everything built from the config that the loop and eval share."""
+
+  def __init__(self, cfg, mesh=None):
+    self.cfg = cfg
+    self.mesh = mesh or make_mesh()
+    check_config(cfg, self.mesh.size, jax.process_count())
+    self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    self.lm = model_lib.LanguageModel(self.model_cfg)
+    self.tokenizer = data_lib.make_tokenizer(cfg.data)
+    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+      raise ValueError(f"model.vocab_size={self.model_cfg.vocab_size} is "
+                       f"below the tokenizer's {self.tokenizer.vocab_size}")
+    self.tx = optim.make_optimizer(cfg)
+    self.replicated = NamedSharding(self.mesh, P())
+    self.batch_sharding = NamedSharding(self.mesh, P(None, "data", None))
+    self.eval_sharding = NamedSharding(self.mesh, P("data", None))
+
+  def init_state(self, key):
+    params = self.lm.init_params(key)
+    return {"params": params, "opt_state": self.tx.init(params),
+            "step": jnp.int32(0), "rng": jax.random.key_data(key),
+            "since": sparsity.init_since(self.model_cfg.n_layers,
+                                         self.model_cfg.d_ff)}
+
+  def abstract_state(self):
+    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    return checkpointing.abstract_of(shapes, self.replicated)
+
+  def jit_train_step(self):
+    step = steps_lib.make_train_step(self.lm, self.tx, self.cfg)
+    return jax.jit(step, in_shardings=(self.replicated, self.batch_sharding),
+                   out_shardings=(self.replicated, self.replicated),
+                   donate_argnums=0)
+
+  def put_batch(self, local: np.ndarray, sharding) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, local)
+
+  def eval_batches(self):
+    cfg = self.cfg
+    rows = cfg.batch_size // cfg.grad_accum_steps // jax.process_count()
+    return data_lib.eval_batches(
+        cfg.data, self.tokenizer, seq_len=cfg.data.seq_len, rows=rows,
+        num_batches=cfg.eval_batches, shard_index=jax.process_index(),
+        shard_count=jax.process_count())
+
+  def evaluate(self, params, batches) -> dict:
+    """Held-out loss, perplexity and per-layer sparsity over `batches`."""
+    eval_step = jax.jit(steps_lib.make_eval_step(self.lm))
+    tot = None
+    for b in batches:
+      out = eval_step(params, self.put_batch(b, self.eval_sharding))
+      out = jax.device_get(out)
+      if tot is None:
+        tot = {k: np.array(v, np.float64) for k, v in out.items()}
+        tot["fired"] = np.array(out["fired"], bool)
+        tot["max_tile_nnz"] = np.array(out["max_tile_nnz"])
+      else:
+        for k in ("ce_sum", "tokens", "active_per_token", "overflow_rows"):
+          tot[k] = tot[k] + out[k]
+        tot["max_tile_nnz"] = np.maximum(tot["max_tile_nnz"],
+                                         out["max_tile_nnz"])
+        tot["fired"] = tot["fired"] | np.asarray(out["fired"], bool)
+    n = len(batches)
+    loss = float(tot["ce_sum"] / tot["tokens"])
+    h = self.model_cfg.d_ff
+    active = tot["active_per_token"] / n
+    return {
+        "loss": loss, "perplexity": float(np.exp(min(loss, 80.0))),
+        "tokens": int(tot["tokens"]),
+        "active_per_token": [float(x) for x in active],
+        "sparsity": [float(1.0 - x / h) for x in active],
+        "max_tile_nnz": [int(x) for x in tot["max_tile_nnz"]],
+        "overflow_rows": [int(x) for x in tot["overflow_rows"]],
+        "never_fired_fraction": [float(x) for x in
+                                 1.0 - tot["fired"].mean(axis=-1)],
+    }
+
+
+def _meta(cfg, step: int) -> dict:
+  import twell_jax  # pylint: disable=g-import-not-at-top
+  return {"step": int(step), "config": cfg.to_dict(),
+          "twell_jax_version": getattr(twell_jax, "__version__", "?")}
+
+
+def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
+  act = np.asarray(m["active_per_token"])
+  dead = np.asarray(m["dead_fraction"])
+  return (f"{progress.eta_line(step)} | loss {float(m['loss']):.4f} "
+          f"ce {float(m['cross_entropy']):.4f} "
+          f"l1 {float(m['l1_term']):.3g}x{float(m['l1_coeff']):.2g} "
+          f"lr {float(m['learning_rate']):.2e} "
+          f"gnorm {float(m['grad_norm']):.3f} {tokens_per_s:,.0f} tok/s | "
+          f"active/token {' '.join(f'{a:.1f}' for a in act)} of {d_ff} "
+          f"max/tile {' '.join(str(int(x)) for x in m['max_tile_nnz'])} "
+          f"overflow {' '.join(str(int(x)) for x in m['overflow_rows'])} "
+          f"dead {' '.join(f'{x:.2f}' for x in dead)}")
+
+
+def train_and_evaluate(cfg, workdir: str) -> dict:
+  """Trains (resuming if possible); returns the last logged metrics."""
+  os.makedirs(workdir, exist_ok=True)
+  tr = Trainer(cfg)
+  is_main = jax.process_index() == 0
+  logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
+
+  mngr, restored = checkpointing.restore_latest(
+      workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
+      keep=cfg.keep_checkpoints)
+  rows = cfg.batch_size // jax.process_count()
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
+      seq_len=cfg.data.seq_len, rows=rows, seed=cfg.seed,
+      shard_index=jax.process_index(), shard_count=jax.process_count())
+  if restored is None:
+    start = 0
+    state = jax.jit(tr.init_state, out_shardings=tr.replicated)(
+        jax.random.key(cfg.seed))
+    if is_main:
+      with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+  else:
+    start, state = restored["step"], restored["state"]
+    packer.set_state(restored["data"])
+    logging.info("Resumed from checkpoint step %d", start)
+  n_params = model_lib.count_params(state["params"])
+  logging.info("Parameters: %s", f"{n_params:,}")
+
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  if start == 0 and is_main:
+    writer.write_text(0, "config", "```\n" + str(cfg) + "\n```")
+  train_step = tr.jit_train_step()
+  eval_data = tr.eval_batches() if cfg.eval_every > 0 else None
+  prefetch = data_lib.Prefetcher(packer, depth=cfg.data.prefetch)
+  progress = metrics_lib.Progress(cfg.num_train_steps, start)
+  shape = (cfg.grad_accum_steps, rows // cfg.grad_accum_steps,
+           cfg.data.seq_len + 1)
+  last = {}
+  t_last, tokens_since = time.time(), 0
+  try:
+    for step in range(start, cfg.num_train_steps):
+      batch, data_state = next(prefetch)
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        state, m = train_step(state, tr.put_batch(batch.reshape(shape),
+                                                  tr.batch_sharding))
+      done = step + 1
+      tokens_since += cfg.batch_size * cfg.data.seq_len
+      if (done % cfg.log_every == 0 or done == cfg.num_train_steps
+          or done == start + 1):  # The first step shows the starting point.
+        m = jax.device_get(m)
+        if not np.isfinite(m["loss"]):
+          raise FloatingPointError(f"non-finite loss {m['loss']} at step "
+                                   f"{done}")
+        now = time.time()
+        tps = tokens_since / max(now - t_last, 1e-9)
+        t_last, tokens_since = now, 0
+        m = dict(m, tokens_per_s=tps, params=n_params)
+        logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, tps,
+                                      progress))
+        last = metrics_lib.flatten_metrics(m)
+        writer.write_scalars(done, last)
+      if eval_data is not None and (done % cfg.eval_every == 0
+                                    or done == cfg.num_train_steps):
+        ev = tr.evaluate(state["params"], eval_data)
+        logging.info("eval step %d: %s", done, json.dumps(ev))
+        writer.write_scalars(done, metrics_lib.flatten_metrics(
+            {f"eval/{k}": v for k, v in ev.items()}))
+        t_last = time.time()  # Exclude eval time from tokens/s.
+      checkpointing.save(mngr, done, state, data_state, _meta(cfg, done),
+                         force=done == cfg.num_train_steps)
+    writer.flush()
+  finally:
+    prefetch.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    writer.close()
+  return last
