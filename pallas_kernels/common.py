@@ -1,0 +1,73 @@
+"""Shared helpers for the Mosaic GPU kernels of twell-jax.
+
+* ``num_sms()``: SM count of the current device, or of the abstract mesh's device (so the
+  persistent kernels also trace on the CPU under interpret mode).
+* ``interpret_context(interpret)``: the context in which a kernel built with
+  ``plgpu.InterpretGPUParams`` runs on the CPU (an abstract H100-like device with 8 SMs).
+* ``lower_for_cuda(f, *args)``: lowers a jitted function for the "cuda" platform on any host.
+  Pallas builds the whole Mosaic GPU module in Python at this point, so layout / lowering
+  errors show up on the CPU without a GPU (only the final PTX compile is left for the device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax.extend import backend
+
+# One TwELL tile spans 256 hidden columns (reference-brief 1.1).
+TILE_N = 256
+# The stored value of an unused slot: larger than every packed (col << 16 | bf16 bits) word.
+EMPTY_WORD = 0x7FFFFFFF
+# Counts are stored replicated over 8 int32 lanes per (row, tile) (32 bytes, one TMA box row).
+COUNT_LANES = 8
+
+
+def num_sms() -> int:
+  if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
+    return abstract_device.num_cores
+  dev = backend.get_default_device()
+  return getattr(dev, "core_count", None) or 132
+
+
+def on_hopper() -> bool:
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  if dev.platform != "gpu":
+    return False
+  kind = dev.device_kind
+  if "H100" in kind or "H200" in kind or "H800" in kind or "GH200" in kind:
+    return True
+  return getattr(dev, "compute_capability", "") in ("9.0", "9.0a")
+
+
+@contextlib.contextmanager
+def interpret_context(interpret: bool, num_cores: int = 8):
+  """An abstract GPU device for the SM-count lookups when interpreting on the CPU."""
+  if not interpret or jax.sharding.get_abstract_mesh().abstract_device is not None:
+    yield
+    return
+  mesh = jax.sharding.AbstractMesh(
+      (), (),
+      abstract_device=jax.sharding.AbstractDevice(
+          device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores))
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
+
+
+def interpret_params(interpret, detect_races: bool = False):
+  """Maps ``interpret`` (bool or InterpretGPUParams) to the ``interpret=`` kernel argument."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if interpret is False or interpret is None:
+    return False
+  if interpret is True:
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+  return interpret
+
+
+def lower_for_cuda(f, *args, **kwargs):
+  """Lowers ``jax.jit(f)`` for CUDA on any host (returns the Lowered object)."""
+  return jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))

@@ -1,0 +1,222 @@
+"""Gate projection with TwELL packing in the epilogue (Mosaic GPU, Hopper).
+
+    packed(relu(x @ w)):   x [M, K] bf16,  w [K, N] bf16  ->  words [M, N/256*S] int32,
+                                                             counts [M, N/256*8] int32
+
+The dense [M, N] activation never reaches HBM: every 128 x 256 output tile is computed with
+wgmma (TMA, warp-specialized pipeline, f32 accumulators in registers) and packed in registers.
+
+Internal TwELL layout (one record per row and 256-column tile t, S = 256 / compression slots):
+  words[r, t*S + k] = (local_col << 16) | bf16_bits(relu(acc))   for the k-th positive of the
+                      tile in increasing column order (k < min(count, S));  0x7FFFFFFF after.
+  counts[r, t*8 + i] = true number of positives of (r, t) for every i in [0, 8) (may exceed S:
+                      the row is then an overflow row, which the caller must compute elsewhere).
+ReLU is the strict test acc > 0 on the f32 accumulator; the value is rounded to bf16 (RN).
+
+Packing (no atomics, no prefix sums; entries come out sorted and deterministic): with
+key = (col << 16 | bits) for positives and 0x7FFFFFFF elsewhere, slot k of each row is the
+row-minimum of the keys after removing the k smaller ones. The loop runs as many times as the
+largest *non-overflowing* count among the warpgroup's 64 rows (~5 for ~30 actives of 5632), so
+heavy rows cost nothing here.
+
+Work split: CTA tile 128 x 256 x tile_k; 2 compute warpgroups of 64 rows each (one wgmma
+m64n256 accumulator each, 128 f32 registers per thread) plus a TMA producer warpgroup;
+persistent grid over the SMs. M must be a multiple of 128, N of 256, K of tile_k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GateConfig:
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_minor_dim: int = 0       # 0: M is the minor (fast) dimension of the tile walk, 1: N
+  grid_tile_width: int = 8
+  compression: int = 8
+
+  def __post_init__(self):
+    if self.tile_k not in (32, 64):
+      raise ValueError(f"{self.tile_k=} must be 32 or 64")
+    if self.compression not in (2, 4, 8):
+      raise ValueError(f"{self.compression=} must be 2, 4 or 8")
+
+  @property
+  def slots(self) -> int:
+    return common.TILE_N // self.compression
+
+
+WG_M = 64          # rows per compute warpgroup
+CTA_M = 2 * WG_M   # rows per CTA tile
+TILE_N = common.TILE_N
+
+
+def _pack_tile(acc, slots: int):
+  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32)."""
+  pos = acc > 0
+  # bf16(acc) widened back to f32 has zero low half: its high half is the bf16 bit pattern.
+  bits = lax.shift_right_arithmetic(
+      lax.bitcast_convert_type(acc.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32), 16)
+  col = plgpu.layout_cast(
+      lax.broadcasted_iota(jnp.int32, (WG_M, TILE_N), 1), plgpu.Layout.WGMMA)
+  # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
+  key = jnp.where(jnp.logical_not(pos), common.EMPTY_WORD, col * 65536 + bits)
+  cnt = jnp.sum(pos.astype(jnp.int32), axis=1)                     # [64], row layout
+  n_iter = jnp.max(jnp.where(cnt <= slots, cnt, 0))
+  slot_iota = plgpu.layout_cast(
+      lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
+  words0 = slot_iota * 0 + common.EMPTY_WORD
+
+  def body(k, carry):
+    key, words = carry
+    kmin = jnp.min(key, axis=1)                                      # [64]
+    # The carry is the 'true' case of each select so that its signedness is kept.
+    key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, TILE_N), (0,)),
+                    key, common.EMPTY_WORD)
+    words = jnp.where(slot_iota != k,
+                      words, lax.broadcast_in_dim(kmin, (WG_M, slots), (0,)))
+    return key, words
+
+  _, words = lax.fori_loop(0, n_iter, body, (key, words0))
+  counts = lax.broadcast_in_dim(cnt, (WG_M, common.COUNT_LANES), (0,))
+  return words, counts
+
+
+def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
+  m, k = x_gmem.shape
+  _, n = w_gmem.shape
+  slots = cfg.slots
+  tile_k = cfg.tile_k
+  m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N, k // tile_k
+  swizzle = plgpu.find_swizzle(tile_k * 16)
+  transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+  words_sw = plgpu.find_swizzle(slots * 32)
+  words_tr = (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw))
+  counts_tr = (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32))
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((CTA_M, tile_k), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tile_k, TILE_N), lambda kk: (kk, 0), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+      words_smem=plgpu.SMEM((2, WG_M, slots), jnp.int32, transforms=words_tr),
+      counts_smem=plgpu.SMEM((2, WG_M, common.COUNT_LANES), jnp.int32,
+                             transforms=counts_tr),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, words_smem, counts_smem):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (lin,) = info.index
+      m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
+                                        cfg.grid_tile_width)
+      rows = pl.ds(m_idx * CTA_M + wg * WG_M, WG_M)
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          words, counts = _pack_tile(acc_ref[...], slots)
+          # The previous tile's TMA stores must be done reading our staging buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          words_smem[wg] = words
+          counts_smem[wg] = counts
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              words_smem.at[wg], words_gmem.at[rows, pl.ds(n_idx * slots, slots)],
+              commit_group=False)
+          plgpu.copy_smem_to_gmem(
+              counts_smem.at[wg],
+              counts_gmem.at[rows, pl.ds(n_idx * common.COUNT_LANES, common.COUNT_LANES)],
+              commit_group=False)
+          plgpu.commit_smem_to_gmem_group()
+
+      def mma_body(_, x_smem, w_smem, acc_ref):
+        plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_M, WG_M)], w_smem)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      get_pipeline(mma_body, compute_context)(
+          x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), :],
+          w_gmem.at[:, pl.ds(n_idx * TILE_N, TILE_N)],
+          allocations=pipeline_allocs,
+      )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
+  """TwELL-packed relu(x @ w). Returns (words [M, T*S] int32, counts [M, T*8] int32)."""
+  m, k = x.shape
+  k2, n = w.shape
+  if k != k2:
+    raise ValueError(f"x {x.shape} and w {w.shape} do not contract")
+  if m % CTA_M or n % TILE_N or k % config.tile_k:
+    raise ValueError(f"gate_pack needs M % {CTA_M} == 0, N % {TILE_N} == 0, "
+                     f"K % {config.tile_k} == 0; got {x.shape=} {w.shape=}")
+  t = n // TILE_N
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_kernel, cfg=config),
+        out_type=(jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
+                  jax.ShapeDtypeStruct((m, t * common.COUNT_LANES), jnp.int32)),
+        grid=(common.num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=params,
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_gate_pack",
+    )
+    return f(x, w)
+
+
+def unpack_to_dense(words, counts, n: int, compression: int = 8, dtype=jnp.bfloat16):
+  """Pure-JAX decoder of the internal layout (for tests): dense [M, N] relu values.
+
+  Entries of overflowing tiles (count > S) are not representable and decode to zeros.
+  """
+  m = words.shape[0]
+  s = common.TILE_N // compression
+  t = n // common.TILE_N
+  w = words.reshape(m, t, s)
+  cnt = counts.reshape(m, t, common.COUNT_LANES)[..., 0]
+  valid = (jnp.arange(s)[None, None, :] < cnt[..., None]) & (cnt[..., None] <= s)
+  col = (w >> 16) + (jnp.arange(t) * common.TILE_N)[None, :, None]
+  val = lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
+  val = jnp.where(valid, val, 0).astype(dtype)
+  col = jnp.where(valid, col, n)  # out of range -> dropped
+  out = jnp.zeros((m, n), dtype)
+  rows = jnp.broadcast_to(jnp.arange(m)[:, None, None], col.shape)
+  return out.at[rows, col].set(val, mode="drop")

@@ -1,0 +1,106 @@
+"""Fused sparse up/down projection over a TwELL-packed gate (Mosaic GPU, Hopper).
+
+Gated (``gated=True``), per token row r with packed gate entries (j, g_j), g_j = relu(x W_gate)_j:
+    u_j = bf16(x_r . W_up[:, j])          (f32 dot, rounded like XLA's bf16 GEMM output)
+    h_j = bf16(g_j * u_j)
+    y_r = bf16(sum_j h_j * W_down[j, :])  (f32 accumulation)
+Non-gated (``gated=False``): the packed entries are h_j = relu(x W_up)_j themselves and
+    y_r = bf16(sum_j h_j * W_down[j, :]).
+Also returns l1_r = sum_j |h_j| (f32) per row. h is never written to HBM.
+
+Weight layouts: the up weight is passed transposed, ``w_up_t`` [H, D], and the down weight as
+is, [H, D]: both gathers read one contiguous D-long row per active feature.
+
+Mapping: one CTA (one warpgroup, 128 threads) per ``rows_per_cta`` token rows; a row's x and
+its f32 accumulator live in registers (D/128 values per thread each), the packed words and
+counts are read as scalars straight from GMEM, weight rows are loaded from GMEM (L2) into
+registers with 16-byte vector loads. Rows flagged in ``row_ok`` == 0 (overflow rows: some tile
+holds more than S entries) are skipped; the caller computes them on another path.
+No tensor cores: each active entry costs 2 D-long row reads and ~4D FMAs.
+Requires D % 128 == 0 (the caller pads).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+
+
+def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
+            y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int, gated: bool):
+  base = lax.axis_index("r") * rows_per_cta
+
+  def row_body(i, _):
+    r = base + i
+    ok = rowok_gmem[r]
+    if gated:
+      x = x_gmem[r, :].astype(jnp.float32)
+      acc0 = x * 0.0
+    else:
+      x = None
+      acc0 = wd_gmem[0, :].astype(jnp.float32) * 0.0
+
+    def tile_body(t, carry):
+      cnt = counts_gmem[r, t * common.COUNT_LANES]
+      n = jnp.where(ok != 0, jnp.minimum(cnt, slots), 0)
+
+      def entry_body(k, carry):
+        acc, l1 = carry
+        w = words_gmem[r, t * slots + k]
+        j = t * common.TILE_N + lax.shift_right_logical(w, 16)
+        g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
+        if gated:
+          u = jnp.sum(x * wup_gmem[j, :].astype(jnp.float32))
+          u = u.astype(jnp.bfloat16).astype(jnp.float32)
+          h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
+        else:
+          h = g
+        acc = acc + h * wd_gmem[j, :].astype(jnp.float32)
+        return acc, l1 + jnp.abs(h)
+
+      return lax.fori_loop(0, n, entry_body, carry)
+
+    acc, l1 = lax.fori_loop(0, n_tiles, tile_body, (acc0, jnp.float32(0.0)))
+    y_gmem[r, :] = acc.astype(y_gmem.dtype)
+    l1_gmem[r] = l1
+    return 0
+
+  lax.fori_loop(0, rows_per_cta, row_body, 0)
+
+
+def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
+                rows_per_cta: int = 1, interpret=False):
+  """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated)."""
+  m, d = x.shape
+  h, d2 = w_down.shape
+  gated = w_up_t is not None
+  if d != d2 or (gated and w_up_t.shape != (h, d)):
+    raise ValueError(f"shape mismatch: {x.shape=} {w_down.shape=} "
+                     f"{None if w_up_t is None else w_up_t.shape}")
+  if d % 128 or h % common.TILE_N or m % rows_per_cta:
+    raise ValueError(f"sparse_down needs D % 128 == 0, H % 256 == 0, M % rows_per_cta == 0;"
+                     f" got {x.shape=} {w_down.shape=} {rows_per_cta=}")
+  slots = common.TILE_N // compression
+  n_tiles = h // common.TILE_N
+  if not gated:
+    w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_kernel, rows_per_cta=rows_per_cta, slots=slots,
+                          n_tiles=n_tiles, gated=gated),
+        out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
+                  jax.ShapeDtypeStruct((m,), jnp.float32)),
+        grid=(m // rows_per_cta,),
+        grid_names=("r",),
+        compiler_params=params,
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_gated_down" if gated else "twell_down",
+    )
+    return f(x, words, counts, row_ok, w_up_t, w_down)
