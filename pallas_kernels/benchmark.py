@@ -1,0 +1,193 @@
+r"""Benchmark of the Mosaic GPU TwELL FFN forward against XLA dense, in one process.
+
+    python -m pallas_kernels.benchmark --specs=paper_16k,paper_16k_heavy --out=/tmp/b.json
+
+Inputs are synthetic: x[:, 0] = 1 and w_gate[0, :] = -c put the gate pre-activations at
+N(-c, ~1), giving a chosen mean number of active features per row; heavy rows get x[:, 0] = 0
+(~50% active). Times are medians of --iters synchronized wall-clock calls after warm-up
+(and, where CUPTI works, the kernel-only time from mosaic's profiler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ffn_mgpu
+from pallas_kernels import gate_pack_mgpu
+from pallas_kernels import sparse_down_mgpu
+
+_SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_heavy", "paper_16k_a60"],
+                           "named shape specs to run")
+_OUT = flags.DEFINE_string("out", None, "write results as JSON here")
+_ITERS = flags.DEFINE_integer("iters", 30, "timed iterations")
+_PARTS = flags.DEFINE_bool("parts", True, "also time the gate kernel and the fused kernel alone")
+_CHECK = flags.DEFINE_bool("check", True, "check the output against the f32 reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  m: int
+  d: int = 2048
+  h: int = 5632
+  active: float = 30.0
+  heavy: float = 0.0
+  gated: bool = True
+
+
+SPECS = {
+    "small": Spec(2048),
+    "paper_16k": Spec(16384),
+    "paper_16k_heavy": Spec(16384, heavy=0.01),
+    "paper_16k_a60": Spec(16384, active=60.0),
+    "paper_16k_nongated": Spec(16384, gated=False),
+    "paper_131k": Spec(131072),
+}
+
+
+def make_inputs(spec: Spec, seed: int = 0):
+  from scipy.stats import norm
+  ks = jax.random.split(jax.random.key(seed), 4)
+  c = float(norm.isf(spec.active / spec.h))
+  x = jax.random.normal(ks[0], (spec.m, spec.d), jnp.bfloat16).at[:, 0].set(1.0)
+  n_heavy = int(round(spec.heavy * spec.m))
+  if n_heavy:
+    rows = np.random.default_rng(seed).choice(spec.m, n_heavy, replace=False)
+    x = x.at[rows, 0].set(0.0)
+  wg = (jax.random.normal(ks[1], (spec.d, spec.h), jnp.float32) / np.sqrt(spec.d - 1))
+  wg = wg.at[0].set(-c).astype(jnp.bfloat16)
+  wu = (jax.random.normal(ks[2], (spec.d, spec.h), jnp.float32) / np.sqrt(spec.d))
+  wd = (jax.random.normal(ks[3], (spec.h, spec.d), jnp.float32) / np.sqrt(spec.h))
+  wu, wd = wu.astype(jnp.bfloat16), wd.astype(jnp.bfloat16)
+  if spec.gated:
+    return x, wg, wu, wd
+  return x, None, wg, wd
+
+
+@jax.jit
+def dense_ffn(x, wg, wu, wd):
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+  if wg is not None:
+    h = (jnp.maximum(dot(x, wg).astype(jnp.bfloat16), 0) * dot(x, wu).astype(jnp.bfloat16))
+  else:
+    h = jnp.maximum(dot(x, wu).astype(jnp.bfloat16), 0)
+  return dot(h.astype(jnp.bfloat16), wd).astype(jnp.bfloat16)
+
+
+def time_fn(f, *args, iters):
+  out = f(*args)
+  jax.block_until_ready(out)
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append((time.perf_counter() - t0) * 1e3)
+  kernel_ms = None
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, rt = profiler.measure(f, iterations=min(iters, 10))(*args)
+    if rt is not None:
+      kernel_ms = statistics.median(rt) if isinstance(rt, list) else float(rt)
+  except Exception as e:  # CUPTI may be unavailable
+    print(f"  (profiler.measure failed: {type(e).__name__}: {str(e)[:200]})")
+  return statistics.median(ts), kernel_ms, out
+
+
+def run_spec(name: str, spec: Spec, iters: int):
+  x, wg, wu, wd = make_inputs(spec)
+  m, d, h = spec.m, spec.d, spec.h
+  res = {"spec": name, **dataclasses.asdict(spec), "device": jax.devices()[0].device_kind}
+  dense_ms, dense_k, y_dense = time_fn(dense_ffn, x, wg, wu, wd, iters=iters)
+  n_gemm = 3 if spec.gated else 2
+  res["dense_ms"], res["dense_kernel_ms"] = dense_ms, dense_k
+  res["dense_tflops"] = n_gemm * 2 * m * d * h / dense_ms / 1e9
+
+  fwd = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a)[0])
+  fwd_stats = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a))
+  ms, k_ms, y = time_fn(fwd, x, wg, wu, wd, iters=iters)
+  res["twell_ms"], res["twell_kernel_ms"] = ms, k_ms
+  res["ratio"] = ms / dense_ms
+  _, stats = fwd_stats(x, wg, wu, wd)
+  stats = jax.device_get(stats)
+  nnz = float(stats["nnz_per_token"])
+  res["nnz_per_token"] = nnz
+  res["overflow_rows"] = int(stats["overflow_rows"])
+  res["max_tile_nnz"] = int(stats["max_tile_nnz"])
+  ms_s, _, _ = time_fn(fwd_stats, x, wg, wu, wd, iters=max(iters // 3, 5))
+  res["twell_with_stats_ms"] = ms_s
+  # Effective rates: useful FLOPs (gate GEMM + 2 or 1 D-long products per active entry).
+  flops = 2 * m * d * h + (4 if spec.gated else 2) * m * nnz * d
+  res["eff_tflops"] = flops / ms / 1e9
+  # Bytes: x, w_gate once, packed words/counts, weight rows per active entry, y.
+  rows_bytes = (2 if spec.gated else 1) * m * nnz * d * 2
+  res["gathered_GB"] = rows_bytes / 1e9
+  res["eff_GBps"] = (rows_bytes + 2 * m * d * 2 + 2 * d * h) / ms / 1e6
+  if _CHECK.value:
+    ref, _ = ffn_mgpu.reference_forward(x, wg, wu, wd)
+    y32 = y.astype(jnp.float32)
+    res["rel_err"] = float(jnp.linalg.norm(y32 - ref) / jnp.linalg.norm(ref))
+    res["dense_rel_err"] = float(jnp.linalg.norm(y_dense.astype(jnp.float32) - ref)
+                                 / jnp.linalg.norm(ref))
+    res["max_abs_err"] = float(jnp.max(jnp.abs(y32 - ref)))
+  if _PARTS.value:
+    gp = jax.jit(lambda a, b: gate_pack_mgpu.gate_pack(a, b))
+    res["gate_pack_ms"], res["gate_pack_kernel_ms"], (words, counts) = time_fn(
+        gp, x, wg if spec.gated else wu, iters=iters)
+    xla_gate = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+                       .astype(jnp.bfloat16))
+    res["xla_gate_gemm_ms"], _, _ = time_fn(xla_gate, x, wg if spec.gated else wu,
+                                            iters=iters)
+    row_ok = jnp.ones((m,), jnp.int32)
+    wup_t = wu.T if spec.gated else None
+    sd = jax.jit(lambda *a: sparse_down_mgpu.sparse_down(*a))
+    res["sparse_down_ms"], res["sparse_down_kernel_ms"], _ = time_fn(
+        sd, x, words, counts, row_ok, wup_t, wd, iters=iters)
+  return res
+
+
+def main(argv):
+  del argv
+  print("device:", jax.devices()[0].device_kind, "jax", jax.__version__)
+  results = []
+  for name in _SPECS.value:
+    spec = SPECS[name]
+    iters = _ITERS.value if spec.m <= 16384 else max(5, _ITERS.value // 4)
+    try:
+      r = run_spec(name, spec, iters)
+    except Exception as e:  # keep going: one failing spec must not hide the others
+      import traceback
+      traceback.print_exc()
+      r = {"spec": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+    results.append(r)
+    print(json.dumps(r), flush=True)
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(results, f, indent=1)
+  print()
+  hdr = (f"{'spec':<20}{'dense ms':>10}{'twell ms':>10}{'ratio':>8}{'+stats':>8}{'gate':>8}"
+         f"{'xlagate':>8}{'down':>8}{'nnz':>7}{'ovf':>6}{'TF/s':>7}{'GB/s':>8}{'relerr':>9}")
+  print(hdr)
+  for r in results:
+    if "error" in r:
+      print(f"{r['spec']:<20} ERROR {r['error'][:100]}")
+      continue
+    g = lambda k: r.get(k) or float("nan")
+    print(f"{r['spec']:<20}{r['dense_ms']:>10.3f}{r['twell_ms']:>10.3f}{r['ratio']:>8.3f}"
+          f"{g('twell_with_stats_ms'):>8.3f}{g('gate_pack_ms'):>8.3f}{g('xla_gate_gemm_ms'):>8.3f}"
+          f"{g('sparse_down_ms'):>8.3f}{r['nnz_per_token']:>7.1f}{r['overflow_rows']:>6d}"
+          f"{r['eff_tflops']:>7.0f}{r['eff_GBps']:>8.0f}{g('rel_err'):>9.2e}")
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)
