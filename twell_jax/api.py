@@ -117,7 +117,6 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
     ValueError: bad ranks, shapes, dtypes, activation or implementation.
     NotImplementedError: implementation="mosaic_gpu" cannot run this call here.
   """
-  x = jnp.asarray(x) if not hasattr(x, "shape") else x
   d, _ = _validate(x, w_gate, w_up, w_down, activation, implementation)
   lead = tuple(x.shape[:-1])
   m = math.prod(lead)

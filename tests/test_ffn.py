@@ -1,0 +1,185 @@
+"""twell_jax.ffn: forward and gradients of every CPU implementation against the f32 reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import twell_jax as tj
+from twell_jax.testing import ffn_inputs
+
+F32 = jnp.float32
+# bf16 operands with f32 accumulation: relative L2 error of outputs and gradients.
+TOL = {"y": 1.5e-2, "grad": 2.5e-2}
+L1_COEFF = 0.7   # large enough that the L1 gradient is visible next to dy
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)), "non-finite values"
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _losses(impl, ct, **kw):
+  def loss(x, wg, wu, wd):
+    y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, **kw)
+    return jnp.sum(y.astype(F32) * ct) + L1_COEFF * st.l1
+
+  def ref_loss(x, wg, wu, wd):
+    y, l1 = tj.reference_ffn(x, wg, wu, wd)
+    return jnp.sum(y * ct) + L1_COEFF * l1
+  return loss, ref_loss
+
+
+def _check(impl, x, wg, wu, wd, **kw):
+  """Forward, stats and all gradients of `impl` against the f32 reference."""
+  argnums = (0, 2, 3) if wg is None else (0, 1, 2, 3)
+  y, st = jax.jit(functools.partial(tj.ffn, implementation=impl, return_stats=True, **kw))(x, wg, wu, wd)
+  y_ref, l1_ref = tj.reference_ffn(x, wg, wu, wd)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  assert _rel(y, y_ref) < TOL["y"]
+  assert _rel(st.l1, l1_ref) < TOL["y"]
+  ct = jax.random.normal(jax.random.key(7), x.shape, F32)
+  loss, ref_loss = _losses(impl, ct, **kw)
+  grads = jax.jit(jax.grad(loss, argnums=argnums))(x, wg, wu, wd)
+  f32 = lambda a: None if a is None else a.astype(F32)
+  ref_grads = jax.grad(ref_loss, argnums=argnums)(f32(x), f32(wg), f32(wu), f32(wd))
+  for i, g, r in zip(argnums, grads, ref_grads):
+    assert g.dtype == (x, wg, wu, wd)[i].dtype
+    assert _rel(g, r) < TOL["grad"], f"gradient of argument {i}: {_rel(g, r)}"
+  return st
+
+
+def _active_mask(x, wg, wu):
+  g = jnp.dot(x.astype(F32), (wu if wg is None else wg).astype(F32))
+  return np.asarray(g > 0)
+
+
+SPARSITY_CASES = {
+    # name: (m, d, h, dict of ffn_inputs kwargs, ffn kwargs)
+    "0.5pct_active": (130, 48, 320, dict(active_fraction=0.005), {}),
+    "5pct_active": (96, 64, 512, dict(active_fraction=0.05), {}),
+    "1pct_heavy_rows_in_tail": (200, 40, 512, dict(active_fraction=0.005, heavy_fraction=0.01), dict(ell_width=32)),
+    "heavy_rows_over_tail_capacity": (64, 40, 256, dict(active_fraction=0.01, heavy_fraction=0.1), dict(ell_width=16, tail_rows=2)),
+    "all_zero_rows": (33, 48, 320, dict(active_fraction=0.02, empty_fraction=0.3), {}),
+    "everything_active": (17, 32, 256, dict(active_fraction=0.999), dict(ell_width=64, tail_rows=4)),
+}
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", sorted(SPARSITY_CASES))
+def test_xla_matches_reference(case, gated):
+  m, d, h, gen, kw = SPARSITY_CASES[case]
+  x, wg, wu, wd = ffn_inputs(jax.random.key(hash(case) % 2**31), m, d, h, gated=gated, **gen)
+  st = _check("xla", x, wg, wu, wd, **kw)
+  active = _active_mask(x, wg, wu)
+  np.testing.assert_allclose(float(st.nnz_per_token), active.sum(1).mean(), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(st.fired), active.any(0))
+  tiles = np.pad(active, ((0, 0), (0, -h % 256))).reshape(m, -1, 256).sum(-1)
+  assert int(st.max_tile_nnz) == tiles.max()
+  width = min(kw.get("ell_width", 128), h)
+  assert int(st.overflow_rows) == int((active.sum(1) > width).sum())
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_dense_matches_reference(activation):
+  x, wg, wu, wd = ffn_inputs(jax.random.key(3), 40, 48, 320, active_fraction=0.2)
+  y = tj.ffn(x, wg, wu, wd, activation=activation, implementation="dense")
+  y_ref, _ = tj.reference_ffn(x, wg, wu, wd, activation=activation)
+  assert _rel(y, y_ref) < TOL["y"]
+  if activation == "relu":
+    _check("dense", x, wg, wu, wd)
+
+
+def test_leading_axes_and_default_implementation():
+  x, wg, wu, wd = ffn_inputs(jax.random.key(4), 24, 32, 256, active_fraction=0.05)
+  x3 = x.reshape(2, 3, 4, 32)
+  y3 = tj.ffn(x3, wg, wu, wd)            # implementation=None: xla on the CPU
+  assert y3.shape == (2, 3, 4, 32)
+  np.testing.assert_array_equal(np.asarray(y3.reshape(24, 32)), np.asarray(tj.ffn(x, wg, wu, wd, implementation="xla")))
+  assert tj.ffn(jnp.zeros((0, 32), jnp.bfloat16), wg, wu, wd).shape == (0, 32)
+
+
+def test_vmap_matches_per_example():
+  x, wg, wu, wd = ffn_inputs(jax.random.key(5), 48, 32, 256, active_fraction=0.05, heavy_fraction=0.05)
+  xb = x.reshape(3, 16, 32)
+  f = lambda a: tj.ffn(a, wg, wu, wd, implementation="xla", ell_width=16, tail_rows=1)
+  yb = jax.jit(jax.vmap(f))(xb)
+  for i in range(3):
+    assert _rel(yb[i], f(xb[i])) < 1e-6
+  gb = jax.jit(jax.vmap(jax.grad(lambda a: jnp.sum(f(a).astype(F32)))))(xb)
+  g0 = jax.grad(lambda a: jnp.sum(f(a).astype(F32)))(xb[0])
+  assert _rel(gb[0], g0) < 1e-6
+
+
+def test_scan_over_stacked_layers_with_checkpoint():
+  """lax.scan over 3 layers' stacked weights, each layer rematerialised; grads vs the f32 reference."""
+  layers, m, d, h = 3, 40, 32, 256
+  keys = jax.random.split(jax.random.key(6), layers)
+  ws = [ffn_inputs(k, m, d, h, active_fraction=0.05) for k in keys]
+  x0 = ws[0][0]
+  wg, wu, wd = (jnp.stack([w[i] for w in ws]) for i in (1, 2, 3))
+
+  def model(x, wg, wu, wd, layer_fn):
+    def body(carry, w):   # f32 residual stream, layers see it in the weights' dtype
+      y, l1 = jax.checkpoint(layer_fn)(carry.astype(w[0].dtype), *w)
+      return carry + y.astype(F32), l1
+    out, l1s = jax.lax.scan(body, x.astype(F32), (wg, wu, wd))
+    return jnp.sum(out.astype(F32) ** 2) / out.size + L1_COEFF * jnp.mean(l1s)
+
+  def ours(x, a, b, c):
+    y, st = tj.ffn(x, a, b, c, implementation="xla", return_stats=True)
+    return y, st.l1
+
+  def ref(x, a, b, c):
+    return tj.reference_ffn(x, a, b, c)
+
+  grads = jax.jit(jax.grad(lambda *a: model(*a, ours), argnums=(1, 2, 3)))(x0, wg, wu, wd)
+  f32 = lambda a: a.astype(F32)
+  ref_grads = jax.grad(lambda *a: model(*a, ref), argnums=(1, 2, 3))(f32(x0), f32(wg), f32(wu), f32(wd))
+  for g, r in zip(grads, ref_grads):
+    # Three layers of bf16 rounding: the "dense" implementation lands at ~2.4e-2 here too.
+    assert _rel(g, r) < 2 * TOL["grad"]
+
+
+def test_l1_only_gradient_is_sparse_sign():
+  """d(l1)/dW_down is zero and d(l1)/dW_gate only touches active columns."""
+  x, wg, wu, wd = ffn_inputs(jax.random.key(8), 64, 32, 256, active_fraction=0.01)
+  g = jax.grad(lambda a, b, c: tj.ffn(x, a, b, c, implementation="xla", return_stats=True)[1].l1,
+               argnums=(0, 2))(wg, wu, wd)
+  assert float(jnp.abs(g[1].astype(F32)).max()) == 0.0
+  fired = np.asarray(_active_mask(x, wg, wu).any(0))
+  assert np.all(np.asarray(g[0].astype(F32))[:, ~fired] == 0)
+
+
+def test_mosaic_gpu_without_gpu_is_a_clear_error():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  x, wg, wu, wd = ffn_inputs(jax.random.key(9), 8, 64, 256)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+    tj.ffn(x, wg, wu, wd, implementation="mosaic_gpu")
+
+
+def _w(*shape, dtype=jnp.bfloat16):
+  return jnp.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((_w(4, 8), _w(8, 16), _w(8, 16), _w(16, 8)), dict(implementation="cuda"), "implementation must be one of"),
+    ((_w(4, 8), _w(8, 16), _w(8, 16), _w(16, 8)), dict(activation="tanh"), "activation must be one of"),
+    ((_w(4, 8), _w(8, 16), _w(8, 16), _w(16, 8)), dict(activation="silu", implementation="xla"), "sparse"),
+    ((_w(4, 8), _w(8, 16), _w(8, 16), _w(16, 8)), dict(activation="silu", implementation="mosaic_gpu"), "sparse"),
+    ((_w(4, 8), _w(8, 16), _w(8, 16, 1), _w(16, 8)), {}, "w_up must have rank 2"),
+    ((_w(4, 8), _w(8, 16), _w(9, 16), _w(16, 8)), {}, r"w_up must have shape \[D, H\]"),
+    ((_w(4, 8), _w(8, 12), _w(8, 16), _w(16, 8)), {}, "w_gate must have shape"),
+    ((_w(4, 8), _w(8, 16), _w(8, 16), _w(8, 16)), {}, "w_down must have shape"),
+    ((_w(4, 8, dtype=jnp.int32), _w(8, 16), _w(8, 16), _w(16, 8)), {}, "x must have dtype"),
+    ((_w(4, 8), _w(8, 16), _w(8, 16, dtype=jnp.float32), _w(16, 8)), {}, "w_up has dtype float32 but x has bfloat16"),
+    ((jnp.zeros((), jnp.bfloat16), _w(8, 16), _w(8, 16), _w(16, 8)), {}, "rank >= 1"),
+    (("not an array", _w(8, 16), _w(8, 16), _w(16, 8)), {}, "x must be an array"),
+])
+def test_bad_input_raises_value_error(args, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tj.ffn(*args, **kwargs)
