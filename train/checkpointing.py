@@ -80,6 +80,35 @@ def _quarantine(workdir: str, step: int) -> str:
   return dst
 
 
+def _silence_closed_loop_callbacks():
+  """Drops orbax/tensorstore's "Event loop is closed" callback noise.
+
+  When a restore fails, tensorstore keeps completing reads and calls back
+  into orbax's already closed asyncio loop; Python reports each of those as
+  an unraisable RuntimeError with a traceback. They are harmless, and the
+  user already gets one clear warning per damaged step, so only these are
+  filtered; every other unraisable exception still reaches the old hook.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+  previous = sys.unraisablehook
+  if getattr(previous, "_twell_filter", False):
+    return
+
+  def hook(unraisable):
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
+      return
+    previous(unraisable)
+
+  hook._twell_filter = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+
+
+def _short(e: Exception) -> str:
+  first = str(e).splitlines()[0] if str(e) else ""
+  return f"{type(e).__name__}: {first[:200]}"
+
+
 def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
   """Restores the newest usable checkpoint.
 
@@ -87,6 +116,7 @@ def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
   dict with keys step, state, data, meta. Unreadable steps are quarantined
   (see module docstring) and the manager is re-opened without them.
   """
+  _silence_closed_loop_callbacks()
   mngr = make_manager(workdir, **manager_kwargs)
   steps = sorted(mngr.all_steps(), reverse=True)
   errors = []
@@ -99,12 +129,12 @@ def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
     except Exception as e:  # pylint: disable=broad-except
       # Orbax raises many types (ValueError, FileNotFoundError, tensorstore
       # errors...) for a damaged step; all mean "not usable".
-      msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      msg = _short(e)
       errors.append(f"step {step}: {msg}")
       mngr.close()
       moved = _quarantine(workdir, step)
       logging.warning("Checkpoint step %d is unreadable (%s); moved it to %s "
-                      "and trying an older one.", step, msg[:300], moved)
+                      "and trying an older one.", step, msg, moved)
       mngr = make_manager(workdir, **manager_kwargs)
       continue
     return mngr, {"step": step, "state": out.state, "data": out.data,
@@ -118,35 +148,56 @@ def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
   return mngr, None
 
 
-def restore_params(workdir: str, abstract_params: Any,
-                   step: int | None = None):
-  """Read-only restore of only the params (for evaluation).
+def _pick_step(mngr, workdir: str, step: int | None) -> int:
+  steps = mngr.all_steps()
+  if not steps:
+    raise CheckpointError(f"no checkpoints in {checkpoint_dir(workdir)}")
+  if step is None:
+    return max(steps)
+  if step not in steps:
+    raise CheckpointError(f"no checkpoint for step {step} in "
+                          f"{checkpoint_dir(workdir)}; have {sorted(steps)}")
+  return step
 
-  Returns (step, params, meta). Raises CheckpointError with a plain message
-  if the step does not exist or cannot be read.
-  """
+
+def _unreadable(workdir, step, e) -> CheckpointError:
+  return CheckpointError(f"checkpoint step {step} in {checkpoint_dir(workdir)}"
+                         f" is unreadable ({_short(e)})")
+
+
+def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
+  """(step, meta) of `step` (default: the latest), read-only."""
   mngr = make_manager(workdir, read_only=True)
   try:
-    steps = mngr.all_steps()
-    if not steps:
-      raise CheckpointError(f"no checkpoints in {checkpoint_dir(workdir)}")
-    if step is None:
-      step = max(steps)
-    elif step not in steps:
-      raise CheckpointError(f"no checkpoint for step {step} in "
-                            f"{checkpoint_dir(workdir)}; have {sorted(steps)}")
+    step = _pick_step(mngr, workdir, step)
+    try:
+      out = mngr.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      raise _unreadable(workdir, step, e) from None
+    return step, out.meta
+  finally:
+    mngr.close()
+
+
+def restore_params(workdir: str, abstract_params: Any, step: int):
+  """Read-only restore of only the params of `step` (for evaluation).
+
+  Raises CheckpointError with a plain message if it cannot be read.
+  """
+  _silence_closed_loop_callbacks()
+  mngr = make_manager(workdir, read_only=True)
+  try:
+    step = _pick_step(mngr, workdir, step)
+    item = {"params": abstract_params}
     try:
       out = mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(
-              item={"params": abstract_params},
-              restore_args=ocp.checkpoint_utils.construct_restore_args(
-                  {"params": abstract_params}),
-              partial_restore=True),
-          meta=ocp.args.JsonRestore()))
+              item=item,
+              restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+              partial_restore=True)))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f"checkpoint step {step} in {checkpoint_dir(workdir)} is unreadable"
-          f" ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
-    return step, out.state["params"], out.meta
+      raise _unreadable(workdir, step, e) from None
+    return out.state["params"]
   finally:
     mngr.close()

@@ -1,0 +1,137 @@
+"""End-to-end checkpoint tests through the CLI (subprocesses, tiny config).
+
+* SIGKILL mid-training, rerun the same command: the final parameters equal
+  those of an uninterrupted run bit for bit (same machine, same program).
+* A damaged latest checkpoint is moved aside and training resumes from the
+  previous one (again ending bit-identical); if no checkpoint is usable the
+  command fails with a one-line error and no traceback.
+* `python -m train.evaluate` prints JSON for the latest or a given step.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+from absl.testing import absltest
+
+import train_test_util as tu
+
+STEPS = 40
+FLAGS = (f"--config.num_train_steps={STEPS}", "--config.checkpoint_every=10",
+         "--config.keep_checkpoints=2", "--config.eval_every=0",
+         "--config.log_every=10", "--config.l1_coeff=3e-4")
+
+
+def _final_params(workdir):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  from train import train_lib  # pylint: disable=g-import-not-at-top
+  cfg = tiny.get_config()
+  abstract = train_lib.Trainer(cfg).abstract_state()["params"]
+  return checkpointing.restore_params(workdir, abstract, STEPS)
+
+
+def _steps(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if (
+      os.path.isdir(d)) else []
+
+
+def _corrupt(workdir, step):
+  """Truncates every array data file of one step."""
+  root = os.path.join(workdir, "checkpoints", str(step), "state")
+  n = 0
+  for dirpath, _, files in os.walk(root):
+    if os.path.basename(dirpath) == "d":
+      for f in files:
+        with open(os.path.join(dirpath, f), "r+b") as fh:
+          fh.truncate(7)
+        n += 1
+  assert n, f"no data files found under {root}"
+
+
+class CheckpointResumeTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.root = absltest.get_default_test_tmpdir()
+    cls.ref = os.path.join(cls.root, "ref")
+    shutil.rmtree(cls.ref, ignore_errors=True)
+    out = tu.run(tu.main_cmd(cls.ref, *FLAGS))
+    assert out.returncode == 0, out.stderr[-3000:]
+    cls.ref_params = _final_params(cls.ref)
+
+  def _fresh(self, name, from_ref=False):
+    path = os.path.join(self.root, name)
+    shutil.rmtree(path, ignore_errors=True)
+    if from_ref:
+      shutil.copytree(self.ref, path)
+    return path
+
+  def test_sigkill_then_rerun_matches_uninterrupted_run(self):
+    wd = self._fresh("killed")
+    cmd = tu.main_cmd(wd, *FLAGS)
+    proc = subprocess.Popen(cmd, cwd=tu.REPO, env=tu.run_env(),
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not _steps(wd) and time.time() < deadline and proc.poll() is None:
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    self.assertEqual(proc.returncode, -signal.SIGKILL,
+                     "the run finished before it could be killed")
+    killed_at = _steps(wd)
+    self.assertNotEmpty(killed_at)
+    self.assertLess(max(killed_at), STEPS)
+    out = tu.run(cmd)
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    self.assertIn("Resumed from checkpoint step", out.stderr)
+    self.assertTrue(tu.tree_equal(_final_params(wd), self.ref_params),
+                    "resumed run diverged from the uninterrupted run")
+
+  def test_corrupt_latest_checkpoint_falls_back_to_previous(self):
+    wd = self._fresh("corrupt_latest", from_ref=True)
+    self.assertEqual(_steps(wd), [30, 40])
+    _corrupt(wd, 40)
+    out = tu.run(tu.main_cmd(wd, *FLAGS))
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    self.assertIn("Checkpoint step 40 is unreadable", out.stderr)
+    self.assertIn("Resumed from checkpoint step 30", out.stderr)
+    self.assertNotEmpty(os.listdir(os.path.join(wd, "corrupt_checkpoints")))
+    self.assertTrue(tu.tree_equal(_final_params(wd), self.ref_params))
+
+  def test_no_usable_checkpoint_is_a_clear_error(self):
+    wd = self._fresh("corrupt_all", from_ref=True)
+    for step in _steps(wd):
+      _corrupt(wd, step)
+    out = tu.run(tu.main_cmd(wd, *FLAGS))
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn("error: no usable checkpoint", out.stderr)
+    self.assertNotIn("Traceback", out.stderr)
+
+  def test_evaluate_cli(self):
+    out = tu.run(["python", "-m", "train.evaluate", f"--workdir={self.ref}",
+                  "--eval_batches=2"])
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    result = json.loads(out.stdout)
+    self.assertEqual(result["step"], STEPS)
+    for key in ("loss", "perplexity", "sparsity", "active_per_token",
+                "max_tile_nnz", "overflow_rows"):
+      self.assertIn(key, result)
+    self.assertLen(result["sparsity"], 2)  # tiny has 2 layers
+    with open(os.path.join(self.ref, f"eval_step_{STEPS}.json")) as f:
+      self.assertEqual(json.load(f), result)
+    bad = tu.run(["python", "-m", "train.evaluate", f"--workdir={self.ref}",
+                  "--step=7"])
+    self.assertNotEqual(bad.returncode, 0)
+    self.assertIn("error: no checkpoint for step 7", bad.stderr)
+    self.assertNotIn("Traceback", bad.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()

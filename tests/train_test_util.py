@@ -1,0 +1,76 @@
+"""Helpers shared by the training-system tests (not a test module)."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def offline_data_dir() -> str:
+  """TFDS data_dir holding the prepared offline corpus (built once per machine).
+
+  Preparation is idempotent (tfds reuses a finished build), so every test
+  module can call this; only the first pays the ~3 s build.
+  """
+  from train import tfds_offline  # pylint: disable=g-import-not-at-top
+  path = os.path.join(tempfile.gettempdir(),
+                      f"twell_test_tfds_py{sys.version_info[0]}"
+                      f"{sys.version_info[1]}_{os.getuid()}")
+  tfds_offline.prepare(path)
+  return path
+
+
+def micro_config(**overrides):
+  """configs/tiny.py shrunk further for fast tests."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.model.update(d_model=32, n_heads=2, n_kv_heads=1, d_ff=256)
+  c.data.seq_len = 32
+  c.batch_size = 8
+  c.num_train_steps = 6
+  c.warmup_steps = 2
+  c.l1_warmup_steps = 0
+  c.log_every = 2
+  c.eval_every = 0
+  c.eval_batches = 2
+  c.checkpoint_every = 2
+  c.data.data_dir = offline_data_dir()
+  for k, v in overrides.items():
+    target = c
+    *parents, leaf = k.split(".")
+    for p in parents:
+      target = target[p]
+    target[leaf] = v
+  return c
+
+
+def main_cmd(workdir: str, *flags: str) -> list[str]:
+  """Command line for `python -m train.main` on the tiny config."""
+  return [sys.executable, "-m", "train.main", "--config=configs/tiny.py",
+          f"--workdir={workdir}",
+          f"--config.data.data_dir={offline_data_dir()}", *flags]
+
+
+def run_env(**extra) -> dict:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_PLATFORMS"] = "cpu"
+  env.update(extra)
+  return env
+
+
+def run(cmd, timeout=300, **env) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, cwd=REPO, env=run_env(**env), timeout=timeout,
+                        capture_output=True, text=True)
+
+
+def tree_equal(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return (jax.tree.structure(a) == jax.tree.structure(b) and
+          all(np.array_equal(np.asarray(x), np.asarray(y))
+              for x, y in zip(la, lb)))
