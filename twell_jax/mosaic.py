@@ -1,10 +1,12 @@
 """Glue between `twell_jax.ffn` and the Pallas Mosaic GPU kernels in `pallas_kernels`.
 
-Forward: the kernels (gate GEMM with TwELL epilogue + fused sparse up/down).
-Backward: until the training kernels land, the VJP is the "xla" sparse
-backward; its residuals are recomputed in XLA from x and the weights (the
-hybrid ELL pattern), so the forward's kernel output is what the user sees
-and the gradients are those of the same function.
+Inference (no differentiation): the kernels (gate GEMM with TwELL epilogue +
+fused sparse up/down projection).
+Training (under jax.grad / jax.vjp): until the training kernels land, the
+custom VJP's forward rule is the "xla" sparse forward, which produces y and
+the sparse residuals in one pass, and the backward is the "xla" sparse
+backward. Running the kernels there too would only add a second gate GEMM,
+since their packed output is not the residual layout the backward reads.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ def _mosaic_ffn(kernels, cfg, interpret, x, w_gate, w_up, w_down):
 
 
 def _fwd(kernels, cfg, interpret, x, w_gate, w_up, w_down):
-  out = _mosaic_ffn(kernels, cfg, interpret, x, w_gate, w_up, w_down)
-  _, residuals = sparse_xla._forward(cfg, x, w_gate, w_up, w_down)  # pylint: disable=protected-access
-  return out, residuals
+  del kernels, interpret
+  return sparse_xla._forward(cfg, x, w_gate, w_up, w_down)  # pylint: disable=protected-access
 
 
 def _bwd(kernels, cfg, interpret, residuals, cotangents):
