@@ -183,3 +183,15 @@ def _w(*shape, dtype=jnp.bfloat16):
 def test_bad_input_raises_value_error(args, kwargs, match):
   with pytest.raises(ValueError, match=match):
     tj.ffn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.float16, 5e-3)])
+def test_other_float_dtypes(dtype, tol):
+  x, wg, wu, wd = ffn_inputs(jax.random.key(10), 50, 32, 256, active_fraction=0.05,
+                             heavy_fraction=0.02, dtype=dtype)
+  y, st = tj.ffn(x, wg, wu, wd, implementation="xla", return_stats=True, ell_width=32)
+  y_ref, l1_ref = tj.reference_ffn(x, wg, wu, wd)
+  assert y.dtype == dtype and _rel(y, y_ref) < tol and _rel(st.l1, l1_ref) < tol
+  g = jax.grad(lambda a: jnp.sum(tj.ffn(a, wg, wu, wd, implementation="xla", ell_width=32).astype(F32)))(x)
+  g_ref = jax.grad(lambda a: jnp.sum(tj.reference_ffn(a, wg, wu, wd)[0]))(x.astype(F32))
+  assert g.dtype == dtype and _rel(g, g_ref) < 10 * tol
