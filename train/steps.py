@@ -62,7 +62,7 @@ def make_train_step(lm, tx, cfg):
     zeros = jax.tree.map(jnp.zeros_like, params)
     grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
     grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
 

@@ -1,0 +1,129 @@
+"""Tests for the input pipeline: tokenizer, offline corpus, packing, resume."""
+
+import ml_collections
+import numpy as np
+from absl.testing import absltest
+
+import train_test_util as tu
+from train import data
+from train import text_corpus
+
+
+def _data_cfg(use_tfds: bool):
+  return ml_collections.ConfigDict(dict(
+      dataset=text_corpus.NAME, data_dir=tu.offline_data_dir(),
+      use_tfds=use_tfds, text_key="text", train_split="train",
+      eval_split="validation", tokenizer="byte", spm_model=None))
+
+
+class ByteTokenizerTest(absltest.TestCase):
+
+  def test_round_trip_and_range(self):
+    tok = data.ByteTokenizer()
+    text = "héllo, wörld\n\tend"
+    ids = tok.encode(text)
+    self.assertEqual(ids.dtype, np.int32)
+    self.assertTrue(np.all(ids >= 3) and np.all(ids < tok.vocab_size))
+    self.assertEqual(tok.decode(ids), text)
+    self.assertLen(ids, len(text.encode("utf-8")))
+
+
+class OfflineCorpusTest(absltest.TestCase):
+
+  def test_splits_are_disjoint_and_nonempty(self):
+    train = list(text_corpus.iter_documents("train"))
+    val = list(text_corpus.iter_documents("validation"))
+    self.assertGreater(len(train), 1000)
+    self.assertGreater(len(val), 20)
+    files = lambda docs: {k.rsplit(":", 1)[0] for k, _ in docs}
+    self.assertEmpty(files(train) & files(val))
+    self.assertTrue(all(len(t) >= text_corpus.MIN_CHARS for _, t in val))
+
+  def test_tfds_and_generator_readers_agree(self):
+    tok = data.ByteTokenizer()
+    batches = []
+    for use_tfds in (True, False):
+      src = data.make_source(_data_cfg(use_tfds), "validation")
+      packer = data.PackedBatches(src, tok, seq_len=31, rows=4, seed=3)
+      batches.append([packer.next_batch() for _ in range(3)])
+    for a, b in zip(*batches):
+      np.testing.assert_array_equal(a, b)
+
+
+class PackingTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.src = data.make_source(_data_cfg(False), "validation")
+    self.tok = data.ByteTokenizer()
+
+  def _packer(self, **kw):
+    args = dict(seq_len=15, rows=3, seed=0)
+    args.update(kw)
+    return data.PackedBatches(self.src, self.tok, **args)
+
+  def test_shapes_and_stream_is_concatenated_documents(self):
+    p = self._packer(shuffle=False)
+    b = p.next_batch()
+    self.assertEqual(b.shape, (3, 16))
+    self.assertEqual(b.dtype, np.int32)
+    first = self.tok.encode(self.src.get_many([0])[0])
+    expected = np.concatenate([first, [data.EOS_ID]])[:48]
+    np.testing.assert_array_equal(b.reshape(-1)[:len(expected)], expected)
+
+  def test_seeded_shuffle_is_deterministic_and_seed_dependent(self):
+    a = [self._packer(seed=1).next_batch() for _ in range(2)]
+    b = [self._packer(seed=1).next_batch() for _ in range(2)]
+    c = self._packer(seed=2).next_batch()
+    np.testing.assert_array_equal(a[0], b[0])
+    self.assertFalse(np.array_equal(a[0], c))
+
+  def test_state_round_trip_continues_the_same_stream(self):
+    p = self._packer(seed=5)
+    for _ in range(7):
+      p.next_batch()
+    saved = p.get_state()
+    expected = [p.next_batch() for _ in range(4)]
+    q = self._packer(seed=5)
+    q.set_state(saved)
+    for e in expected:
+      np.testing.assert_array_equal(q.next_batch(), e)
+
+  def test_epochs_wrap_and_reshuffle(self):
+    p = self._packer(seq_len=255, rows=8, seed=0)
+    while p.state.epoch == 0:
+      p.next_batch()
+    self.assertEqual(p.state.epoch, 1)
+    self.assertFalse(np.array_equal(p._doc_order(0), p._doc_order(1)))  # pylint: disable=protected-access
+
+  def test_process_shards_partition_the_documents(self):
+    orders = [self._packer(shard_index=i, shard_count=3)._doc_order(0)  # pylint: disable=protected-access
+              for i in range(3)]
+    allidx = np.concatenate(orders)
+    self.assertLen(allidx, len(self.src))
+    self.assertLen(set(allidx.tolist()), len(self.src))
+
+  def test_non_repeating_eval_stream_ends(self):
+    p = self._packer(seq_len=1023, rows=16, shuffle=False, repeat=False)
+    n = 0
+    while p.next_batch() is not None:
+      n += 1
+      self.assertLess(n, 10_000)
+    self.assertGreater(n, 0)
+
+  def test_prefetcher_pairs_each_batch_with_the_state_after_it(self):
+    p = self._packer(seed=9)
+    pf = data.Prefetcher(p, depth=3)
+    try:
+      b1, s1 = next(pf)
+      b2, _ = next(pf)
+    finally:
+      pf.close()
+    q = self._packer(seed=9)
+    np.testing.assert_array_equal(q.next_batch(), b1)
+    self.assertEqual(q.get_state(), s1)
+    np.testing.assert_array_equal(q.next_batch(), b2)
+
+
+if __name__ == "__main__":
+  absltest.main()

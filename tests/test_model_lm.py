@@ -1,0 +1,95 @@
+"""Tests for the Llama-style LM in train/model.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from train import model as model_lib
+
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+def _cfg(**kw):
+  base = dict(vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+              d_ff=256, dtype="float32")
+  base.update(kw)
+  return model_lib.ModelConfig(**base)
+
+
+class ModelTest(parameterized.TestCase):
+
+  def test_shapes_params_and_stats(self):
+    cfg = _cfg()
+    lm = model_lib.LanguageModel(cfg)
+    params = lm.init_params(jax.random.key(0))
+    # Tied embeddings, no biases: embed + final norm + per layer
+    # (q, k, v, o, 2 norms, gate/up/down).
+    d, h, e = cfg.d_model, cfg.d_ff, cfg.head_dim
+    per_layer = (d * d * 2 + 2 * d * cfg.n_kv_heads * e + 2 * d + 3 * d * h)
+    self.assertEqual(model_lib.count_params(params),
+                     cfg.vocab_size * d + d + cfg.n_layers * per_layer)
+    self.assertNotIn("bias", str(jax.tree_util.tree_structure(params)))
+    tokens = jnp.arange(2 * 12, dtype=jnp.int32).reshape(2, 12) % 67
+    logits, stats = jax.jit(lm.apply)(params, tokens)
+    self.assertEqual(logits.shape, (2, 12, cfg.vocab_size))
+    self.assertEqual(logits.dtype, jnp.float32)
+    self.assertEqual(stats.l1.shape, (cfg.n_layers,))
+    self.assertEqual(stats.fired.shape, (cfg.n_layers, cfg.d_ff))
+    # A random ReLU gate fires for about half the features.
+    frac = np.asarray(stats.nnz_per_token) / cfg.d_ff
+    self.assertTrue(np.all((frac > 0.3) & (frac < 0.7)), frac)
+
+  @parameterized.parameters(1, 2, 4)
+  def test_causal(self, kv_heads):
+    lm = model_lib.LanguageModel(_cfg(n_kv_heads=kv_heads))
+    params = lm.init_params(jax.random.key(1))
+    t = jax.random.randint(jax.random.key(2), (1, 10), 0, 67)
+    t2 = t.at[0, 6].set((t[0, 6] + 1) % 67)
+    a, _ = lm.apply(params, t)
+    b, _ = lm.apply(params, t2)
+    np.testing.assert_allclose(a[:, :6], b[:, :6], rtol=1e-5, atol=1e-5)
+    self.assertGreater(float(jnp.max(jnp.abs(a[:, 6:] - b[:, 6:]))), 1e-4)
+
+  def test_rope_is_relative(self):
+    # <rope(q, i), rope(k, j)> depends on i - j only.
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
+    t = 9
+    qs = model_lib.rope(jnp.broadcast_to(q, (1, t, 1, 8)), 10000.0)
+    ks = model_lib.rope(jnp.broadcast_to(k, (1, t, 1, 8)), 10000.0)
+    dot = lambda i, j: float(jnp.sum(qs[0, i, 0] * ks[0, j, 0]))
+    self.assertAlmostEqual(dot(5, 2), dot(7, 4), places=4)
+    self.assertNotAlmostEqual(dot(5, 2), dot(5, 4), places=3)
+
+  def test_remat_matches_plain(self):
+    tokens = jnp.ones((2, 8), jnp.int32)
+    outs = []
+    for remat in (False, True):
+      lm = model_lib.LanguageModel(_cfg(remat=remat))
+      params = lm.init_params(jax.random.key(3))
+      loss = lambda p, lm=lm: (lm.apply(p, tokens)[0] ** 2).mean()
+      outs.append(jax.grad(loss)(params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                         atol=1e-7), *outs)
+
+  @parameterized.parameters(("dense", "silu"), ("dense", "relu"))
+  def test_dense_baseline(self, implementation, activation):
+    lm = model_lib.LanguageModel(_cfg(ffn_implementation=implementation,
+                                      ffn_activation=activation))
+    params = lm.init_params(jax.random.key(0))
+    logits, stats = lm.apply(params, jnp.ones((1, 4), jnp.int32))
+    self.assertTrue(bool(jnp.all(jnp.isfinite(logits))))
+    if activation == "silu":  # SiLU is never exactly 0: nothing is sparse.
+      np.testing.assert_allclose(stats.nnz_per_token, 256.0)
+
+  def test_config_validation(self):
+    with self.assertRaisesRegex(ValueError, "n_kv_heads"):
+      _cfg(n_kv_heads=3)
+    with self.assertRaisesRegex(ValueError, "dtype"):
+      _cfg(dtype="float8")
+
+
+if __name__ == "__main__":
+  absltest.main()

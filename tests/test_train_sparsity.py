@@ -1,0 +1,100 @@
+"""Tests for the L1 term and dead-feature tracking / re-initialization."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import train_test_util as tu
+from train import optim
+from train import sparsity
+from train import steps as steps_lib
+from train import train_lib
+
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+class L1AndCountersTest(absltest.TestCase):
+
+  def test_l1_normalizations(self):
+    l1 = jnp.array([2.0, 4.0])
+    self.assertAlmostEqual(float(sparsity.l1_term(l1, 8, "per_token_sum")), 3)
+    self.assertAlmostEqual(
+        float(sparsity.l1_term(l1, 8, "per_element_mean")), 3 / 8)
+    with self.assertRaises(ValueError):
+      sparsity.l1_term(l1, 8, "mean")
+
+  def test_since_counters(self):
+    since = sparsity.init_since(2, 3)
+    fired = jnp.array([[True, False, False], [False, False, True]])
+    since = sparsity.update_since(since, fired, 100)
+    np.testing.assert_array_equal(since, [[0, 100, 100], [100, 100, 0]])
+    since = sparsity.update_since(since, ~fired, 50)
+    np.testing.assert_array_equal(since, [[50, 0, 0], [0, 0, 50]])
+    big = sparsity.update_since(jnp.full((1, 1), 2**30 - 1, jnp.int32),
+                                jnp.zeros((1, 1), bool), 2**29)
+    self.assertEqual(int(big[0, 0]), 2**30)  # saturates, no overflow
+    np.testing.assert_array_equal(
+        sparsity.dead_mask(since, 50), [[True, False, False],
+                                        [False, False, True]])
+
+  def test_l1_schedule_warmup(self):
+    cfg = tu.micro_config(l1_coeff=1e-3, l1_warmup_steps=10)
+    sched = optim.l1_schedule(cfg)
+    self.assertEqual(float(sched(0)), 0.0)
+    self.assertAlmostEqual(float(sched(5)), 5e-4)
+    self.assertAlmostEqual(float(sched(50)), 1e-3)
+
+  def test_weight_decay_mask_skips_norms(self):
+    params = {"embed": jnp.ones((3, 2)), "norm": {"scale": jnp.ones(2)}}
+    self.assertEqual(optim.decay_mask(params),
+                     {"embed": True, "norm": {"scale": False}})
+
+
+class DeadReinitTest(absltest.TestCase):
+
+  def test_forced_dead_gate_column_is_reinitialized(self):
+    # Column j of layer 0's gate is zero, so relu(x @ w_gate[:, j]) = 0 for
+    # every token: the feature never fires. With a window of one step's
+    # tokens and re-init every 2 steps, step 2 must redraw exactly the dead
+    # columns and zero their Adam moments.
+    cfg = tu.micro_config(dead_reinit=True, dead_reinit_every=2,
+                          l1_coeff=0.0, learning_rate=1e-3, warmup_steps=0)
+    cfg.dead_window_tokens = cfg.batch_size * cfg.data.seq_len
+    tr = train_lib.Trainer(cfg)
+    state = tr.init_state(jax.random.key(0))
+    j = 17
+    gate = state["params"]["blocks"][0]["ffn"]["w_gate"]
+    state["params"]["blocks"][0]["ffn"]["w_gate"] = gate.at[:, j].set(0.0)
+    step = jax.jit(steps_lib.make_train_step(tr.lm, tr.tx, cfg))
+    rng = np.random.default_rng(0)
+    batch = lambda: jnp.asarray(
+        rng.integers(3, 259, (1, cfg.batch_size, cfg.data.seq_len + 1)),
+        jnp.int32)
+    state, m1 = step(state, batch())
+    w1 = state["params"]["blocks"][0]["ffn"]["w_gate"]
+    self.assertTrue(bool(jnp.all(w1[:, j] == 0)))  # no gradient, no decay
+    self.assertEqual(int(m1["dead_reinit"]), 0)
+    self.assertGreater(float(m1["dead_fraction"][0]), 0)
+    dead_before = np.asarray(sparsity.dead_mask(state["since"],
+                                                cfg.dead_window_tokens))
+    self.assertTrue(dead_before[0, j])
+    state, m2 = step(state, batch())
+    w2 = state["params"]["blocks"][0]["ffn"]["w_gate"]
+    self.assertGreaterEqual(int(m2["dead_reinit"]), 1)
+    col = np.asarray(w2[:, j])
+    self.assertTrue(np.all(col != 0))
+    self.assertLess(abs(col.std() - 0.02), 0.012)  # drawn from N(0, 0.02^2)
+    self.assertEqual(int(state["since"][0, j]), 0)
+    adam = state["opt_state"][1][0]  # chain(clip, adamw)[1] -> ScaleByAdam
+    self.assertTrue(bool(jnp.all(
+        adam.mu["blocks"][0]["ffn"]["w_gate"][:, j] == 0)))
+    self.assertTrue(bool(jnp.all(
+        adam.nu["blocks"][0]["ffn"]["w_gate"][:, j] == 0)))
+    # w_up / w_down of the revived feature are kept, not redrawn.
+    self.assertFalse(bool(jnp.all(
+        state["params"]["blocks"][0]["ffn"]["w_up"][:, j] == 0)))
+
+
+if __name__ == "__main__":
+  absltest.main()
