@@ -131,6 +131,23 @@ class Trainer:
     }
 
 
+def ffn_implementation_in_use(tr: "Trainer", tokens: int) -> str:
+  """What implementation=None resolves to for one layer's FFN call here."""
+  mc = tr.model_cfg
+  if mc.ffn_implementation is not None:
+    return mc.ffn_implementation
+  try:
+    from twell_jax import api  # pylint: disable=g-import-not-at-top
+    dt = model_lib._DTYPES[mc.dtype]  # pylint: disable=protected-access
+    sds = jax.ShapeDtypeStruct
+    return api.default_implementation(
+        sds((tokens, mc.d_model), dt), sds((mc.d_model, mc.d_ff), dt),
+        sds((mc.d_model, mc.d_ff), dt), sds((mc.d_ff, mc.d_model), dt),
+        mc.ffn_activation)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"auto (undetermined: {type(e).__name__})"
+
+
 def _meta(cfg, step: int) -> dict:
   import twell_jax  # pylint: disable=g-import-not-at-top
   return {"step": int(step), "config": cfg.to_dict(),
@@ -178,7 +195,10 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     packer.set_state(restored["data"])
     logging.info("Resumed from checkpoint step %d", start)
   n_params = model_lib.count_params(state["params"])
-  logging.info("Parameters: %s", f"{n_params:,}")
+  logging.info("Parameters: %s; FFN implementation: %s", f"{n_params:,}",
+               ffn_implementation_in_use(
+                   tr, cfg.batch_size // cfg.grad_accum_steps
+                   // tr.mesh.size * cfg.data.seq_len))
 
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   if start == 0 and is_main:
@@ -220,8 +240,9 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))
         t_last = time.time()  # Exclude eval time from tokens/s.
-      checkpointing.save(mngr, done, state, data_state, _meta(cfg, done),
-                         force=done == cfg.num_train_steps)
+      if cfg.checkpoint_every > 0:  # <= 0 disables saving (benchmarks).
+        checkpointing.save(mngr, done, state, data_state, _meta(cfg, done),
+                           force=done == cfg.num_train_steps)
     writer.flush()
   finally:
     prefetch.close()
