@@ -50,6 +50,25 @@ class OfflineCorpusTest(absltest.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
+class TfdsByNameTest(absltest.TestCase):
+
+  def test_any_tfds_text_dataset_by_name(self):
+    # mock_data serves tfds.data_source("lm1b") without TF or a download.
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    cfg = _data_cfg(True)
+    cfg.update(dataset="lm1b", data_dir=None, eval_split="test")
+    with tfds.testing.mock_data(num_examples=16,
+                                policy=tfds.testing.MockPolicy.USE_CODE):
+      src = data.make_source(cfg, "train")
+      self.assertLen(src, 16)
+      packer = data.PackedBatches(src, data.ByteTokenizer(), seq_len=15,
+                                  rows=2, seed=0, shard_index=1,
+                                  shard_count=2)
+      batch = packer.next_batch()
+    self.assertEqual(batch.shape, (2, 16))
+    self.assertIn(data.EOS_ID, batch)
+
+
 class PackingTest(absltest.TestCase):
 
   def setUp(self):

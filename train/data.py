@@ -104,8 +104,10 @@ class _TfdsTextSource:
     return len(self._source)
 
   def get_many(self, indices: Sequence[int]) -> list:
-    records = self._source.__getitems__(list(indices))
-    return [r[self._key] for r in records]
+    # Item by item: tfds's batched __getitems__ is not implemented by every
+    # source (e.g. tfds.testing.mock_data), and this runs on the prefetch
+    # thread, off the training step's critical path.
+    return [self._source[int(i)][self._key] for i in indices]
 
 
 class _ListSource:
