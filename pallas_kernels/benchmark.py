@@ -31,6 +31,7 @@ _SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_heavy", "paper_16k_
 _OUT = flags.DEFINE_string("out", None, "write results as JSON here")
 _ITERS = flags.DEFINE_integer("iters", 30, "timed iterations")
 _PARTS = flags.DEFINE_bool("parts", True, "also time the gate kernel and the fused kernel alone")
+_GROUPS = flags.DEFINE_list("groups", ["1", "4", "8"], "sparse_down tile-group sizes to time")
 _CHECK = flags.DEFINE_bool("check", True, "check the output against the f32 reference")
 
 
@@ -107,14 +108,20 @@ def run_spec(name: str, spec: Spec, iters: int):
   x, wg, wu, wd = make_inputs(spec)
   m, d, h = spec.m, spec.d, spec.h
   res = {"spec": name, **dataclasses.asdict(spec), "device": jax.devices()[0].device_kind}
+  t0 = time.time()
   dense_ms, dense_k, y_dense = time_fn(dense_ffn, x, wg, wu, wd, iters=iters)
+  print(f"  [{time.strftime('%X')}] {name}: dense {dense_ms:.3f} ms ({time.time() - t0:.1f}s)",
+        flush=True)
   n_gemm = 3 if spec.gated else 2
   res["dense_ms"], res["dense_kernel_ms"] = dense_ms, dense_k
   res["dense_tflops"] = n_gemm * 2 * m * d * h / dense_ms / 1e9
 
   fwd = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a)[0])
   fwd_stats = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a))
+  t0 = time.time()
   ms, k_ms, y = time_fn(fwd, x, wg, wu, wd, iters=iters)
+  print(f"  [{time.strftime('%X')}] {name}: twell {ms:.3f} ms ({time.time() - t0:.1f}s)",
+        flush=True)
   res["twell_ms"], res["twell_kernel_ms"] = ms, k_ms
   res["ratio"] = ms / dense_ms
   _, stats = fwd_stats(x, wg, wu, wd)
@@ -149,9 +156,14 @@ def run_spec(name: str, spec: Spec, iters: int):
                                             iters=iters)
     row_ok = jnp.ones((m,), jnp.int32)
     wup_t = wu.T if spec.gated else None
-    sd = jax.jit(lambda *a: sparse_down_mgpu.sparse_down(*a))
-    res["sparse_down_ms"], res["sparse_down_kernel_ms"], _ = time_fn(
-        sd, x, words, counts, row_ok, wup_t, wd, iters=iters)
+    for gsz in [int(v) for v in _GROUPS.value]:
+      sd = jax.jit(functools.partial(sparse_down_mgpu.sparse_down, group=gsz))
+      t0 = time.time()
+      ms_g, k_g, _ = time_fn(sd, x, words, counts, row_ok, wup_t, wd, iters=iters)
+      res[f"sparse_down_g{gsz}_ms"], res[f"sparse_down_g{gsz}_kernel_ms"] = ms_g, k_g
+      print(f"  [{time.strftime('%X')}] sparse_down group={gsz}: {ms_g:.3f} ms "
+            f"(kernel {k_g}) ({time.time() - t0:.1f}s)", flush=True)
+    res["sparse_down_ms"] = res.get("sparse_down_g4_ms")
   return res
 
 

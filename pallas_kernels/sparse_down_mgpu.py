@@ -33,8 +33,10 @@ from pallas_kernels import common
 
 
 def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
-            y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int, gated: bool):
+            y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int, gated: bool,
+            group: int):
   base = lax.axis_index("r") * rows_per_cta
+  n_groups = -(-n_tiles // group)
 
   def row_body(i, _):
     r = base + i
@@ -46,27 +48,47 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
       x = None
       acc0 = wd_gmem[0, :].astype(jnp.float32) * 0.0
 
-    def tile_body(t, carry):
-      cnt = counts_gmem[r, t * common.COUNT_LANES]
-      n = jnp.where(ok != 0, jnp.minimum(cnt, slots), 0)
+    # `group` tiles are walked side by side: entry k of each of them is processed in the same
+    # step, so 2 * group weight-row loads are in flight before the first reduction. Slots past
+    # a tile's count point at weight row 0 (an L1 hit) with a zero coefficient.
+    def group_body(gi, carry):
+      tiles = [jnp.minimum(gi * group + p, n_tiles - 1) for p in range(group)]
+      cnts = []
+      for p in range(group):
+        c = jnp.minimum(counts_gmem[r, tiles[p] * common.COUNT_LANES], slots)
+        c = jnp.where((ok != 0) & (gi * group + p < n_tiles), c, 0)
+        cnts.append(c)
+      n = cnts[0]
+      for c in cnts[1:]:
+        n = jnp.maximum(n, c)
 
       def entry_body(k, carry):
         acc, l1 = carry
-        w = words_gmem[r, t * slots + k]
-        j = t * common.TILE_N + lax.shift_right_logical(w, 16)
-        g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
+        js, gs = [], []
+        for p in range(group):
+          valid = k < cnts[p]
+          w = words_gmem[r, tiles[p] * slots + jnp.minimum(k, slots - 1)]
+          j = tiles[p] * common.TILE_N + lax.shift_right_logical(w, 16)
+          js.append(jnp.where(valid, j, 0))
+          gs.append(jnp.where(valid, lax.bitcast_convert_type(lax.shift_left(w, 16),
+                                                              jnp.float32), 0.0))
+        wds = [wd_gmem[j, :] for j in js]
         if gated:
-          u = jnp.sum(x * wup_gmem[j, :].astype(jnp.float32))
-          u = u.astype(jnp.bfloat16).astype(jnp.float32)
-          h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
-        else:
-          h = g
-        acc = acc + h * wd_gmem[j, :].astype(jnp.float32)
-        return acc, l1 + jnp.abs(h)
+          wus = [wup_gmem[j, :] for j in js]
+        for p in range(group):
+          if gated:
+            u = jnp.sum(x * wus[p].astype(jnp.float32))
+            u = u.astype(jnp.bfloat16).astype(jnp.float32)
+            h = (gs[p] * u).astype(jnp.bfloat16).astype(jnp.float32)
+          else:
+            h = gs[p]
+          acc = acc + h * wds[p].astype(jnp.float32)
+          l1 = l1 + jnp.abs(h)
+        return acc, l1
 
       return lax.fori_loop(0, n, entry_body, carry)
 
-    acc, l1 = lax.fori_loop(0, n_tiles, tile_body, (acc0, jnp.float32(0.0)))
+    acc, l1 = lax.fori_loop(0, n_groups, group_body, (acc0, jnp.float32(0.0)))
     y_gmem[r, :] = acc.astype(y_gmem.dtype)
     l1_gmem[r] = l1
     return 0
@@ -75,7 +97,8 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
 
 
 def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
-                rows_per_cta: int = 1, interpret=False):
+                rows_per_cta: int = 1, group: int = 4,
+                interpret=False):
   """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated)."""
   m, d = x.shape
   h, d2 = w_down.shape
@@ -94,7 +117,8 @@ def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, rows_per_cta=rows_per_cta, slots=slots,
-                          n_tiles=n_tiles, gated=gated),
+                          n_tiles=n_tiles, gated=gated,
+                          group=min(group, n_tiles)),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // rows_per_cta,),
