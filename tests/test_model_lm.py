@@ -6,10 +6,8 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
+import train_test_util as tu
 from train import model as model_lib
-
-jax.config.update("jax_disable_most_optimizations", True)
-
 
 def _cfg(**kw):
   base = dict(vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -18,7 +16,7 @@ def _cfg(**kw):
   return model_lib.ModelConfig(**base)
 
 
-class ModelTest(parameterized.TestCase):
+class ModelTest(tu.FastCompile, parameterized.TestCase):
 
   def test_shapes_params_and_stats(self):
     cfg = _cfg()

@@ -14,10 +14,7 @@ import train_test_util as tu
 from train import steps as steps_lib
 from train import train_lib
 
-jax.config.update("jax_disable_most_optimizations", True)
-
-
-class TrainLoopTest(absltest.TestCase):
+class TrainLoopTest(tu.FastCompile, absltest.TestCase):
 
   def test_train_logs_metrics_tensorboard_and_resumes(self):
     wd = self.create_tempdir().full_path

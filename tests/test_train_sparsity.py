@@ -11,9 +11,6 @@ from train import sparsity
 from train import steps as steps_lib
 from train import train_lib
 
-jax.config.update("jax_disable_most_optimizations", True)
-
-
 class L1AndCountersTest(absltest.TestCase):
 
   def test_l1_normalizations(self):
@@ -51,7 +48,7 @@ class L1AndCountersTest(absltest.TestCase):
                      {"embed": True, "norm": {"scale": False}})
 
 
-class DeadReinitTest(absltest.TestCase):
+class DeadReinitTest(tu.FastCompile, absltest.TestCase):
 
   def test_forced_dead_gate_column_is_reinitialized(self):
     # Column j of layer 0's gate is zero, so relu(x @ w_gate[:, j]) = 0 for

@@ -74,3 +74,25 @@ def tree_equal(a, b) -> bool:
   return (jax.tree.structure(a) == jax.tree.structure(b) and
           all(np.array_equal(np.asarray(x), np.asarray(y))
               for x, y in zip(la, lb)))
+
+
+class FastCompile:
+  """Mixin for absltest classes: cheap XLA compiles inside this class only.
+
+  `jax_disable_most_optimizations` is a global flag read at compile time, so
+  it is switched on in setUpClass and back off in tearDownClass, leaving the
+  rest of the test session (other modules' numerics) untouched.
+  """
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    jax.config.update("jax_disable_most_optimizations", True)
+
+  @classmethod
+  def tearDownClass(cls):
+    jax.config.update(
+        "jax_disable_most_optimizations",
+        os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "").lower()
+        in ("1", "true"))
+    super().tearDownClass()
