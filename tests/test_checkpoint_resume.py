@@ -13,6 +13,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 
 from absl.testing import absltest
@@ -58,12 +60,16 @@ class CheckpointResumeTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.root = absltest.get_default_test_tmpdir()
+    cls.root = tempfile.mkdtemp(prefix="twell_ckpt_test_")
     cls.ref = os.path.join(cls.root, "ref")
-    shutil.rmtree(cls.ref, ignore_errors=True)
     out = tu.run(tu.main_cmd(cls.ref, *FLAGS))
     assert out.returncode == 0, out.stderr[-3000:]
     cls.ref_params = _final_params(cls.ref)
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.root, ignore_errors=True)
+    super().tearDownClass()
 
   def _fresh(self, name, from_ref=False):
     path = os.path.join(self.root, name)
@@ -115,7 +121,7 @@ class CheckpointResumeTest(absltest.TestCase):
     self.assertNotIn("Traceback", out.stderr)
 
   def test_evaluate_cli(self):
-    out = tu.run(["python", "-m", "train.evaluate", f"--workdir={self.ref}",
+    out = tu.run([sys.executable, "-m", "train.evaluate", f"--workdir={self.ref}",
                   "--eval_batches=2"])
     self.assertEqual(out.returncode, 0, out.stderr[-3000:])
     result = json.loads(out.stdout)
@@ -126,7 +132,7 @@ class CheckpointResumeTest(absltest.TestCase):
     self.assertLen(result["sparsity"], 2)  # tiny has 2 layers
     with open(os.path.join(self.ref, f"eval_step_{STEPS}.json")) as f:
       self.assertEqual(json.load(f), result)
-    bad = tu.run(["python", "-m", "train.evaluate", f"--workdir={self.ref}",
+    bad = tu.run([sys.executable, "-m", "train.evaluate", f"--workdir={self.ref}",
                   "--step=7"])
     self.assertNotEqual(bad.returncode, 0)
     self.assertIn("error: no checkpoint for step 7", bad.stderr)

@@ -3,6 +3,7 @@ accumulation and data parallelism over several (host) devices."""
 
 import json
 import os
+import sys
 import textwrap
 
 import jax
@@ -96,7 +97,7 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
             a, b, rtol=1e-4, atol=1e-6), *params)
         print("DP_OK", len(jax.devices()))
         """)
-    out = tu.run(["python", "-c", script],
+    out = tu.run([sys.executable, "-c", script],
                  XLA_FLAGS="--xla_force_host_platform_device_count=4",
                  PYTHONPATH=os.path.dirname(__file__) + os.pathsep + tu.REPO)
     self.assertEqual(out.returncode, 0, out.stderr[-3000:])
