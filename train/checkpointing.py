@@ -3,7 +3,8 @@
 Layout: DIR/checkpoints/<step>/{state,data,meta}, one orbax CheckpointManager.
   state: StandardSave of the train state pytree {params, opt_state, step, rng,
          since} (arrays);
-  data:  JsonSave of the input pipeline position (`PackedBatches.get_state`);
+  data:  JsonSave of the input pipeline positions, {"processes": [one
+         `PackedBatches.get_state()` per process]};
   meta:  JsonSave of {"step", "config", "twell_jax_version"}.
 Saves are asynchronous (orbax copies the arrays to host before `save`
 returns, then writes in a background thread) and atomic: a step directory

@@ -193,7 +193,7 @@ class PackedBatches:
       self._order_epoch = epoch
     return self._order
 
-  def _next_docs(self, k: int = 64) -> list:
+  def _next_docs(self, k: int = 16) -> list:
     """Up to k next documents; advances epoch/cursor. [] at the end (no repeat)."""
     order = self._doc_order(self.state.epoch)
     if self.state.cursor >= len(order):

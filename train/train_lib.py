@@ -148,6 +148,33 @@ def ffn_implementation_in_use(tr: "Trainer", tokens: int) -> str:
     return f"auto (undetermined: {type(e).__name__})"
 
 
+def _all_process_states(data_state: dict) -> list[dict]:
+  """Every process's data position, in process order (a collective).
+
+  Orbax writes JSON items from the primary process only, so positions are
+  gathered first: each process's JSON is sent as padded uint8 bytes.
+  """
+  if jax.process_count() == 1:
+    return [data_state]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  raw = np.frombuffer(json.dumps(data_state).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.int32(raw.size))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[:raw.size] = raw
+  every = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(every[i, :lengths[i]]).decode())
+          for i in range(jax.process_count())]
+
+
+def _my_data_state(saved: dict) -> dict:
+  states = saved["processes"]
+  if len(states) != jax.process_count():
+    raise checkpointing.CheckpointError(
+        f"the checkpoint holds data positions of {len(states)} processes; "
+        f"resume with that many processes (now {jax.process_count()})")
+  return states[jax.process_index()]
+
+
 def _meta(cfg, step: int) -> dict:
   import twell_jax  # pylint: disable=g-import-not-at-top
   return {"step": int(step), "config": cfg.to_dict(),
@@ -192,7 +219,7 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         json.dump(cfg.to_dict(), f, indent=1)
   else:
     start, state = restored["step"], restored["state"]
-    packer.set_state(restored["data"])
+    packer.set_state(_my_data_state(restored["data"]))
     logging.info("Resumed from checkpoint step %d", start)
   n_params = model_lib.count_params(state["params"])
   logging.info("Parameters: %s; FFN implementation: %s", f"{n_params:,}",
@@ -240,9 +267,12 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))
         t_last = time.time()  # Exclude eval time from tokens/s.
-      if cfg.checkpoint_every > 0:  # <= 0 disables saving (benchmarks).
-        checkpointing.save(mngr, done, state, data_state, _meta(cfg, done),
-                           force=done == cfg.num_train_steps)
+      final = done == cfg.num_train_steps
+      # checkpoint_every <= 0 disables saving (benchmarks).
+      if cfg.checkpoint_every > 0 and (final or mngr.should_save(done)):
+        checkpointing.save(mngr, done, state,
+                           {"processes": _all_process_states(data_state)},
+                           _meta(cfg, done), force=final)
     writer.flush()
   finally:
     prefetch.close()
