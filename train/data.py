@@ -27,7 +27,7 @@ import dataclasses
 import importlib.util
 import queue
 import threading
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -296,9 +296,3 @@ def eval_batches(data_cfg, tokenizer, *, seq_len: int, rows: int,
     raise ValueError(f"eval split {data_cfg.eval_split!r} is too small for one"
                      f" batch of {rows} x {seq_len + 1} tokens")
   return out
-
-
-def describe(data_cfg) -> dict[str, Any]:
-  return {"dataset": data_cfg.dataset,
-          "reader": ("tfds" if (data_cfg.use_tfds and tfds_available())
-                     or data_cfg.dataset != text_corpus.NAME else "generator")}

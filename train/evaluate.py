@@ -55,7 +55,7 @@ def main(argv):
   try:
     result = evaluate_checkpoint(f.workdir, f.step, f.eval_batches,
                                  f.data_dir)
-  except checkpointing.CheckpointError as e:
+  except (checkpointing.CheckpointError, train_lib.ConfigError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
   text = json.dumps(result, indent=1)

@@ -30,7 +30,7 @@ def main(argv):
                jax.process_index(), jax.process_count(), jax.devices())
   try:
     train_lib.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except checkpointing.CheckpointError as e:
+  except (checkpointing.CheckpointError, train_lib.ConfigError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
 

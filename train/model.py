@@ -30,7 +30,7 @@ from flax import nnx
 
 import twell_jax
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
 
 
@@ -62,8 +62,9 @@ class ModelConfig:
     if (self.d_model // self.n_heads) % 2:
       raise ValueError("head dim must be even for RoPE")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"{name}={getattr(self, name)!r} not in {list(_DTYPES)}")
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(
+            f"{name}={getattr(self, name)!r} not in {list(DTYPES)}")
 
   @classmethod
   def from_config(cls, cfg: Any) -> "ModelConfig":
@@ -109,7 +110,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     init = nnx.initializers.normal(cfg.init_std)
-    pd = _DTYPES[cfg.param_dtype]
+    pd = DTYPES[cfg.param_dtype]
     e = cfg.head_dim
     self.wq = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.n_heads * e), pd))
     self.wk = nnx.Param(
@@ -135,7 +136,7 @@ class Block(nnx.Module):
   """Pre-norm transformer block; returns (x, FFNStats)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    pd = _DTYPES[cfg.param_dtype]
+    pd = DTYPES[cfg.param_dtype]
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.attn = Attention(cfg, rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
@@ -143,7 +144,7 @@ class Block(nnx.Module):
         cfg.d_model, cfg.d_ff, gated=cfg.ffn_gated,
         activation=cfg.ffn_activation,
         implementation=cfg.ffn_implementation, param_dtype=pd,
-        dtype=_DTYPES[cfg.dtype], init_std=cfg.init_std, rngs=rngs)
+        dtype=DTYPES[cfg.dtype], init_std=cfg.init_std, rngs=rngs)
 
   def __call__(self, x):
     x = x + self.attn(self.attn_norm(x))
@@ -156,7 +157,7 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
-    pd = _DTYPES[cfg.param_dtype]
+    pd = DTYPES[cfg.param_dtype]
     self.embed = nnx.Param(
         nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
@@ -165,7 +166,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens):
     cfg = self.cfg
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(_DTYPES[cfg.dtype])
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(DTYPES[cfg.dtype])
     all_stats = []
     for block in self.blocks:
       if cfg.remat:

@@ -32,24 +32,28 @@ from train import sparsity
 from train import steps as steps_lib
 
 
+class ConfigError(ValueError):
+  """An inconsistent config; train.main prints it without a traceback."""
+
+
 def make_mesh() -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
 
 def check_config(cfg, n_devices: int, n_processes: int):
-  """Raises ValueError for inconsistent batch/device/vocab settings."""
+  """Raises ConfigError for inconsistent batch/device/L1 settings."""
   if cfg.batch_size % cfg.grad_accum_steps:
-    raise ValueError(f"batch_size={cfg.batch_size} must be divisible by "
+    raise ConfigError(f"batch_size={cfg.batch_size} must be divisible by "
                      f"grad_accum_steps={cfg.grad_accum_steps}")
   micro = cfg.batch_size // cfg.grad_accum_steps
   if micro % n_devices:
-    raise ValueError(f"micro-batch {micro} (batch_size / grad_accum_steps) "
+    raise ConfigError(f"micro-batch {micro} (batch_size / grad_accum_steps) "
                      f"must be divisible by the {n_devices} devices")
   if cfg.batch_size % n_processes:
-    raise ValueError(f"batch_size must be divisible by {n_processes} "
+    raise ConfigError(f"batch_size must be divisible by {n_processes} "
                      "processes")
   if cfg.l1_normalization not in ("per_token_sum", "per_element_mean"):
-    raise ValueError(f"l1_normalization={cfg.l1_normalization!r}")
+    raise ConfigError(f"l1_normalization={cfg.l1_normalization!r}")
 
 
 class Trainer:
@@ -59,11 +63,14 @@ class Trainer:
     self.cfg = cfg
     self.mesh = mesh or make_mesh()
     check_config(cfg, self.mesh.size, jax.process_count())
-    self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    try:
+      self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    except (TypeError, ValueError) as e:  # bad or unknown model fields
+      raise ConfigError(f"config.model: {e}") from e
     self.lm = model_lib.LanguageModel(self.model_cfg)
     self.tokenizer = data_lib.make_tokenizer(cfg.data)
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
-      raise ValueError(f"model.vocab_size={self.model_cfg.vocab_size} is "
+      raise ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} is "
                        f"below the tokenizer's {self.tokenizer.vocab_size}")
     self.tx = optim.make_optimizer(cfg)
     self.replicated = NamedSharding(self.mesh, P())
@@ -138,7 +145,7 @@ def ffn_implementation_in_use(tr: "Trainer", tokens: int) -> str:
     return mc.ffn_implementation
   try:
     from twell_jax import api  # pylint: disable=g-import-not-at-top
-    dt = model_lib._DTYPES[mc.dtype]  # pylint: disable=protected-access
+    dt = model_lib.DTYPES[mc.dtype]
     sds = jax.ShapeDtypeStruct
     return api.default_implementation(
         sds((tokens, mc.d_model), dt), sds((mc.d_model, mc.d_ff), dt),
