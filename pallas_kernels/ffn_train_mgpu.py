@@ -1,0 +1,299 @@
+"""Training (forward + backward) of the sparse ReLU FFN with Pallas Mosaic GPU kernels.
+
+Entry points, ready for ``jax.custom_vjp`` (see ``twell_jax/mosaic.py``):
+    outputs, residuals = forward(cfg, x, w_gate, w_up, w_down, interpret=...)
+    dx, dw_gate, dw_up, dw_down = backward(cfg, residuals, (dy, dl1), interpret=...)
+``outputs`` = (y, l1, nnz_per_token, max_tile_nnz, heavy_rows, fired), like the "xla"
+implementation (``twell_jax.sparse_xla``), whose math and residual layout this follows.
+
+Forward:
+ 1. gate GEMM with the TwELL packing epilogue (``gate_pack_mgpu.gate_pack``, wgmma): the dense
+    [M, H] gate never reaches HBM.
+ 2. TwELL -> hybrid layout (XLA glue on the packed [M, T*S] words): rows with at most W actives
+    and no overflowing tile become ELL rows (columns, gate values; [M, W]); the other rows are
+    "heavy" and go to a dense tail of static capacity R.
+ 3. ``train_fwd_mgpu.ell_up_down``: sampled up projection (u on the pattern, saved), h = p * u,
+    sparse down projection y, per-row L1.
+ 4. Tail rows (<= R): small dense XLA products on those rows. More than R heavy rows: a
+    ``lax.cond`` runs the dense FFN instead (exact; reported in ``heavy_rows``).
+Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, the tail index
+and tail gate / up rows ([R, H]); never a dense [M, H] tensor.
+
+Backward (no host synchronization):
+ 1. ``train_bwd_mgpu.ell_bwd_rows``: dh on the pattern (+ the L1 term), du, dg, and dx.
+ 2. CSC of the pattern by an XLA sort of the [M * W] ELL entries by column (padding slots get
+    the key H and sort last), then ``train_bwd_mgpu.csc_weight_grads``: dW_up, dW_gate,
+    dW_down as per-column sums of x / dy rows (no atomics).
+ 3. Tail rows: dense XLA products on R rows; capacity exceeded: the VJP of the dense FFN,
+    recomputed from x (``lax.cond``).
+Shapes: any M, D, H (padded internally: M to 128, D to 128, H to 256 with zeros, which is exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels import gate_pack_mgpu
+from pallas_kernels import train_bwd_mgpu
+from pallas_kernels import train_fwd_mgpu
+
+_F32 = jnp.float32
+
+
+def _round_up(a: int, b: int) -> int:
+  return -(-a // b) * b
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Static configuration of one training FFN call (hashable: a custom_vjp nondiff arg)."""
+  m: int
+  d: int
+  h: int
+  ell_width: int          # W (ELL slots per row); rows with more actives are heavy
+  tail_rows: int          # R, static capacity of the dense tail
+  compression: int = 8    # TwELL compression of the gate GEMM epilogue (S = 256 / C slots/tile)
+  group: int = 4          # entries processed side by side in the row / column kernels
+
+  @property
+  def mp(self) -> int:
+    return _round_up(self.m, gate_pack_mgpu.CTA_M)
+
+  @property
+  def dp(self) -> int:
+    return _round_up(self.d, 128)
+
+  @property
+  def hp(self) -> int:
+    return _round_up(self.h, common.TILE_N)
+
+  @property
+  def wk(self) -> int:
+    """ELL slots stored per row: W rounded up to ``group``."""
+    return _round_up(self.ell_width, self.group)
+
+
+def make_config(m: int, d: int, h: int, ell_width: int = 128, tail_rows=None, **kw) -> TrainConfig:
+  w = max(1, min(ell_width, _round_up(h, common.TILE_N)))
+  if tail_rows is None:
+    tail_rows = min(m, max(8, 8 * -(-m // 64)))   # M/8, like twell_jax.formats.default_capacity
+  return TrainConfig(m=m, d=d, h=h, ell_width=w, tail_rows=max(1, min(tail_rows, m)), **kw)
+
+
+def _pad(a, shape):
+  if a is None or tuple(a.shape) == tuple(shape):
+    return a
+  return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
+
+
+def _padded(cfg: TrainConfig, x, w_gate, w_up, w_down):
+  xp = _pad(x, (cfg.mp, cfg.dp))
+  wg = _pad(w_gate, (cfg.dp, cfg.hp))
+  wu = _pad(w_up, (cfg.dp, cfg.hp))
+  wd = _pad(w_down, (cfg.hp, cfg.dp))
+  return xp, wg, wu, wd
+
+
+def _rows(a, index):
+  """a[index] with the padding index (== a.shape[0]) giving zero rows."""
+  rows = jnp.take(a, jnp.minimum(index, a.shape[0] - 1), axis=0)
+  return jnp.where((index < a.shape[0])[:, None], rows, jnp.zeros((), a.dtype))
+
+
+def _dense_ffn(x, w_gate, w_up, w_down):
+  """Dense FFN (bf16 operands, f32 accumulation) -> (y f32, l1, fired); the fallback path."""
+  dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+  m = x.shape[0]
+  if w_gate is not None:
+    g = dot(x, w_gate)
+    h = (jnp.maximum(g, 0).astype(x.dtype).astype(_F32)
+         * dot(x, w_up).astype(x.dtype).astype(_F32)).astype(x.dtype)
+  else:
+    g = dot(x, w_up)
+    h = jnp.maximum(g, 0).astype(x.dtype)
+  y = dot(h, w_down)
+  return y, jnp.sum(jnp.abs(h.astype(_F32))) / m, jnp.any(g > 0, axis=0)
+
+
+# ----------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------
+
+def _hybrid_from_twell(cfg: TrainConfig, words, counts):
+  """TwELL words/counts -> (cols [Mp, Wk], p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
+  mp, t = cfg.mp, cfg.hp // common.TILE_N
+  s = common.TILE_N // cfg.compression
+  cnt = counts.reshape(mp, t, common.COUNT_LANES)[..., 0]
+  row_nnz = jnp.sum(cnt, axis=1)
+  heavy = (row_nnz > cfg.ell_width) | jnp.any(cnt > s, axis=1)
+  n = jnp.where(heavy, 0, row_nnz).astype(jnp.int32)
+  incl = jnp.cumsum(jnp.minimum(cnt, s), axis=1)                         # [Mp, T]
+  k = jnp.arange(cfg.wk, dtype=jnp.int32)
+  tile = jnp.sum(incl[:, None, :] <= k[None, :, None], axis=-1, dtype=jnp.int32)  # [Mp, Wk]
+  tile_c = jnp.minimum(tile, t - 1)
+  start = jnp.take_along_axis(incl - jnp.minimum(cnt, s), tile_c, axis=1)
+  slot = jnp.clip(k[None, :] - start, 0, s - 1)
+  word = jnp.take_along_axis(words, tile_c * s + slot, axis=1)
+  valid = k[None, :] < n[:, None]
+  cols = jnp.where(valid, tile_c * common.TILE_N + lax.shift_right_logical(word, 16), 0)
+  bits = (word & 0xFFFF).astype(jnp.uint16)
+  p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
+  return cols.astype(jnp.int32), p, n, heavy, cnt
+
+
+def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
+  """Returns (outputs, residuals); outputs = (y, l1, nnz_per_token, max_tile_nnz, heavy_rows, fired)."""
+  m, dt = cfg.m, x.dtype
+  gated = w_gate is not None
+  xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
+  w_in = wg if gated else wu
+  words, counts = gate_pack_mgpu.gate_pack(
+      xp, w_in, config=gate_pack_mgpu.GateConfig(compression=cfg.compression),
+      interpret=interpret)
+  cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
+  heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
+  exceeded = heavy_rows > cfg.tail_rows
+  (tail_index,) = jnp.nonzero(heavy, size=cfg.tail_rows, fill_value=cfg.mp)
+  tail_index = tail_index.astype(jnp.int32)
+  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+
+  def sparse(_):
+    y, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu.T if gated else None, wd,
+                                               group=cfg.group, interpret=interpret)
+    xt = _rows(xp, tail_index)
+    gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
+    pt = jnp.maximum(gt, 0).astype(dt)                                   # [R, Hp]
+    if gated:
+      u = jnp.where(valid, u, 0).astype(dt)
+      ut = jnp.dot(xt, wu, preferred_element_type=_F32).astype(dt)
+      ht = (pt.astype(_F32) * ut.astype(_F32)).astype(dt)
+    else:
+      u = jnp.zeros((cfg.mp, 0), dt)
+      ut = jnp.zeros((cfg.tail_rows, 0), dt)
+      ht = pt
+    yt = jnp.dot(ht, wd, preferred_element_type=_F32).astype(dt)
+    y = y.at[tail_index].set(yt, mode="drop")
+    l1 = (jnp.sum(l1_rows) + jnp.sum(jnp.abs(ht.astype(_F32)))) / m
+    fired = jnp.zeros((cfg.hp,), bool).at[jnp.where(valid, cols, cfg.hp)].set(True, mode="drop")
+    fired = fired | jnp.any(gt > 0, axis=0)
+    return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pt, ut)
+
+  def dense(_):
+    y, l1, fired = _dense_ffn(x, w_gate, w_up, w_down)
+    res_shapes = jax.eval_shape(sparse, None)[3]
+    zeros = jax.tree.map(lambda s_: jnp.zeros(s_.shape, s_.dtype), res_shapes)
+    return y.astype(dt), l1, fired, zeros
+
+  y, l1, fired, (u, pt, ut) = lax.cond(exceeded, dense, sparse, None)
+  valid_rows = (jnp.arange(cfg.mp) < m)[:, None]
+  cnt = jnp.where(valid_rows, cnt, 0)
+  nnz = jnp.sum(cnt, dtype=_F32) / m
+  max_tile = jnp.max(cnt).astype(jnp.int32)
+  outputs = (y, l1, nnz, max_tile, heavy_rows, fired)
+  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, tail_index, pt, ut, exceeded)
+  return outputs, residuals
+
+
+# ----------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------
+
+def _csc(cfg: TrainConfig, cols, n):
+  """Sort the ELL entries by column: (col_ptr [Hp + 1], entry ids [Mp * Wk] in column order)."""
+  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+  key = jnp.where(valid, cols, cfg.hp).reshape(-1)
+  ids = jnp.arange(key.shape[0], dtype=jnp.int32)
+  skey, sid = lax.sort((key, ids), num_keys=1, is_stable=False)
+  col_ptr = jnp.searchsorted(skey, jnp.arange(cfg.hp + 1, dtype=jnp.int32),
+                             side="left").astype(jnp.int32)
+  return col_ptr, sid
+
+
+def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
+  x, w_gate, w_up, w_down, cols, p, u, n, tail_index, pt, ut, _ = residuals
+  m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
+  gated = w_gate is not None
+  xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
+  dyp = _pad(dy.astype(dt), (cfg.mp, cfg.dp))
+  c = (dl1.astype(_F32) / m).reshape(1)
+  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+
+  # Row side: dh, du, dg on the pattern and dx (kernel).
+  dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
+      dyp, cols, p, u if gated else None, n, c, wd, wu.T, wg.T if gated else None,
+      group=cfg.group, interpret=interpret)
+
+  # Column side: CSC of the pattern (XLA sort), weight gradients (kernel).
+  col_ptr, sid = _csc(cfg, cols, n)
+  flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]
+  rows_s = sid // cfg.wk
+  if gated:
+    h_ell = (p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32)
+    du_s = flat(du)
+  else:
+    h_ell = p.astype(_F32)
+    du_s = None
+  dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
+      xp, dyp, col_ptr, rows_s, du_s, flat(dg), flat(h_ell), group=cfg.group,
+      interpret=interpret)
+
+  # Dense tail rows (heavy rows, at most R).
+  w_in = wg if gated else wu
+  xt, dyt = _rows(xp, tail_index), _rows(dyp, tail_index)
+  ptf = pt.astype(_F32)
+  h_tail = (ptf * ut.astype(_F32)).astype(dt) if gated else pt
+  dht = jnp.dot(dyt, wd.T, preferred_element_type=_F32)
+  dht = jnp.where(pt > 0, dht + c[0] * jnp.sign(h_tail.astype(_F32)), 0)
+  dgt = (dht * ut.astype(_F32) if gated else dht).astype(dt)
+  dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+  dxt = dot(dgt, w_in.T)
+  dw_in = dwg_t.T + dot(xt.T, dgt)
+  dw_down = dwd + dot(h_tail.T, dyt)
+  if gated:
+    dut = (dht * ptf).astype(dt)
+    dxt = dxt + dot(dut, wu.T)
+    dw_up = dwu_t.T + dot(xt.T, dut)
+  dx = dx.at[tail_index].add(dxt, mode="drop")
+
+  crop_x = lambda a: a[:m, :d].astype(dt)
+  crop_w = lambda a: a[:d, :h].astype(dt)
+  if gated:
+    return crop_x(dx), crop_w(dw_in), crop_w(dw_up), dw_down[:h, :d].astype(dt)
+  return crop_x(dx), None, crop_w(dw_in), dw_down[:h, :d].astype(dt)
+
+
+def _dense_backward(residuals, dy, dl1):
+  x, w_gate, w_up, w_down = residuals[:4]
+  dt = x.dtype
+  fn = lambda *a: _dense_ffn(*a)[:2]
+  if w_gate is None:
+    _, vjp = jax.vjp(lambda x_, wu_, wd_: fn(x_, None, wu_, wd_), x, w_up, w_down)
+    dx, dwu, dwd = vjp((dy.astype(_F32), dl1.astype(_F32)))
+    return dx.astype(dt), None, dwu.astype(dt), dwd.astype(dt)
+  _, vjp = jax.vjp(fn, x, w_gate, w_up, w_down)
+  return tuple(g.astype(dt) for g in vjp((dy.astype(_F32), dl1.astype(_F32))))
+
+
+def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
+  """Gradients (dx, dw_gate or None, dw_up, dw_down) from the residuals of ``forward``.
+
+  ``cotangents`` = (dy, dl1, ...): the statistics other than l1 have no gradient.
+  """
+  dy, dl1 = cotangents[0], cotangents[1]
+  exceeded = residuals[-1]
+  return lax.cond(exceeded,
+                  lambda: _dense_backward(residuals, dy, dl1),
+                  lambda: _sparse_backward(cfg, residuals, dy, dl1, interpret))
+
+
+def residual_bytes(residuals) -> int:
+  """Bytes of the activation residuals (everything saved except the weights)."""
+  x, _, _, _, *rest = residuals
+  leaves = [x] + jax.tree.leaves(rest)
+  return sum(int(a.size) * a.dtype.itemsize for a in leaves)

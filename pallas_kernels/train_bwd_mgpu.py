@@ -1,0 +1,182 @@
+"""Training backward, sparse part (Mosaic GPU, Hopper): two kernels.
+
+``ell_bwd_rows`` (row side: SDDMM + two SpMMs), per token row r and ELL entry k < n_r with
+column j, gate value p and (gated) up value u, h = bf16(p * u) (non-gated: h = p):
+    dh_k = dy_r . W_down[j, :] + c * sign(h_k)         c = d(loss)/d(l1) / M  (L1 term)
+    gated:      du_k = dh_k * p_k ;  dg_k = dh_k * u_k
+                dx_r = sum_k du_k W_up^T[j, :] + dg_k W_gate^T[j, :]
+    non-gated:  dg_k = dh_k ;  dx_r = sum_k dg_k W_up^T[j, :]
+  Outputs dx [M, D] f32, du [M, Wk] f32 (gated), dg [M, Wk] f32 (slots k >= n_r: garbage).
+
+``csc_weight_grads`` (column side: the transposed products), per hidden column j over the
+pattern entries of column j, listed in column order (CSC: ``col_ptr`` [H + 1] into the sorted
+entry arrays ``rows`` / ``du`` / ``dg`` / ``h``, built by a sort of the ELL pattern in XLA):
+    dW_up^T[j]   = sum_e du_e x[rows_e]      (gated)
+    dW_gate^T[j] = sum_e dg_e x[rows_e]      (non-gated: this is dW_up^T)
+    dW_down[j]   = sum_e h_e dy[rows_e]
+  Outputs [H, D] f32 each; no atomics, every output row written once by its CTA.
+
+Both: one CTA (one warpgroup, 128 threads) per row / column, D-long f32 accumulators in registers
+(D/128 per thread), scalar GMEM reads for indices and coefficients, D-long contiguous row reads
+(weights [H, D] from L2; x / dy rows for the weight gradients), ``group`` entries side by side
+per step. No tensor cores. Requires D % 128 == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+
+_F32 = jnp.float32
+
+
+def _sign(v):
+  return jnp.where(v > 0, 1.0, jnp.where(v < 0, -1.0, 0.0)).astype(_F32)
+
+
+def _rows_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem, wup_gmem,
+                 wg_gmem, dx_gmem, du_gmem, dg_gmem, *, gated: bool, group: int):
+  r = lax.axis_index("r")
+  n = n_gmem[r]
+  c = c_gmem[0]
+  dy = dy_gmem[r, :].astype(_F32)
+  acc0 = dy * 0.0
+
+  def body(gi, acc):
+    ks = [gi * group + q for q in range(group)]
+    js = [cols_gmem[r, k] for k in ks]
+    ps = [p_gmem[r, k].astype(_F32) for k in ks]
+    wds = [wd_gmem[j, :] for j in js]
+    wus = [wup_gmem[j, :] for j in js]
+    if gated:
+      us = [u_gmem[r, k].astype(_F32) for k in ks]
+      wgs = [wg_gmem[j, :] for j in js]
+    for q in range(group):
+      if gated:
+        h = (ps[q] * us[q]).astype(jnp.bfloat16).astype(_F32)
+      else:
+        h = ps[q]
+      dh = jnp.sum(dy * wds[q].astype(_F32)) + c * _sign(h)
+      dh = jnp.where(ps[q] > 0, dh, 0.0)
+      if gated:
+        du = dh * ps[q]
+        dg = dh * us[q]
+        du_gmem[r, ks[q]] = du
+        dg_gmem[r, ks[q]] = dg
+        acc = acc + du * wus[q].astype(_F32) + dg * wgs[q].astype(_F32)
+      else:
+        dg_gmem[r, ks[q]] = dh
+        acc = acc + dh * wus[q].astype(_F32)
+    return acc
+
+  n_groups = (n + (group - 1)) // group
+  acc = lax.fori_loop(0, n_groups, body, acc0)
+  dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
+
+
+def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int = 4,
+                 interpret=False):
+  """(dx [M, D] f32, du [M, Wk] f32, dg [M, Wk] f32). Non-gated: u = w_gate_t = None.
+
+  dy [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p, u [M, Wk] bf16 (0 in unused
+  slots); n [M] int32; c [1] f32 (L1 coefficient dl1 / M); w_down, w_up_t, w_gate_t [H, D].
+  """
+  m, d = dy.shape
+  h, d2 = w_down.shape
+  wk = cols.shape[1]
+  gated = w_gate_t is not None
+  if d != d2 or d % 128 or wk % group or p.shape != (m, wk) or w_up_t.shape != (h, d):
+    raise ValueError(f"ell_bwd_rows: bad shapes {dy.shape=} {cols.shape=} {p.shape=} "
+                     f"{w_down.shape=} {w_up_t.shape=} {group=}")
+  if gated and (u.shape != (m, wk) or w_gate_t.shape != (h, d)):
+    raise ValueError(f"ell_bwd_rows: {u.shape=} {w_gate_t.shape=}")
+  if not gated:
+    u = jnp.zeros((8, 8), p.dtype)              # unused placeholder operands
+    w_gate_t = jnp.zeros((8, 128), w_down.dtype)
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_rows_kernel, gated=gated, group=group),
+        out_type=(jax.ShapeDtypeStruct((m, d), _F32),
+                  jax.ShapeDtypeStruct((m, wk) if gated else (1, 1), _F32),
+                  jax.ShapeDtypeStruct((m, wk), _F32)),
+        grid=(m,),
+        grid_names=("r",),
+        compiler_params=params,
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_bwd_rows" if gated else "twell_train_bwd_rows_ng",
+    )
+    return f(dy, cols, p, u, n, c.astype(_F32).reshape(1), w_down, w_up_t, w_gate_t)
+
+
+def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
+                 dwu_gmem, dwg_gmem, dwd_gmem, *, gated: bool, group: int):
+  j = lax.axis_index("j")
+  start = ptr_gmem[j]
+  end = ptr_gmem[j + 1]
+  last = rows_gmem.shape[0] - 1
+  zero = x_gmem[0, :].astype(_F32) * 0.0
+
+  def body(gi, carry):
+    acc_u, acc_g, acc_d = carry
+    es = [start + gi * group + q for q in range(group)]
+    valid = [e < end for e in es]
+    es = [jnp.minimum(e, last) for e in es]
+    ms = [rows_gmem[e] for e in es]
+    xs = [x_gmem[mm, :] for mm in ms]
+    dys = [dy_gmem[mm, :] for mm in ms]
+    for q in range(group):
+      xq = xs[q].astype(_F32)
+      a_g = jnp.where(valid[q], dg_gmem[es[q]], 0.0)
+      a_h = jnp.where(valid[q], h_gmem[es[q]], 0.0)
+      acc_g = acc_g + a_g * xq
+      acc_d = acc_d + a_h * dys[q].astype(_F32)
+      if gated:
+        a_u = jnp.where(valid[q], du_gmem[es[q]], 0.0)
+        acc_u = acc_u + a_u * xq
+    return acc_u, acc_g, acc_d
+
+  n_groups = (end - start + (group - 1)) // group
+  acc_u, acc_g, acc_d = lax.fori_loop(0, n_groups, body, (zero, zero, zero))
+  if gated:
+    dwu_gmem[j, :] = acc_u
+  dwg_gmem[j, :] = acc_g
+  dwd_gmem[j, :] = acc_d
+
+
+def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, interpret=False):
+  """(dW_up^T, dW_gate^T, dW_down), each [H, D] f32; dW_up^T is None when ``du`` is None.
+
+  x, dy [M, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each entry, sorted by
+  column); du, dg, h [E] f32 coefficients in the same order (non-gated: du None, dg = dh).
+  """
+  m, d = x.shape
+  hh = col_ptr.shape[0] - 1
+  e = rows.shape[0]
+  gated = du is not None
+  if dy.shape != (m, d) or d % 128 or dg.shape != (e,) or h.shape != (e,):
+    raise ValueError(f"csc_weight_grads: bad shapes {x.shape=} {dy.shape=} {rows.shape=} "
+                     f"{dg.shape=} {h.shape=}")
+  if not gated:
+    du = jnp.zeros((8,), _F32)
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_cols_kernel, gated=gated, group=group),
+        out_type=(jax.ShapeDtypeStruct((hh, d) if gated else (1, 128), _F32),
+                  jax.ShapeDtypeStruct((hh, d), _F32),
+                  jax.ShapeDtypeStruct((hh, d), _F32)),
+        grid=(hh,),
+        grid_names=("j",),
+        compiler_params=params,
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_wgrads" if gated else "twell_train_wgrads_ng",
+    )
+    dwu, dwg, dwd = f(x, dy, col_ptr, rows, du, dg, h)
+  return (dwu if gated else None), dwg, dwd
