@@ -86,6 +86,21 @@ def make_config(m: int, d: int, h: int, ell_width: int = 128, tail_rows=None, **
   return TrainConfig(m=m, d=d, h=h, ell_width=w, tail_rows=max(1, min(tail_rows, m)), **kw)
 
 
+def tail_buckets(cfg: TrainConfig) -> tuple[int, ...]:
+  """Static tail sizes; the smallest one holding the batch's heavy rows runs (``lax.switch``).
+
+  The dense tail products cost in proportion to the rows they process, so a batch with few
+  heavy rows should not pay for the full capacity R (the reference always pays 2048 rows).
+  """
+  r = cfg.tail_rows
+  return tuple(sorted({0, min(r, _round_up(-(-r // 16), 8)), min(r, _round_up(-(-r // 4), 8)), r}))
+
+
+def _bucket(cfg: TrainConfig, heavy_rows):
+  sizes = tail_buckets(cfg)
+  return sum((heavy_rows > s_).astype(jnp.int32) for s_ in sizes[:-1])
+
+
 def _pad(a, shape):
   if a is None or tuple(a.shape) == tuple(shape):
     return a
@@ -166,22 +181,35 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   def sparse(_):
     y, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu.T if gated else None, wd,
                                                group=cfg.group, interpret=interpret)
-    xt = _rows(xp, tail_index)
-    gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
-    pt = jnp.maximum(gt, 0).astype(dt)                                   # [R, Hp]
-    if gated:
-      u = jnp.where(valid, u, 0).astype(dt)
-      ut = jnp.dot(xt, wu, preferred_element_type=_F32).astype(dt)
-      ht = (pt.astype(_F32) * ut.astype(_F32)).astype(dt)
-    else:
-      u = jnp.zeros((cfg.mp, 0), dt)
-      ut = jnp.zeros((cfg.tail_rows, 0), dt)
-      ht = pt
-    yt = jnp.dot(ht, wd, preferred_element_type=_F32).astype(dt)
+    r = cfg.tail_rows
+
+    def tail(rb):
+      def f():
+        zf = jnp.zeros((r, cfg.hp if gated else 0), dt)
+        if rb == 0:
+          return (jnp.zeros((r, cfg.dp), dt), jnp.float32(0.0), jnp.zeros((cfg.hp,), bool),
+                  jnp.zeros((r, cfg.hp), dt), zf)
+        xt = _rows(xp, tail_index[:rb])
+        gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
+        pt = jnp.maximum(gt, 0).astype(dt)                               # [rb, Hp]
+        if gated:
+          ut = jnp.dot(xt, wu, preferred_element_type=_F32).astype(dt)
+          ht = (pt.astype(_F32) * ut.astype(_F32)).astype(dt)
+        else:
+          ut, ht = None, pt
+        yt = jnp.dot(ht, wd, preferred_element_type=_F32).astype(dt)
+        pad_r = lambda a: jnp.pad(a, ((0, r - rb), (0, 0)))
+        return (pad_r(yt), jnp.sum(jnp.abs(ht.astype(_F32))), jnp.any(gt > 0, axis=0),
+                pad_r(pt), pad_r(ut) if gated else zf)
+      return f
+
+    yt, l1t, fired_t, pt, ut = lax.switch(_bucket(cfg, heavy_rows),
+                                          [tail(rb) for rb in tail_buckets(cfg)])
     y = y.at[tail_index].set(yt, mode="drop")
-    l1 = (jnp.sum(l1_rows) + jnp.sum(jnp.abs(ht.astype(_F32)))) / m
+    u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
+    l1 = (jnp.sum(l1_rows) + l1t) / m
     fired = jnp.zeros((cfg.hp,), bool).at[jnp.where(valid, cols, cfg.hp)].set(True, mode="drop")
-    fired = fired | jnp.any(gt > 0, axis=0)
+    fired = fired | fired_t
     return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pt, ut)
 
   def dense(_):
@@ -196,7 +224,7 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   nnz = jnp.sum(cnt, dtype=_F32) / m
   max_tile = jnp.max(cnt).astype(jnp.int32)
   outputs = (y, l1, nnz, max_tile, heavy_rows, fired)
-  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, tail_index, pt, ut, exceeded)
+  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, tail_index, heavy_rows, pt, ut, exceeded)
   return outputs, residuals
 
 
@@ -209,14 +237,14 @@ def _csc(cfg: TrainConfig, cols, n):
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
   key = jnp.where(valid, cols, cfg.hp).reshape(-1)
   ids = jnp.arange(key.shape[0], dtype=jnp.int32)
-  skey, sid = lax.sort((key, ids), num_keys=1, is_stable=False)
-  col_ptr = jnp.searchsorted(skey, jnp.arange(cfg.hp + 1, dtype=jnp.int32),
-                             side="left").astype(jnp.int32)
+  _, sid = lax.sort((key, ids), num_keys=1, is_stable=False)
+  hist = jnp.zeros((cfg.hp,), jnp.int32).at[key].add(1, mode="drop")
+  col_ptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist, dtype=jnp.int32)])
   return col_ptr, sid
 
 
 def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
-  x, w_gate, w_up, w_down, cols, p, u, n, tail_index, pt, ut, _ = residuals
+  x, w_gate, w_up, w_down, cols, p, u, n, tail_index, heavy_rows, pt, ut, _ = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
@@ -243,29 +271,44 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
       xp, dyp, col_ptr, rows_s, du_s, flat(dg), flat(h_ell), group=cfg.group,
       interpret=interpret)
 
-  # Dense tail rows (heavy rows, at most R).
+  # Dense tail rows (heavy rows, at most R; the smallest static bucket that holds them).
   w_in = wg if gated else wu
-  xt, dyt = _rows(xp, tail_index), _rows(dyp, tail_index)
-  ptf = pt.astype(_F32)
-  h_tail = (ptf * ut.astype(_F32)).astype(dt) if gated else pt
-  dht = jnp.dot(dyt, wd.T, preferred_element_type=_F32)
-  dht = jnp.where(pt > 0, dht + c[0] * jnp.sign(h_tail.astype(_F32)), 0)
-  dgt = (dht * ut.astype(_F32) if gated else dht).astype(dt)
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-  dxt = dot(dgt, w_in.T)
-  dw_in = dwg_t.T + dot(xt.T, dgt)
-  dw_down = dwd + dot(h_tail.T, dyt)
-  if gated:
-    dut = (dht * ptf).astype(dt)
-    dxt = dxt + dot(dut, wu.T)
-    dw_up = dwu_t.T + dot(xt.T, dut)
-  dx = dx.at[tail_index].add(dxt, mode="drop")
-
   crop_x = lambda a: a[:m, :d].astype(dt)
   crop_w = lambda a: a[:d, :h].astype(dt)
+
+  def tail(rb):
+    def f(dx, dwg_t, dwu_t, dwd):
+      if rb == 0:
+        dw_in, dw_up, dw_down = dwg_t.T, (dwu_t.T if gated else None), dwd
+      else:
+        idx = tail_index[:rb]
+        xt, dyt = _rows(xp, idx), _rows(dyp, idx)
+        ptr, utr = pt[:rb], (ut[:rb] if gated else None)
+        ptf = ptr.astype(_F32)
+        h_tail = (ptf * utr.astype(_F32)).astype(dt) if gated else ptr
+        dht = dot(dyt, wd.T)
+        dht = jnp.where(ptr > 0, dht + c[0] * jnp.sign(h_tail.astype(_F32)), 0)
+        dgt = (dht * utr.astype(_F32) if gated else dht).astype(dt)
+        dxt = dot(dgt, w_in.T)
+        dw_in = dwg_t.T + dot(xt.T, dgt)
+        dw_down = dwd + dot(h_tail.T, dyt)
+        dw_up = None
+        if gated:
+          dut = (dht * ptf).astype(dt)
+          dxt = dxt + dot(dut, wu.T)
+          dw_up = dwu_t.T + dot(xt.T, dut)
+        dx = dx.at[idx].add(dxt, mode="drop")
+      return (crop_x(dx), crop_w(dw_in), None if dw_up is None else crop_w(dw_up),
+              dw_down[:h, :d].astype(dt))
+    return f
+
+  dx, dw_in, dw_up, dw_down = lax.switch(_bucket(cfg, heavy_rows),
+                                         [tail(rb) for rb in tail_buckets(cfg)],
+                                         dx, dwg_t, dwu_t, dwd)
   if gated:
-    return crop_x(dx), crop_w(dw_in), crop_w(dw_up), dw_down[:h, :d].astype(dt)
-  return crop_x(dx), None, crop_w(dw_in), dw_down[:h, :d].astype(dt)
+    return dx, dw_in, dw_up, dw_down
+  return dx, None, dw_in, dw_down
 
 
 def _dense_backward(residuals, dy, dl1):

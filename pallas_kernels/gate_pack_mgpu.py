@@ -62,8 +62,13 @@ CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
 
 
-def _pack_tile(acc, slots: int):
-  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32)."""
+def _pack_tile(acc, slots: int, cnt_smem):
+  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32).
+
+  ``cnt_smem`` is this warpgroup's own [64] int32 scratch: the loop bound (max count over the
+  64 rows) is read back from it with scalar loads instead of a cross-warp array reduction,
+  whose shared reduction scratch both compute warpgroups would race on.
+  """
   pos = acc > 0
   # bf16(acc) widened back to f32 has zero low half: its high half is the bf16 bit pattern.
   bits = lax.shift_right_arithmetic(
@@ -73,7 +78,10 @@ def _pack_tile(acc, slots: int):
   # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
   key = jnp.where(jnp.logical_not(pos), common.EMPTY_WORD, col * 65536 + bits)
   cnt = jnp.sum(pos.astype(jnp.int32), axis=1)                     # [64], row layout
-  n_iter = jnp.max(jnp.where(cnt <= slots, cnt, 0))
+  cnt_smem[...] = jnp.where(cnt <= slots, cnt, 0)
+  n_iter = cnt_smem[0]
+  for i in range(1, WG_M):
+    n_iter = jnp.maximum(n_iter, cnt_smem[i])
   slot_iota = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
   words0 = slot_iota * 0 + common.EMPTY_WORD
@@ -130,9 +138,10 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
       words_smem=plgpu.SMEM((2, WG_M, slots), jnp.int32, transforms=words_tr),
       counts_smem=plgpu.SMEM((2, WG_M, common.COUNT_LANES), jnp.int32,
                              transforms=counts_tr),
+      cnt_smem=plgpu.SMEM((2, WG_M), jnp.int32),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, words_smem, counts_smem):
+  def _scope(pipeline_allocs, words_smem, counts_smem, cnt_smem):
     wg = lax.axis_index("wg")
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -146,7 +155,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
-          words, counts = _pack_tile(acc_ref[...], slots)
+          words, counts = _pack_tile(acc_ref[...], slots, cnt_smem.at[wg])
           # The previous tile's TMA stores must be done reading our staging buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           words_smem[wg] = words
@@ -220,3 +229,20 @@ def unpack_to_dense(words, counts, n: int, compression: int = 8, dtype=jnp.bfloa
   out = jnp.zeros((m, n), dtype)
   rows = jnp.broadcast_to(jnp.arange(m)[:, None, None], col.shape)
   return out.at[rows, col].set(val, mode="drop")
+
+
+def pack_reference(g, compression: int = 8):
+  """Pure-JAX packer of relu(g) (g [M, N] f32) into the internal layout (tests, diagnostics)."""
+  m, n = g.shape
+  s = common.TILE_N // compression
+  t = n // common.TILE_N
+  g = g.reshape(m, t, common.TILE_N)
+  pos = g > 0
+  bits = lax.shift_right_logical(
+      lax.bitcast_convert_type(g.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32), 16)
+  key = jnp.where(pos, (jnp.arange(common.TILE_N) << 16)[None, None, :] | bits,
+                  common.EMPTY_WORD)
+  words = jnp.sort(key, axis=-1)[..., :s].reshape(m, t * s)
+  cnt = jnp.sum(pos, axis=-1).astype(jnp.int32)
+  counts = jnp.repeat(cnt[..., None], common.COUNT_LANES, -1).reshape(m, -1)
+  return words, counts
