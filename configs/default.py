@@ -24,6 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
       ffn_implementation=config_dict.placeholder(str),
       dtype="bfloat16", param_dtype="float32",
       remat=False,            # jax.checkpoint each block (memory for compute)
+      scan_layers=False,      # lax.scan over stacked layers: depth-independent
+                              # compile time (checkpoints differ in layout)
   ))
 
   c.data = ml_collections.ConfigDict(dict(

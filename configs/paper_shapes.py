@@ -11,7 +11,8 @@ from configs import default
 def get_paper_config(n_layers: int, variant: str | None = None):
   c = default.get_config()
   c.model.update(d_model=2048, d_ff=5632, n_heads=32, n_kv_heads=32,
-                 n_layers=n_layers, vocab_size=32_000, remat=True)
+                 n_layers=n_layers, vocab_size=32_000, remat=True,
+                 scan_layers=True)
   c.data.update(dataset="c4/en", seq_len=2048, tokenizer="sentencepiece")
   c.batch_size = 256
   c.grad_accum_steps = 8

@@ -72,6 +72,27 @@ class ModelTest(tu.FastCompile, parameterized.TestCase):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                          atol=1e-7), *outs)
 
+  @parameterized.parameters(False, True)
+  def test_scan_layout_matches_loop_layout(self, remat):
+    loop = model_lib.LanguageModel(_cfg(n_layers=3))
+    scan = model_lib.LanguageModel(_cfg(n_layers=3, scan_layers=True,
+                                        remat=remat))
+    p_loop = loop.init_params(jax.random.key(4))
+    p_scan = {k: v for k, v in p_loop.items() if k != "blocks"}
+    p_scan["blocks"] = jax.tree.map(lambda *a: jnp.stack(a),
+                                    *[p_loop["blocks"][l] for l in range(3)])
+    self.assertEqual(jax.tree.structure(p_scan),
+                     jax.tree.structure(scan.init_params(jax.random.key(0))))
+    tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, 67)
+    (la, sa), (lb, sb) = loop.apply(p_loop, tokens), scan.apply(p_scan, tokens)
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(sa.fired, sb.fired)
+    np.testing.assert_allclose(sa.l1, sb.l1, rtol=1e-5)
+    # stacked_ffn gives the same [L, D, H] view of both layouts.
+    jax.tree.map(np.testing.assert_array_equal,
+                 model_lib.stacked_ffn(p_loop, 3),
+                 model_lib.stacked_ffn(p_scan, 3))
+
   @parameterized.parameters(("dense", "silu"), ("dense", "relu"))
   def test_dense_baseline(self, implementation, activation):
     lm = model_lib.LanguageModel(_cfg(ffn_implementation=implementation,

@@ -4,8 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import train_test_util as tu
+from train import model as model_lib
 from train import optim
 from train import sparsity
 from train import steps as steps_lib
@@ -48,9 +50,10 @@ class L1AndCountersTest(absltest.TestCase):
                      {"embed": True, "norm": {"scale": False}})
 
 
-class DeadReinitTest(tu.FastCompile, absltest.TestCase):
+class DeadReinitTest(tu.FastCompile, parameterized.TestCase):
 
-  def test_forced_dead_gate_column_is_reinitialized(self):
+  @parameterized.named_parameters(("loop", False), ("scan", True))
+  def test_forced_dead_gate_column_is_reinitialized(self, scan_layers):
     # Column j of layer 0's gate is zero, so relu(x @ w_gate[:, j]) = 0 for
     # every token: the feature never fires. With a window of one step's
     # tokens and re-init every 2 steps, step 2 must redraw exactly the dead
@@ -58,18 +61,21 @@ class DeadReinitTest(tu.FastCompile, absltest.TestCase):
     cfg = tu.micro_config(dead_reinit=True, dead_reinit_every=2,
                           l1_coeff=0.0, learning_rate=1e-3, warmup_steps=0)
     cfg.dead_window_tokens = cfg.batch_size * cfg.data.seq_len
+    cfg.model.scan_layers = scan_layers
     tr = train_lib.Trainer(cfg)
     state = tr.init_state(jax.random.key(0))
-    j = 17
-    gate = state["params"]["blocks"][0]["ffn"]["w_gate"]
-    state["params"]["blocks"][0]["ffn"]["w_gate"] = gate.at[:, j].set(0.0)
+    j, n_layers = 17, cfg.model.n_layers
+    ffn = lambda tree: model_lib.stacked_ffn(tree, n_layers)
+    gate = ffn(state["params"])["w_gate"]
+    state["params"] = model_lib.with_stacked_ffn(
+        state["params"], {"w_gate": gate.at[0, :, j].set(0.0)})
     step = jax.jit(steps_lib.make_train_step(tr.lm, tr.tx, cfg))
     rng = np.random.default_rng(0)
     batch = lambda: jnp.asarray(
         rng.integers(3, 259, (1, cfg.batch_size, cfg.data.seq_len + 1)),
         jnp.int32)
     state, m1 = step(state, batch())
-    w1 = state["params"]["blocks"][0]["ffn"]["w_gate"]
+    w1 = ffn(state["params"])["w_gate"][0]
     self.assertTrue(bool(jnp.all(w1[:, j] == 0)))  # no gradient, no decay
     self.assertEqual(int(m1["dead_reinit"]), 0)
     self.assertGreater(float(m1["dead_fraction"][0]), 0)
@@ -77,20 +83,20 @@ class DeadReinitTest(tu.FastCompile, absltest.TestCase):
                                                 cfg.dead_window_tokens))
     self.assertTrue(dead_before[0, j])
     state, m2 = step(state, batch())
-    w2 = state["params"]["blocks"][0]["ffn"]["w_gate"]
+    w2 = ffn(state["params"])["w_gate"][0]
     self.assertGreaterEqual(int(m2["dead_reinit"]), 1)
     col = np.asarray(w2[:, j])
     self.assertTrue(np.all(col != 0))
     self.assertLess(abs(col.std() - 0.02), 0.012)  # drawn from N(0, 0.02^2)
     self.assertEqual(int(state["since"][0, j]), 0)
     adam = state["opt_state"][1][0]  # chain(clip, adamw)[1] -> ScaleByAdam
-    self.assertTrue(bool(jnp.all(
-        adam.mu["blocks"][0]["ffn"]["w_gate"][:, j] == 0)))
-    self.assertTrue(bool(jnp.all(
-        adam.nu["blocks"][0]["ffn"]["w_gate"][:, j] == 0)))
+    for moment in (adam.mu, adam.nu):
+      m = ffn(moment)["w_gate"]
+      self.assertTrue(bool(jnp.all(m[0, :, j] == 0)))
+      self.assertFalse(bool(jnp.all(m[0, :, j + 1] == 0)))  # others kept
     # w_up / w_down of the revived feature are kept, not redrawn.
-    self.assertFalse(bool(jnp.all(
-        state["params"]["blocks"][0]["ffn"]["w_up"][:, j] == 0)))
+    self.assertFalse(bool(jnp.all(ffn(state["params"])["w_up"][0, :, j]
+                                  == 0)))
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@ Shapes: B batch, T sequence, D d_model, H d_ff (FFN hidden width), V vocab,
 N query heads, K key/value heads (N % K == 0), E head dim (D = N * E).
 Embeddings are tied: logits[B, T, V] = RMSNorm(x_L) @ embedding[V, D]^T (f32).
 
-Layers are a Python loop over an `nnx.List` of blocks rather than `nnx.scan`
-over stacked parameters: FeedForward is someone else's module whose
-parameters must keep their natural [D, H] layout for the sparse kernels and for
-per-layer dead-neuron surgery, and a loop keeps both simple. The price is a
-compile time that grows with depth; `remat=True` wraps each block in
-`nnx.remat` to bound activation memory on deep configs.
+Two layer layouts (config `scan_layers`):
+  * loop (default): params["blocks"][l] holds layer l; the forward pass is a
+    Python loop, so compile time grows with depth;
+  * scan: params["blocks"] is one block's params with a leading [L] axis on
+    every leaf, and the forward pass is `lax.scan` over it: one block is
+    compiled once whatever the depth (the paper configs use this). Each step
+    of the scan merges the layer's slice into the same Block module, so
+    `twell_jax.FeedForward` is used unchanged.
+`remat=True` wraps each block in `jax.checkpoint` to bound activation memory.
 
 The model is used functionally by the trainer: `init_params` returns a plain
 nested dict of arrays (what optax and orbax see) and `apply` merges it into
@@ -52,6 +55,7 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: bool = False
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.d_model % self.n_heads:
@@ -153,33 +157,49 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """tokens [B, T] int32 -> (logits [B, T, V] f32, per-layer FFNStats)."""
+  """tokens [B, T] int32 -> (logits [B, T, V] f32, per-layer FFNStats).
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  With blocks=False it holds only the embedding and the final norm (the scan
+  layout keeps the blocks' params outside, see LanguageModel).
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, blocks=True):
     self.cfg = cfg
     pd = DTYPES[cfg.param_dtype]
     self.embed = nnx.Param(
         nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    if blocks:
+      self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
 
+  def embed_tokens(self, tokens):
+    return jnp.take(self.embed[...], tokens, axis=0).astype(
+        DTYPES[self.cfg.dtype])
+
+  def logits(self, x):
+    x = self.final_norm(x)
+    return jnp.einsum("btd,vd->btv", x.astype(jnp.float32),
+                      self.embed[...].astype(jnp.float32))
+
   def __call__(self, tokens):
-    cfg = self.cfg
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(DTYPES[cfg.dtype])
+    x = self.embed_tokens(tokens)
     all_stats = []
     for block in self.blocks:
-      if cfg.remat:
+      if self.cfg.remat:
         x, stats = nnx.remat(lambda blk, h: blk(h))(block, x)
       else:
         x, stats = block(x)
       all_stats.append(stats)
-    x = self.final_norm(x)
-    logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32),
-                        self.embed[...].astype(jnp.float32))
     # Stack per-layer stats: every FFNStats leaf gains a leading [L] axis.
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *all_stats)
-    return logits, stacked
+    return self.logits(x), stacked
+
+
+def _merge(graphdef, template, params: dict):
+  state = jax.tree.map(lambda v: v, template)
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
 
 
 class LanguageModel:
@@ -187,26 +207,76 @@ class LanguageModel:
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    scan = cfg.scan_layers
+    abstract = nnx.eval_shape(
+        lambda: Transformer(cfg, nnx.Rngs(0), blocks=not scan))
     self._graphdef, self._template = nnx.split(abstract)
+    if scan:
+      block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
+      self._block_graphdef, self._block_template = nnx.split(block)
 
   def init_params(self, key: jax.Array) -> dict:
     """Random parameters as a nested dict of arrays (keys follow the module)."""
-    model = Transformer(self.cfg, nnx.Rngs(params=key))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    cfg = self.cfg
+    if not cfg.scan_layers:
+      model = Transformer(cfg, nnx.Rngs(params=key))
+      return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    outer_key, blocks_key = jax.random.split(key)
+    outer = Transformer(cfg, nnx.Rngs(params=outer_key), blocks=False)
+    params = nnx.to_pure_dict(nnx.state(outer, nnx.Param))
+
+    def one_block(k):
+      return nnx.to_pure_dict(
+          nnx.state(Block(cfg, nnx.Rngs(params=k)), nnx.Param))
+
+    params["blocks"] = jax.vmap(one_block)(
+        jax.random.split(blocks_key, cfg.n_layers))
+    return params
 
   def bind(self, params: dict) -> Transformer:
-    state = jax.tree.map(lambda v: v, self._template)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(self._graphdef, state)
+    """The Transformer module (loop layout only)."""
+    if self.cfg.scan_layers:
+      raise ValueError("bind() needs scan_layers=False; use apply()")
+    return _merge(self._graphdef, self._template, params)
 
   def apply(self, params: dict, tokens: jax.Array):
-    return self.bind(params)(tokens)
+    if not self.cfg.scan_layers:
+      return self.bind(params)(tokens)
+    outer_params = {k: v for k, v in params.items() if k != "blocks"}
+    outer = _merge(self._graphdef, self._template, outer_params)
+
+    def layer(x, block_params):
+      block = _merge(self._block_graphdef, self._block_template,
+                     block_params)
+      return block(x)
+
+    if self.cfg.remat:
+      layer = jax.checkpoint(layer)
+    x, stats = jax.lax.scan(layer, outer.embed_tokens(tokens),
+                            params["blocks"])
+    return outer.logits(x), stats
 
 
-def ffn_param_path(layer: int) -> tuple:
-  """Key path of layer `layer`'s FeedForward inside the params dict."""
-  return ("blocks", layer, "ffn")
+def stacked_ffn(params: dict, n_layers: int) -> dict:
+  """Layer FFN weights as {name: [L, ...]} for either layout."""
+  blocks = params["blocks"]
+  if "ffn" in blocks:  # scan layout: already stacked
+    return dict(blocks["ffn"])
+  names = blocks[0]["ffn"].keys()
+  return {n: jnp.stack([blocks[l]["ffn"][n] for l in range(n_layers)])
+          for n in names}
+
+
+def with_stacked_ffn(params: dict, ffn: dict) -> dict:
+  """Inverse of stacked_ffn: params with FFN weights replaced by `ffn`."""
+  blocks = params["blocks"]
+  if "ffn" in blocks:
+    return {**params, "blocks": {**blocks, "ffn": {**blocks["ffn"], **ffn}}}
+  new_blocks = {
+      l: {**blocks[l], "ffn": {**blocks[l]["ffn"],
+                               **{n: w[i] for n, w in ffn.items()}}}
+      for i, l in enumerate(sorted(blocks))}
+  return {**params, "blocks": new_blocks}
 
 
 def count_params(params) -> int:

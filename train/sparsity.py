@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from train import model as model_lib
+
 _SATURATE = 1 << 30
 
 
@@ -55,39 +57,32 @@ def dead_mask(since: jax.Array, window: int) -> jax.Array:
   return since >= window
 
 
-def _gate_name(ffn_params: dict) -> str:
-  return "w_gate" if "w_gate" in ffn_params else "w_up"
-
-
 def reinit_dead(params: dict, opt_state, tx, since: jax.Array, window: int,
                 key: jax.Array, init_std: float):
   """Redraws dead gate columns; returns (params, opt_state, since, n_reinit).
 
-  params["blocks"][l]["ffn"] holds layer l's FeedForward weights.
+  Works for both layer layouts of train.model (loop and scan): the FFN
+  weights are viewed stacked as [L, D, H] and written back.
   """
+  n_layers = since.shape[0]
   dead = dead_mask(since, window)  # [L, H]
-  blocks = params["blocks"]
-  new_blocks = dict(blocks)
-  # Column masks shaped like the params (False elsewhere) for the opt state.
-  col_masks = jax.tree.map(lambda p: jnp.zeros((), bool), params)
-  col_masks = {**col_masks, "blocks": dict(col_masks["blocks"])}
-  for l, layer in enumerate(sorted(blocks)):
-    ffn = blocks[layer]["ffn"]
-    name = _gate_name(ffn)
-    w = ffn[name]  # [D, H]
-    fresh = init_std * jax.random.normal(jax.random.fold_in(key, l), w.shape,
-                                         jnp.float32).astype(w.dtype)
-    col = dead[l][None, :]
-    new_blocks[layer] = {**blocks[layer],
-                         "ffn": {**ffn, name: jnp.where(col, fresh, w)}}
-    m = col_masks["blocks"][layer]
-    col_masks["blocks"][layer] = {**m, "ffn": {**m["ffn"], name: col}}
-  params = {**params, "blocks": new_blocks}
+  ffn = model_lib.stacked_ffn(params, n_layers)
+  name = "w_gate" if "w_gate" in ffn else "w_up"  # non-gated: w_up gates
+  w = ffn[name]  # [L, D, H]
+  fresh = (init_std * jax.random.normal(key, w.shape, jnp.float32)).astype(
+      w.dtype)
+  cols = dead[:, None, :]  # [L, 1, H]
+  params = model_lib.with_stacked_ffn(params, {name: jnp.where(cols, fresh,
+                                                                w)})
+  # A tree shaped like the params: True on the revived columns of the gate
+  # (broadcast over D), False elsewhere; it selects the Adam moments to zero.
+  no = jax.tree.map(lambda p: jnp.zeros((), bool), params)
+  masks = model_lib.with_stacked_ffn(no, {name: cols})
 
   def zero_moments(leaf, mask):
     return jnp.where(mask, jnp.zeros_like(leaf), leaf)
 
   opt_state = optax.tree_utils.tree_map_params(tx, zero_moments, opt_state,
-                                               col_masks)
+                                               masks)
   since = jnp.where(dead, 0, since)
   return params, opt_state, since, jnp.sum(dead)
