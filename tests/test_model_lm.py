@@ -45,8 +45,9 @@ class ModelTest(tu.FastCompile, parameterized.TestCase):
     params = lm.init_params(jax.random.key(1))
     t = jax.random.randint(jax.random.key(2), (1, 10), 0, 67)
     t2 = t.at[0, 6].set((t[0, 6] + 1) % 67)
-    a, _ = lm.apply(params, t)
-    b, _ = lm.apply(params, t2)
+    apply = jax.jit(lm.apply)
+    a, _ = apply(params, t)
+    b, _ = apply(params, t2)
     np.testing.assert_allclose(a[:, :6], b[:, :6], rtol=1e-5, atol=1e-5)
     self.assertGreater(float(jnp.max(jnp.abs(a[:, 6:] - b[:, 6:]))), 1e-4)
 
@@ -65,10 +66,10 @@ class ModelTest(tu.FastCompile, parameterized.TestCase):
     tokens = jnp.ones((2, 8), jnp.int32)
     outs = []
     for remat in (False, True):
-      lm = model_lib.LanguageModel(_cfg(remat=remat))
+      lm = model_lib.LanguageModel(_cfg(remat=remat, n_layers=1))
       params = lm.init_params(jax.random.key(3))
       loss = lambda p, lm=lm: (lm.apply(p, tokens)[0] ** 2).mean()
-      outs.append(jax.grad(loss)(params))
+      outs.append(jax.jit(jax.grad(loss))(params))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                          atol=1e-7), *outs)
 
@@ -84,7 +85,8 @@ class ModelTest(tu.FastCompile, parameterized.TestCase):
     self.assertEqual(jax.tree.structure(p_scan),
                      jax.tree.structure(scan.init_params(jax.random.key(0))))
     tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, 67)
-    (la, sa), (lb, sb) = loop.apply(p_loop, tokens), scan.apply(p_scan, tokens)
+    (la, sa), (lb, sb) = (jax.jit(loop.apply)(p_loop, tokens),
+                          jax.jit(scan.apply)(p_scan, tokens))
     np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(sa.fired, sb.fired)
     np.testing.assert_allclose(sa.l1, sb.l1, rtol=1e-5)
