@@ -107,7 +107,9 @@ class Trainer:
 
   def evaluate(self, params, batches) -> dict:
     """Held-out loss, perplexity and per-layer sparsity over `batches`."""
-    eval_step = jax.jit(steps_lib.make_eval_step(self.lm))
+    if not hasattr(self, "_eval_step"):  # compile once per Trainer
+      self._eval_step = jax.jit(steps_lib.make_eval_step(self.lm))
+    eval_step = self._eval_step
     tot = None
     for b in batches:
       out = eval_step(params, self.put_batch(b, self.eval_sharding))
@@ -269,11 +271,12 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         writer.write_scalars(done, last)
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
+        t_eval = time.time()
         ev = tr.evaluate(state["params"], eval_data)
         logging.info("eval step %d: %s", done, json.dumps(ev))
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))
-        t_last = time.time()  # Exclude eval time from tokens/s.
+        t_last += time.time() - t_eval  # Exclude eval time from tokens/s.
       final = done == cfg.num_train_steps
       # checkpoint_every <= 0 disables saving (benchmarks).
       if cfg.checkpoint_every > 0 and (final or mngr.should_save(done)):
