@@ -60,9 +60,9 @@ def check_forward(tc, x, wg, wu, wd, y, stats, *, capacity_exceeded=None):
   tc.assertLess(rel, 1.5e-2)
   np.testing.assert_allclose(y32, ref, atol=6e-2, rtol=6e-2)
   # Stats against the reference (gate activity from the f32 pre-activations).
-  f = lambda a: np.asarray(a, np.float32)
-  pre = f(x) @ f(wg if wg is not None else wu)
-  act = pre > 0
+  f = lambda a: a.astype(jnp.float32)
+  pre = jnp.dot(f(x), f(wg if wg is not None else wu), precision=jax.lax.Precision.HIGHEST)
+  act = np.asarray(pre > 0)
   hp = ffn_mgpu._round_up(act.shape[1], 256)
   act_p = np.pad(act, ((0, 0), (0, hp - act.shape[1])))
   tile_cnt = act_p.reshape(act.shape[0], -1, 256).sum(-1)
