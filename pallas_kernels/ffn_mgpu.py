@@ -36,8 +36,8 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
-def supports(x, w_gate, w_up, w_down) -> str | None:
-  """None if the kernels can run this call on the default backend, else a reason string."""
+def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
+  """None if the kernels can run this call (on the default backend, or in the interpreter), else a reason."""
   if getattr(x, "ndim", None) != 2:
     return f"x must be 2-D [M, D], got shape {getattr(x, 'shape', None)}"
   for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
@@ -55,7 +55,7 @@ def supports(x, w_gate, w_up, w_down) -> str | None:
     return f"w_down must be [H={h}, D={d}], got {w_down.shape}"
   if _round_up(h, common.TILE_N) > 65536:
     return f"H={h} exceeds the 16-bit column field of the packed words"
-  if not common.on_hopper():
+  if not interpret and not common.on_hopper():
     return "needs a Hopper GPU (sm_90) as the default device, or interpret=True"
   return None
 

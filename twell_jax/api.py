@@ -76,7 +76,7 @@ def _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret: bool) -> Opt
     return "the Pallas Mosaic GPU kernels (pallas_kernels.ffn_mgpu) are not available in this install"
   if not interpret and jax.default_backend() != "gpu":
     return f"no GPU backend (default backend is {jax.default_backend()!r}); pass interpret=True to run the kernels in the interpreter"
-  return mod.supports(x2, w_gate, w_up, w_down)
+  return mod.supports(x2, w_gate, w_up, w_down, interpret=interpret)
 
 
 def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret: bool = False) -> str:
