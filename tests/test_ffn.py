@@ -195,3 +195,16 @@ def test_other_float_dtypes(dtype, tol):
   g = jax.grad(lambda a: jnp.sum(tj.ffn(a, wg, wu, wd, implementation="xla", ell_width=32).astype(F32)))(x)
   g_ref = jax.grad(lambda a: jnp.sum(tj.reference_ffn(a, wg, wu, wd)[0]))(x.astype(F32))
   assert g.dtype == dtype and _rel(g, g_ref) < 10 * tol
+
+
+def test_mosaic_gpu_in_interpreter_through_public_api():
+  """implementation="mosaic_gpu" (and None) with interpret=True run the Pallas kernels on the CPU."""
+  x, wg, wu, wd = ffn_inputs(jax.random.key(11), 70, 64, 256, active_fraction=0.05,
+                             heavy_fraction=0.03, empty_fraction=0.1)
+  y_ref, l1_ref = tj.reference_ffn(x, wg, wu, wd)
+  y, st = tj.ffn(x, wg, wu, wd, implementation="mosaic_gpu", interpret=True, return_stats=True)
+  assert _rel(y, y_ref) < TOL["y"] and _rel(st.l1, l1_ref) < TOL["y"]
+  assert int(st.overflow_rows) >= 3          # the heavy rows overflow their 32-slot tiles
+  np.testing.assert_array_equal(np.asarray(st.fired), _active_mask(x, wg, wu).any(0))
+  y_auto = tj.ffn(x, wg, wu, wd, interpret=True)   # None picks the kernels when interpreting
+  np.testing.assert_array_equal(np.asarray(y_auto, np.float32), np.asarray(y, np.float32))
