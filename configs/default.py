@@ -71,3 +71,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 1000
   c.keep_checkpoints = 3
   return c
+
+
+def apply_variant(c: ml_collections.ConfigDict, variant: str | None):
+  """`--config=configs/X.py:dense` gives the dense-FFN baseline (SiLU-gated, no L1) of X."""
+  if variant == "dense":
+    c.model.ffn_implementation = "dense"
+    c.model.ffn_activation = "silu"
+    c.l1_coeff = 0.0
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r}; expected 'dense' or none")
+  return c

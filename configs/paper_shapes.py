@@ -19,10 +19,4 @@ def get_paper_config(n_layers: int, variant: str | None = None):
   c.learning_rate = 3e-4
   c.warmup_steps = 2000
   c.num_train_steps = 50_000
-  if variant == "dense":
-    c.model.ffn_implementation = "dense"
-    c.model.ffn_activation = "silu"
-    c.l1_coeff = 0.0
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r}; expected 'dense' or none")
-  return c
+  return default.apply_variant(c, variant)

@@ -17,10 +17,4 @@ def get_config(variant: str | None = None):
   c.learning_rate = 6e-4
   c.warmup_steps = 1000
   c.log_every = 50
-  if variant == "dense":
-    c.model.ffn_implementation = "dense"
-    c.model.ffn_activation = "silu"
-    c.l1_coeff = 0.0
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r}; expected 'dense' or none")
-  return c
+  return default.apply_variant(c, variant)
