@@ -3,10 +3,13 @@ r"""Forward + backward benchmark of the sparse FFN (training): mosaic_gpu vs XLA
     python -m pallas_kernels.bench_train --specs=paper_16k,paper_16k_heavy --out=/tmp/t.json
 
 Timed unit: ``jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))`` with
-loss = sum(y * ct) + lam * stats.l1 (ct a fixed random cotangent, lam = 2e-5), i.e. the forward
-and every gradient, for each implementation, in one process. Median of synchronized wall-clock
-calls after warm-up. Also reported: bytes saved for the backward (``saved_residuals``, weights
-excluded, x included for every implementation) and a per-part breakdown of the mosaic path.
+loss = sum(y * ct) + lam * l1 (ct a fixed random cotangent, lam = 2e-5), i.e. the forward
+and every gradient, for each implementation, in one process. Implementations: "dense" (the
+XLA dense baseline, bf16 intermediates: ``xla_dense_ffn``; ratios are against it),
+"mosaic_gpu", "twell_dense" (``twell_jax.ffn(implementation="dense")``) and "xla".
+Median of synchronized wall-clock calls after warm-up. Also reported: bytes saved for the
+backward (``saved_residuals``, weights excluded, x included for every implementation) and a
+per-part breakdown of the mosaic path.
 Inputs: ``twell_jax.testing.ffn_inputs`` (ordinary rows with a chosen active fraction; heavy
 rows with about half their features active).
 
@@ -81,10 +84,36 @@ def _loss_fn(impl, spec: Spec, ct, interpret=False):
     elif impl == "xla":
       y, st = tj.ffn(x, wg, wu, wd, implementation="xla", return_stats=True,
                      ell_width=spec.ell_width, tail_rows=spec.tail_rows)
-    else:
+    elif impl == "twell_dense":
       y, st = tj.ffn(x, wg, wu, wd, implementation="dense", return_stats=True)
+    else:  # "dense": the XLA dense baseline
+      y, l1 = xla_dense_ffn(x, wg, wu, wd)
+      return jnp.sum(y.astype(F32) * ct) + LAMBDA * l1
     return jnp.sum(y.astype(F32) * ct) + LAMBDA * st.l1
   return loss
+
+
+def xla_dense_ffn(x, wg, wu, wd):
+  """The XLA dense baseline (the north star's "XLA dense"): bf16 GEMM outputs and h, f32
+  accumulation, l1 = sum |h| / M. (twell_jax's "dense" implementation keeps the gate product and
+  h in f32 before rounding, which makes its backward GEMMs f32 x bf16 and about 2x slower;
+  it is timed as "twell_dense".)"""
+  dot = functools.partial(jnp.dot, preferred_element_type=F32)
+  if wg is not None:
+    h = jnp.maximum(dot(x, wg).astype(x.dtype), 0) * dot(x, wu).astype(x.dtype)
+  else:
+    h = jnp.maximum(dot(x, wu).astype(x.dtype), 0)
+  y = dot(h, wd).astype(x.dtype)
+  return y, jnp.sum(jnp.abs(h.astype(F32))) / x.shape[0]
+
+
+def residual_report(spec: Spec, impls=("dense", "mosaic_gpu", "twell_dense", "xla")) -> dict:
+  """Bytes saved for the backward per implementation (tracing only: runs on any host)."""
+  x = jnp.zeros((spec.m, spec.d), jnp.bfloat16)
+  wg = jnp.zeros((spec.d, spec.h), jnp.bfloat16)
+  wd = jnp.zeros((spec.h, spec.d), jnp.bfloat16)
+  out = {impl: residual_bytes(_loss_fn(impl, spec, 1.0), x, wg, wg, wd) for impl in impls}
+  return {**out, **{f"{k}_ratio": v / out["dense"] for k, v in out.items()}}
 
 
 def residual_bytes(loss, *args) -> int:
@@ -98,7 +127,7 @@ def residual_bytes(loss, *args) -> int:
   return total
 
 
-def bench_fwd_bwd(name: str, iters: int = 20, impls=("dense", "mosaic_gpu", "xla"),
+def bench_fwd_bwd(name: str, iters: int = 20, impls=("dense", "mosaic_gpu", "twell_dense", "xla"),
                   parts: bool = True, spec: Spec | None = None, interpret=False) -> dict:
   spec = spec or SPECS[name]
   x, wg, wu, wd = ffn_inputs(jax.random.key(0), spec.m, spec.d, spec.h,
@@ -116,7 +145,9 @@ def bench_fwd_bwd(name: str, iters: int = 20, impls=("dense", "mosaic_gpu", "xla
       f = jax.jit(jax.grad(loss, argnums=argnums))
       res[f"{impl}_ms"] = _time(f, x, wg, wu, wd, iters=iters if impl != "xla" else 5)
       grads[impl] = f(x, wg, wu, wd)
-      res[f"{impl}_residual_bytes"] = residual_bytes(loss, x, wg, wu, wd)
+      # Residuals of the FFN alone: a scalar cotangent, so the loss saves no [M, D] constant.
+      res[f"{impl}_residual_bytes"] = residual_bytes(_loss_fn(impl, spec, 1.0, interpret),
+                                                     x, wg, wu, wd)
     except Exception as e:  # keep going: report the failure, time the rest
       res[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
     print(f"  [{time.strftime('%X')}] {name} {impl}: {res.get(f'{impl}_ms')} ms "
@@ -194,7 +225,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--specs", default="paper_16k,paper_16k_heavy")
   ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--impls", default="dense,mosaic_gpu,xla")
+  ap.add_argument("--impls", default="dense,mosaic_gpu,twell_dense,xla")
   ap.add_argument("--no-parts", action="store_true")
   ap.add_argument("--out", default=None)
   ap.add_argument("--interpret", action="store_true", help="CPU smoke test (tiny spec)")

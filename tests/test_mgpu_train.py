@@ -40,13 +40,9 @@ def _rel(a, b):
 
 
 def _ffn(x, wg, wu, wd, *, interpret, **kw):
-  """The mosaic_gpu implementation with stats (through the twell_jax glue's custom VJP)."""
-  if interpret:
-    # twell_jax.ffn refuses mosaic_gpu on a CPU backend (ffn_mgpu.supports wants Hopper), so
-    # interpret runs call the glue directly; on the GPU the public entry point is used.
-    return mosaic.mosaic_ffn(ffn_mgpu, x, wg, wu, wd, interpret=True,
-                             ell_width=kw.get("ell_width", 128), tail_rows=kw.get("tail_rows"))
-  return tj.ffn(x, wg, wu, wd, implementation="mosaic_gpu", return_stats=True, **kw)
+  """The mosaic_gpu implementation with stats, through the public entry point."""
+  return tj.ffn(x, wg, wu, wd, implementation="mosaic_gpu", return_stats=True,
+                interpret=interpret, **kw)
 
 
 def check_grads(tc, x, wg, wu, wd, *, interpret, **kw):
