@@ -154,6 +154,34 @@ class TrainInterpretTest(TrainTestBase):
     for g, r in zip(grads, ref_grads):
       self.assertLess(_rel(g, r), 4e-2)
 
+  def test_gradient_accumulation(self):
+    """Gradients summed over 2 micro-batches inside lax.scan (jit), vs the f32 reference."""
+    m, d, h = 64, 64, 256
+    key = jax.random.key(int(time.time_ns() % 2**31))
+    x0, wg, wu, wd = ffn_inputs(key, m, d, h, active_fraction=0.04, heavy_fraction=0.05)
+    x1 = ffn_inputs(jax.random.fold_in(key, 1), m, d, h, active_fraction=0.04)[0]
+    xs = jnp.stack([x0, x1])
+
+    def loss_ours(w, x):
+      y, st = _ffn(x, *w, interpret=True, ell_width=16)
+      return jnp.sum(y.astype(F32) ** 2) / m + L1_COEFF * st.l1
+
+    def loss_ref(w, x):
+      y, l1 = tj.reference_ffn(x, *w)
+      return jnp.sum(y ** 2) / m + L1_COEFF * l1
+
+    def accumulate(loss, w, xs):
+      g0 = jax.tree.map(lambda a: jnp.zeros(a.shape, F32), w)
+      def step(acc, x):
+        return jax.tree.map(lambda a, b: a + b.astype(F32), acc, jax.grad(loss)(w, x)), None
+      return jax.lax.scan(step, g0, xs)[0]
+
+    grads = jax.jit(functools.partial(accumulate, loss_ours))((wg, wu, wd), xs)
+    f32 = lambda a: a.astype(F32)
+    ref = accumulate(loss_ref, (f32(wg), f32(wu), f32(wd)), f32(xs))
+    for g, r in zip(grads, ref):
+      self.assertLess(_rel(g, r), 4e-2)
+
 
 class TrainLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules of forward + backward for CUDA on any host (no GPU needed)."""
