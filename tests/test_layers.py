@@ -18,7 +18,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_feed_forward_matches_ffn(gated):
-  layer = tj.FeedForward(32, 256, gated=gated, rngs=nnx.Rngs(0))
+  layer = tj.FeedForward(32, 256, gated=gated, implementation="xla", rngs=nnx.Rngs(0))
   assert (layer.w_gate is None) == (not gated)
   assert layer.w_up[...].shape == (32, 256) and layer.w_down[...].shape == (256, 32)
   assert layer.w_up[...].dtype == jnp.float32
