@@ -97,7 +97,7 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
 
 
 def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
-                rows_per_cta: int = 1, group: int = 4,
+                rows_per_cta: int = 1, group: int = 1,
                 interpret=False):
   """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated)."""
   m, d = x.shape
