@@ -95,9 +95,9 @@ def _loss_fn(impl, spec: Spec, ct, interpret=False):
 
 def xla_dense_ffn(x, wg, wu, wd):
   """The XLA dense baseline (the north star's "XLA dense"): bf16 GEMM outputs and h, f32
-  accumulation, l1 = sum |h| / M. (twell_jax's "dense" implementation keeps the gate product and
-  h in f32 before rounding, which makes its backward GEMMs f32 x bf16 and about 2x slower;
-  it is timed as "twell_dense".)"""
+  accumulation, l1 = sum |h| / M. Since commit 8a2ad28 twell_jax's "dense" implementation
+  rounds the same way (its gradients equal these); before, it kept f32 intermediates and its
+  backward was ~2x slower. It is still timed separately as "twell_dense"."""
   dot = functools.partial(jnp.dot, preferred_element_type=F32)
   if wg is not None:
     h = jnp.maximum(dot(x, wg).astype(x.dtype), 0) * dot(x, wu).astype(x.dtype)

@@ -35,6 +35,12 @@ _GROUPS = flags.DEFINE_list("groups", ["1", "4"], "sparse_down tile-group sizes 
 _FWD_GROUPS = flags.DEFINE_list("fwd_groups", ["4"], "also time the whole forward with these "
                                 "sparse_down group sizes (the default one is the headline)")
 _CHECK = flags.DEFINE_bool("check", True, "check the output against the f32 reference")
+_MODE = flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"],
+                          "fwd: inference forward (this module's specs); fwd_bwd: forward + backward "
+                          "of the loss sum(y * ct) + 2e-5 * l1 (pallas_kernels.bench_train specs)")
+_IMPLS = flags.DEFINE_list("impls", ["dense", "mosaic_gpu"],
+                           "fwd_bwd mode: implementations to time (dense = the XLA dense baseline; "
+                           "also twell_dense, xla)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +181,38 @@ def run_spec(name: str, spec: Spec, iters: int):
   return res
 
 
+def main_fwd_bwd():
+  """Forward + backward mode: delegates to pallas_kernels.bench_train (same process, same table)."""
+  from pallas_kernels import bench_train  # pylint: disable=import-outside-toplevel
+  results = []
+  for name in _SPECS.value:
+    try:
+      r = bench_train.bench_fwd_bwd(name, _ITERS.value, tuple(_IMPLS.value), parts=_PARTS.value)
+    except Exception as e:  # keep going: one failing spec must not hide the others
+      r = {"spec": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+    results.append(r)
+    print(json.dumps(r), flush=True)
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(results, f, indent=1)
+  print(f"\n{'spec':<20}" + "".join(f"{i + ' ms':>16}{'ratio':>8}" for i in _IMPLS.value)
+        + f"{'residual ratio':>16}")
+  for r in results:
+    if "error" in r:
+      print(f"{r['spec']:<20} ERROR {r['error'][:100]}")
+      continue
+    row = f"{r['spec']:<20}"
+    for i in _IMPLS.value:
+      row += f"{r.get(i + '_ms', float('nan')):>16.3f}{r.get(i + '_ratio', float('nan')):>8.3f}"
+    print(row + f"{r.get('mosaic_gpu_residual_ratio', float('nan')):>16.3f}")
+
+
 def main(argv):
   del argv
   print("device:", jax.devices()[0].device_kind, "jax", jax.__version__)
+  if _MODE.value == "fwd_bwd":
+    main_fwd_bwd()
+    return
   results = []
   for name in _SPECS.value:
     spec = SPECS[name]
