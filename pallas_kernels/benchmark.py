@@ -84,12 +84,13 @@ def make_inputs(spec: Spec, seed: int = 0):
 
 @jax.jit
 def dense_ffn(x, wg, wu, wd):
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+  """XLA dense baseline: plain bf16 products (f32 accumulation inside each GEMM), as a bf16
+  model is written. (Runs before 2026-11-21 20:55 used f32 dot outputs cast to bf16; see PERF.md.)"""
   if wg is not None:
-    h = (jnp.maximum(dot(x, wg).astype(jnp.bfloat16), 0) * dot(x, wu).astype(jnp.bfloat16))
+    h = jnp.maximum(x @ wg, 0) * (x @ wu)
   else:
-    h = jnp.maximum(dot(x, wu).astype(jnp.bfloat16), 0)
-  return dot(h.astype(jnp.bfloat16), wd).astype(jnp.bfloat16)
+    h = jnp.maximum(x @ wu, 0)
+  return h @ wd
 
 
 def time_fn(f, *args, iters):
