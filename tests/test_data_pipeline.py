@@ -28,6 +28,33 @@ class ByteTokenizerTest(absltest.TestCase):
     self.assertLen(ids, len(text.encode("utf-8")))
 
 
+class SentencePieceTokenizerTest(absltest.TestCase):
+
+  def test_model_file_trained_offline_tokenizes_and_packs(self):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    texts = [t for _, t in list(text_corpus.iter_documents("train"))[:400]]
+    path = self.create_tempdir().full_path + "/tiny.model"
+    with open(path, "wb") as f:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(texts), model_writer=f, vocab_size=300,
+          model_type="bpe", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+          minloglevel=2)
+    cfg = _data_cfg(False)
+    cfg.update(tokenizer="sentencepiece", spm_model=path)
+    tok = data.make_tokenizer(cfg)
+    self.assertEqual(tok.vocab_size, 300)
+    self.assertEqual(tok.eos_id, 1)
+    text = "Return the number of items in a container."
+    ids = tok.encode(text)
+    self.assertTrue(np.all((ids >= 0) & (ids < 300)))
+    self.assertLess(len(ids), len(text))          # merges, not bytes
+    self.assertEqual(tok.decode(ids), text)
+    packer = data.PackedBatches(data.make_source(cfg, "validation"), tok,
+                                seq_len=31, rows=4, seed=0)
+    batch = packer.next_batch()
+    self.assertTrue(np.all(batch < 300))
+
+
 class OfflineCorpusTest(absltest.TestCase):
 
   def test_splits_are_disjoint_and_nonempty(self):
