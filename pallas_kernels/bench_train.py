@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import math
-import statistics
 import time
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import twell_jax as tj
 from twell_jax import mosaic
 from twell_jax.testing import ffn_inputs
+from pallas_kernels import common
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import ffn_train_mgpu
 from pallas_kernels import gate_pack_mgpu
@@ -64,14 +64,8 @@ SPECS = {
 
 
 def _time(f, *args, iters):
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(ts)
+  """Median wall-clock ms of `iters` synchronized calls after warm-up."""
+  return common.time_fn(f, *args, iters=iters, kernel_time=False)[0]
 
 
 def _loss_fn(impl, spec: Spec, ct, interpret=False):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import statistics
 import time
 
 from absl import app
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import common
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import sparse_down_mgpu
@@ -93,32 +93,12 @@ def dense_ffn(x, wg, wu, wd):
   return h @ wd
 
 
-def time_fn(f, *args, iters):
-  out = f(*args)
-  jax.block_until_ready(out)
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append((time.perf_counter() - t0) * 1e3)
-  kernel_ms = None
-  try:
-    from jax.experimental.mosaic.gpu import profiler
-    _, rt = profiler.measure(f, iterations=min(iters, 10))(*args)
-    if rt is not None:
-      kernel_ms = statistics.median(rt) if isinstance(rt, list) else float(rt)
-  except Exception as e:  # CUPTI may be unavailable
-    print(f"  (profiler.measure failed: {type(e).__name__}: {str(e)[:200]})")
-  return statistics.median(ts), kernel_ms, out
-
-
 def run_spec(name: str, spec: Spec, iters: int):
   x, wg, wu, wd = make_inputs(spec)
   m, d, h = spec.m, spec.d, spec.h
   res = {"spec": name, **dataclasses.asdict(spec), "device": jax.devices()[0].device_kind}
   t0 = time.time()
-  dense_ms, dense_k, y_dense = time_fn(dense_ffn, x, wg, wu, wd, iters=iters)
+  dense_ms, dense_k, y_dense = common.time_fn(dense_ffn, x, wg, wu, wd, iters=iters)
   print(f"  [{time.strftime('%X')}] {name}: dense {dense_ms:.3f} ms ({time.time() - t0:.1f}s)",
         flush=True)
   n_gemm = 3 if spec.gated else 2
@@ -128,14 +108,14 @@ def run_spec(name: str, spec: Spec, iters: int):
   fwd = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a)[0])
   fwd_stats = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a))
   t0 = time.time()
-  ms, k_ms, y = time_fn(fwd, x, wg, wu, wd, iters=iters)
+  ms, k_ms, y = common.time_fn(fwd, x, wg, wu, wd, iters=iters)
   print(f"  [{time.strftime('%X')}] {name}: twell {ms:.3f} ms ({time.time() - t0:.1f}s)",
         flush=True)
   res["twell_ms"], res["twell_kernel_ms"] = ms, k_ms
   res["ratio"] = ms / dense_ms
   for gsz in [int(v) for v in _FWD_GROUPS.value]:
     f_g = jax.jit(lambda *a, gsz=gsz: ffn_mgpu.ffn_forward(*a, group=gsz)[0])
-    ms_g, _, _ = time_fn(f_g, x, wg, wu, wd, iters=iters)
+    ms_g, _, _ = common.time_fn(f_g, x, wg, wu, wd, iters=iters)
     res[f"twell_group{gsz}_ms"], res[f"ratio_group{gsz}"] = ms_g, ms_g / dense_ms
     print(f"  [{time.strftime('%X')}] {name}: twell group={gsz} {ms_g:.3f} ms "
           f"ratio {ms_g / dense_ms:.3f}", flush=True)
@@ -145,7 +125,7 @@ def run_spec(name: str, spec: Spec, iters: int):
   res["nnz_per_token"] = nnz
   res["overflow_rows"] = int(stats["overflow_rows"])
   res["max_tile_nnz"] = int(stats["max_tile_nnz"])
-  ms_s, _, _ = time_fn(fwd_stats, x, wg, wu, wd, iters=max(iters // 3, 5))
+  ms_s, _, _ = common.time_fn(fwd_stats, x, wg, wu, wd, iters=max(iters // 3, 5))
   res["twell_with_stats_ms"] = ms_s
   # Effective rates: useful FLOPs (gate GEMM + 2 or 1 D-long products per active entry).
   flops = 2 * m * d * h + (4 if spec.gated else 2) * m * nnz * d
@@ -163,18 +143,18 @@ def run_spec(name: str, spec: Spec, iters: int):
     res["max_abs_err"] = float(jnp.max(jnp.abs(y32 - ref)))
   if _PARTS.value:
     gp = jax.jit(lambda a, b: gate_pack_mgpu.gate_pack(a, b))
-    res["gate_pack_ms"], res["gate_pack_kernel_ms"], (words, counts) = time_fn(
+    res["gate_pack_ms"], res["gate_pack_kernel_ms"], (words, counts) = common.time_fn(
         gp, x, wg if spec.gated else wu, iters=iters)
     xla_gate = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
                        .astype(jnp.bfloat16))
-    res["xla_gate_gemm_ms"], _, _ = time_fn(xla_gate, x, wg if spec.gated else wu,
+    res["xla_gate_gemm_ms"], _, _ = common.time_fn(xla_gate, x, wg if spec.gated else wu,
                                             iters=iters)
     row_ok = jnp.ones((m,), jnp.int32)
     wup_t = wu.T if spec.gated else None
     for gsz in [int(v) for v in _GROUPS.value]:
       sd = jax.jit(functools.partial(sparse_down_mgpu.sparse_down, group=gsz))
       t0 = time.time()
-      ms_g, k_g, _ = time_fn(sd, x, words, counts, row_ok, wup_t, wd, iters=iters)
+      ms_g, k_g, _ = common.time_fn(sd, x, words, counts, row_ok, wup_t, wd, iters=iters)
       res[f"sparse_down_g{gsz}_ms"], res[f"sparse_down_g{gsz}_kernel_ms"] = ms_g, k_g
       print(f"  [{time.strftime('%X')}] sparse_down group={gsz}: {ms_g:.3f} ms "
             f"(kernel {k_g}) ({time.time() - t0:.1f}s)", flush=True)
@@ -182,20 +162,33 @@ def run_spec(name: str, spec: Spec, iters: int):
   return res
 
 
-def main_fwd_bwd():
-  """Forward + backward mode: delegates to pallas_kernels.bench_train (same process, same table)."""
-  from pallas_kernels import bench_train  # pylint: disable=import-outside-toplevel
+def run_specs(run_one) -> list[dict]:
+  """Runs `run_one(name)` for each --specs name; a failing spec is reported, not fatal.
+
+  Each result is printed as JSON and the list so far is rewritten to --out after every spec,
+  so a run cut off by a timeout still leaves what it measured.
+  """
   results = []
   for name in _SPECS.value:
     try:
-      r = bench_train.bench_fwd_bwd(name, _ITERS.value, tuple(_IMPLS.value), parts=_PARTS.value)
+      r = run_one(name)
     except Exception as e:  # keep going: one failing spec must not hide the others
+      import traceback  # pylint: disable=import-outside-toplevel
+      traceback.print_exc()
       r = {"spec": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     results.append(r)
     print(json.dumps(r), flush=True)
     if _OUT.value:
       with open(_OUT.value, "w") as f:
         json.dump(results, f, indent=1)
+  return results
+
+
+def main_fwd_bwd():
+  """Forward + backward mode: delegates to pallas_kernels.bench_train (same process, same table)."""
+  from pallas_kernels import bench_train  # pylint: disable=import-outside-toplevel
+  results = run_specs(lambda name: bench_train.bench_fwd_bwd(
+      name, _ITERS.value, tuple(_IMPLS.value), parts=_PARTS.value))
   print(f"\n{'spec':<20}" + "".join(f"{i + ' ms':>16}{'ratio':>8}" for i in _IMPLS.value)
         + f"{'residual ratio':>16}")
   for r in results:
@@ -214,21 +207,12 @@ def main(argv):
   if _MODE.value == "fwd_bwd":
     main_fwd_bwd()
     return
-  results = []
-  for name in _SPECS.value:
+
+  def run_one(name):
     spec = SPECS[name]
-    iters = _ITERS.value if spec.m <= 16384 else max(5, _ITERS.value // 4)
-    try:
-      r = run_spec(name, spec, iters)
-    except Exception as e:  # keep going: one failing spec must not hide the others
-      import traceback
-      traceback.print_exc()
-      r = {"spec": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-    results.append(r)
-    print(json.dumps(r), flush=True)
-    if _OUT.value:
-      with open(_OUT.value, "w") as f:
-        json.dump(results, f, indent=1)
+    return run_spec(name, spec, _ITERS.value if spec.m <= 16384 else max(5, _ITERS.value // 4))
+
+  results = run_specs(run_one)
   print()
   hdr = (f"{'spec':<20}{'dense ms':>10}{'twell ms':>10}{'ratio':>8}{'+stats':>8}{'gate':>8}"
          f"{'xlagate':>8}{'down':>8}{'nnz':>7}{'ovf':>6}{'TF/s':>7}{'GB/s':>8}{'relerr':>9}")

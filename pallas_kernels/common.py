@@ -4,6 +4,7 @@
   persistent kernels also trace on the CPU under interpret mode).
 * ``interpret_context(interpret)``: the context in which a kernel built with
   ``plgpu.InterpretGPUParams`` runs on the CPU (an abstract H100-like device with 8 SMs).
+* ``time_fn(f, *args, iters)``: median wall-clock time of synchronized calls (+ CUPTI kernel time).
 * ``lower_for_cuda(f, *args)``: lowers a jitted function for the "cuda" platform on any host.
   Pallas builds the whole Mosaic GPU module in Python at this point, so layout / lowering
   errors show up on the CPU without a GPU (only the final PTX compile is left for the device).
@@ -12,6 +13,8 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 
 import jax
 from jax.extend import backend
@@ -71,3 +74,27 @@ def interpret_params(interpret, detect_races: bool = False):
 def lower_for_cuda(f, *args, **kwargs):
   """Lowers ``jax.jit(f)`` for CUDA on any host (returns the Lowered object)."""
   return jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def time_fn(f, *args, iters, kernel_time: bool = True):
+  """(median wall-clock ms of `iters` synchronized calls after warm-up, kernel-only ms from
+  mosaic's CUPTI profiler or None, the output)."""
+  out = f(*args)
+  jax.block_until_ready(out)
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append((time.perf_counter() - t0) * 1e3)
+  kernel_ms = None
+  if not kernel_time:
+    return statistics.median(ts), kernel_ms, out
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, rt = profiler.measure(f, iterations=min(iters, 10))(*args)
+    if rt is not None:
+      kernel_ms = statistics.median(rt) if isinstance(rt, list) else float(rt)
+  except Exception as e:  # CUPTI may be unavailable
+    print(f"  (profiler.measure failed: {type(e).__name__}: {str(e)[:200]})")
+  return statistics.median(ts), kernel_ms, out
