@@ -1,6 +1,7 @@
 r"""Forward + backward benchmark of the sparse FFN (training): mosaic_gpu vs XLA dense (and xla).
 
-    python -m pallas_kernels.bench_train --specs=paper_16k,paper_16k_heavy --out=/tmp/t.json
+    python -m pallas_kernels.benchmark --mode=fwd_bwd --specs=paper_16k,paper_16k_heavy \
+        --impls=dense,mosaic_gpu,twell_dense,xla --out=/tmp/t.json
 
 Timed unit: ``jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))`` with
 loss = sum(y * ct) + lam * l1 (ct a fixed random cotangent, lam = 2e-5), i.e. the forward
@@ -13,15 +14,14 @@ per-part breakdown of the mosaic path.
 Inputs: ``twell_jax.testing.ffn_inputs`` (ordinary rows with a chosen active fraction; heavy
 rows with about half their features active).
 
-``bench_fwd_bwd(spec_name)`` is the function the main benchmark's fwd_bwd mode calls.
+``bench_fwd_bwd(spec_name)`` is what the benchmark's fwd_bwd mode calls (this module has no
+command line of its own).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
 import time
 
@@ -211,36 +211,3 @@ def _parts(spec: Spec, x, wg, wu, wd, ct, iters):
   xla_gate = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32).astype(a.dtype))
   out["part_xla_gate_gemm_ms"] = _time(xla_gate, x, wg, iters=iters)
   return out
-
-
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--specs", default="paper_16k,paper_16k_heavy")
-  ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--impls", default="dense,mosaic_gpu,twell_dense,xla")
-  ap.add_argument("--no-parts", action="store_true")
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--interpret", action="store_true", help="CPU smoke test (tiny spec)")
-  a = ap.parse_args()
-  print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
-  results = []
-  for name in a.specs.split(","):
-    try:
-      r = bench_fwd_bwd(name, a.iters, tuple(a.impls.split(",")), parts=not a.no_parts,
-                        interpret=a.interpret)
-    except Exception as e:
-      r = {"spec": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-    results.append(r)
-    print(json.dumps(r), flush=True)
-    if a.out:
-      with open(a.out, "w") as f:
-        json.dump(results, f, indent=1)
-  for r in results:
-    if "dense_ms" in r:
-      print(f"{r['spec']:<18} dense {r['dense_ms']:.3f} ms  mosaic {r.get('mosaic_gpu_ms')} "
-            f"(ratio {r.get('mosaic_gpu_ratio')})  xla {r.get('xla_ms')}  residual ratio "
-            f"{r.get('mosaic_gpu_residual_ratio')}")
-
-
-if __name__ == "__main__":
-  main()

@@ -156,7 +156,7 @@ def _dense_branch(x, w_gate, w_up, w_down):
 
 
 def _forward(cfg, x, w_gate, w_up, w_down):
-  m, dt = x.shape[0], x.dtype
+  dt = x.dtype
   gated = w_gate is not None
   g = jnp.dot(x, w_gate if gated else w_up, preferred_element_type=_F32)
   active, keep, cols, tail_index, heavy_rows = _pattern(g, cfg)
