@@ -120,7 +120,8 @@ def residual_bytes(loss, *args) -> int:
 
 
 def bench_fwd_bwd(name: str, iters: int = 20, impls=("dense", "mosaic_gpu", "twell_dense", "xla"),
-                  parts: bool = True, spec: Spec | None = None, interpret=False) -> dict:
+                  parts: bool = True, spec: Spec | None = None, interpret=False,
+                  breakdown: bool = False) -> dict:
   spec = spec or SPECS[name]
   x, wg, wu, wd = ffn_inputs(jax.random.key(0), spec.m, spec.d, spec.h,
                              active_fraction=spec.active / spec.h, heavy_fraction=spec.heavy,
@@ -137,6 +138,11 @@ def bench_fwd_bwd(name: str, iters: int = 20, impls=("dense", "mosaic_gpu", "twe
       f = jax.jit(jax.grad(loss, argnums=argnums))
       res[f"{impl}_ms"] = _time(f, x, wg, wu, wd, iters=iters if impl != "xla" else 5)
       grads[impl] = f(x, wg, wu, wd)
+      if breakdown:
+        res[f"{impl}_pipelined_ms"] = common.pipelined_ms(f, x, wg, wu, wd, iters=iters)
+        print(f"  {impl}: pipelined {res[f'{impl}_pipelined_ms']:.3f} ms/call", flush=True)
+        res[f"{impl}_breakdown"] = common.print_breakdown(
+            impl, common.kernel_breakdown(f, x, wg, wu, wd))
       # Residuals of the FFN alone: a scalar cotangent, so the loss saves no [M, D] constant.
       res[f"{impl}_residual_bytes"] = residual_bytes(_loss_fn(impl, spec, 1.0, interpret),
                                                      x, wg, wu, wd)

@@ -38,6 +38,9 @@ _CHECK = flags.DEFINE_bool("check", True, "check the output against the f32 refe
 _MODE = flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"],
                           "fwd: inference forward (this module's specs); fwd_bwd: forward + backward "
                           "of the loss sum(y * ct) + 2e-5 * l1 (pallas_kernels.bench_train specs)")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False,
+                                "also print each kernel's device time (CUPTI) and the pipelined "
+                                "wall time (back-to-back calls, one sync) of dense and twell")
 _IMPLS = flags.DEFINE_list("impls", ["dense", "mosaic_gpu"],
                            "fwd_bwd mode: implementations to time (dense = the XLA dense baseline; "
                            "also twell_dense, xla)")
@@ -113,6 +116,12 @@ def run_spec(name: str, spec: Spec, iters: int):
         flush=True)
   res["twell_ms"], res["twell_kernel_ms"] = ms, k_ms
   res["ratio"] = ms / dense_ms
+  if _BREAKDOWN.value:
+    for label, fn in (("dense", dense_ffn), ("twell", fwd)):
+      res[f"{label}_pipelined_ms"] = common.pipelined_ms(fn, x, wg, wu, wd, iters=iters)
+      print(f"  {label}: pipelined {res[f'{label}_pipelined_ms']:.3f} ms/call", flush=True)
+      res[f"{label}_breakdown"] = common.print_breakdown(
+          label, common.kernel_breakdown(fn, x, wg, wu, wd))
   for gsz in [int(v) for v in _FWD_GROUPS.value]:
     f_g = jax.jit(lambda *a, gsz=gsz: ffn_mgpu.ffn_forward(*a, group=gsz)[0])
     ms_g, _, _ = common.time_fn(f_g, x, wg, wu, wd, iters=iters)
@@ -188,7 +197,8 @@ def main_fwd_bwd():
   """Forward + backward mode: delegates to pallas_kernels.bench_train (same process, same table)."""
   from pallas_kernels import bench_train  # pylint: disable=import-outside-toplevel
   results = run_specs(lambda name: bench_train.bench_fwd_bwd(
-      name, _ITERS.value, tuple(_IMPLS.value), parts=_PARTS.value))
+      name, _ITERS.value, tuple(_IMPLS.value), parts=_PARTS.value,
+      breakdown=_BREAKDOWN.value))
   print(f"\n{'spec':<20}" + "".join(f"{i + ' ms':>16}{'ratio':>8}" for i in _IMPLS.value)
         + f"{'residual ratio':>16}")
   for r in results:

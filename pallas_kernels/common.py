@@ -98,3 +98,41 @@ def time_fn(f, *args, iters, kernel_time: bool = True):
   except Exception as e:  # CUPTI may be unavailable
     print(f"  (profiler.measure failed: {type(e).__name__}: {str(e)[:200]})")
   return statistics.median(ts), kernel_ms, out
+
+
+def pipelined_ms(f, *args, iters: int) -> float:
+  """Mean wall-clock ms per call of `iters` back-to-back calls with one final sync (host
+  dispatch overlaps the device, as in a training loop; host syncs inside `f` still show)."""
+  jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  outs = [f(*args) for _ in range(iters)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def kernel_breakdown(f, *args, iterations: int = 5) -> list[tuple[str, float]] | None:
+  """Per-kernel device time of one call of `f` (CUPTI, median over `iterations` calls), in
+  launch order: [(kernel name, ms)], or None where CUPTI is unavailable."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  try:
+    _, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+  except Exception as e:  # CUPTI may be unavailable
+    print(f"  (kernel_breakdown failed: {type(e).__name__}: {str(e)[:200]})")
+    return None
+  if not per_iter:
+    return None
+  if iterations == 1:
+    per_iter = [per_iter]
+  return [(name, statistics.median(it[i][1] for it in per_iter))
+          for i, (name, _) in enumerate(per_iter[0])]
+
+
+def print_breakdown(label: str, table) -> dict:
+  """Prints a kernel_breakdown table; returns {"kernels": [...], "kernel_sum_ms": total}."""
+  if not table:
+    return {}
+  total = sum(t for _, t in table)
+  print(f"  {label}: {len(table)} kernels, {total:.3f} ms device time")
+  for name, t in table:
+    print(f"    {t:8.4f} ms  {name[:90]}")
+  return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}

@@ -45,12 +45,20 @@ class GateConfig:
   grid_minor_dim: int = 0       # 0: M is the minor (fast) dimension of the tile walk, 1: N
   grid_tile_width: int = 8
   compression: int = 8
+  # wgmma groups left in flight at the end of each K step (the pipeline then releases an SMEM
+  # stage one step later): 0 serializes MMA issue and completion, 1 overlaps them.
+  delay_release: int = 0
+  # 2-CTA clusters along M sharing each W tile through TMA multicast (halves W's L2 traffic;
+  # needs M % 256 == 0, the caller falls back to single CTAs otherwise).
+  cluster_m: bool = False
 
   def __post_init__(self):
     if self.tile_k not in (32, 64):
       raise ValueError(f"{self.tile_k=} must be 32 or 64")
     if self.compression not in (2, 4, 8):
       raise ValueError(f"{self.compression=} must be 2, 4 or 8")
+    if self.delay_release not in (0, 1):
+      raise ValueError(f"{self.delay_release=} must be 0 or 1")
 
   @property
   def slots(self) -> int:
@@ -106,7 +114,8 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
   _, n = w_gmem.shape
   slots = cfg.slots
   tile_k = cfg.tile_k
-  m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N, k // tile_k
+  csize = 2 if cfg.cluster_m else 1
+  m_iters, n_iters, k_iters = m // (CTA_M * csize), n // TILE_N, k // tile_k
   swizzle = plgpu.find_swizzle(tile_k * 16)
   transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
   words_sw = plgpu.find_swizzle(slots * 32)
@@ -120,9 +129,10 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((CTA_M, tile_k), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, delay_release=cfg.delay_release),
             plgpu.BlockSpec((tile_k, TILE_N), lambda kk: (kk, 0), transforms=transforms,
-                            memory_space=plgpu.SMEM),
+                            memory_space=plgpu.SMEM, delay_release=cfg.delay_release,
+                            collective_axes=("cluster",) if cfg.cluster_m else ()),
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -149,6 +159,8 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
       (lin,) = info.index
       m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
                                         cfg.grid_tile_width)
+      if cfg.cluster_m:
+        m_idx = m_idx * 2 + lax.axis_index("cluster")
       rows = pl.ds(m_idx * CTA_M + wg * WG_M, WG_M)
 
       def compute_context(eval_pipeline):
@@ -172,7 +184,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
 
       def mma_body(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_M, WG_M)], w_smem)
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(cfg.delay_release)
         return acc_ref
 
       get_pipeline(mma_body, compute_context)(
@@ -190,8 +202,9 @@ def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
   k2, n = w.shape
   if k != k2:
     raise ValueError(f"x {x.shape} and w {w.shape} do not contract")
-  if m % CTA_M or n % TILE_N or k % config.tile_k:
-    raise ValueError(f"gate_pack needs M % {CTA_M} == 0, N % {TILE_N} == 0, "
+  m_mult = CTA_M * (2 if config.cluster_m else 1)
+  if m % m_mult or n % TILE_N or k % config.tile_k:
+    raise ValueError(f"gate_pack needs M % {m_mult} == 0, N % {TILE_N} == 0, "
                      f"K % {config.tile_k} == 0; got {x.shape=} {w.shape=}")
   t = n // TILE_N
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
@@ -200,8 +213,10 @@ def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
         functools.partial(_kernel, cfg=config),
         out_type=(jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
                   jax.ShapeDtypeStruct((m, t * common.COUNT_LANES), jnp.int32)),
-        grid=(common.num_sms(),),
+        grid=(common.num_sms() // (2 if config.cluster_m else 1),),
         grid_names=("sm",),
+        cluster=(2,) if config.cluster_m else (),
+        cluster_names=("cluster",) if config.cluster_m else (),
         num_threads=3,
         thread_name="wg",
         compiler_params=params,

@@ -1,6 +1,6 @@
 """Training backward, sparse part (Mosaic GPU, Hopper): two kernels.
 
-``ell_bwd_rows`` (row side: SDDMM + two SpMMs), per token row r and ELL entry k < n_r with
+``ell_bwd_rows`` (row side: SDDMM + two SpMMs; by default as two kernels, see its docstring), per token row r and ELL entry k < n_r with
 column j, gate value p and (gated) up value u, h = bf16(p * u) (non-gated: h = p):
     dh_k = dy_r . W_down[j, :] + c * sign(h_k)         c = d(loss)/d(l1) / M  (L1 term)
     gated:      du_k = dh_k * p_k ;  dg_k = dh_k * u_k
@@ -80,12 +80,73 @@ def _rows_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem, wu
   dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
 
 
+def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
+               du_gmem, dg_gmem, *, gated: bool, group: int):
+  """Split pass 1: dh on the pattern -> du, dg (reads only W_down rows)."""
+  r = lax.axis_index("r")
+  n = n_gmem[r]
+  c = c_gmem[0]
+  dy = dy_gmem[r, :].astype(_F32)
+
+  def body(gi, carry):
+    ks = [gi * group + q for q in range(group)]
+    js = [cols_gmem[r, k] for k in ks]
+    ps = [p_gmem[r, k].astype(_F32) for k in ks]
+    us = [u_gmem[r, k].astype(_F32) for k in ks] if gated else None
+    wds = [wd_gmem[j, :] for j in js]
+    for q in range(group):
+      h = (ps[q] * us[q]).astype(jnp.bfloat16).astype(_F32) if gated else ps[q]
+      dh = jnp.sum(dy * wds[q].astype(_F32)) + c * _sign(h)
+      dh = jnp.where(ps[q] > 0, dh, 0.0)
+      if gated:
+        du_gmem[r, ks[q]] = dh * ps[q]
+        dg_gmem[r, ks[q]] = dh * us[q]
+      else:
+        dg_gmem[r, ks[q]] = dh
+    return carry
+
+  lax.fori_loop(0, (n + (group - 1)) // group, body, 0)
+
+
+def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, *,
+               gated: bool, group: int):
+  """Split pass 2: dx = sum_k du_k W_up^T[j_k] + dg_k W_gate^T[j_k] (reads W_up^T, W_gate^T)."""
+  r = lax.axis_index("r")
+  n = n_gmem[r]
+  acc0 = wup_gmem[0, :].astype(_F32) * 0.0
+
+  def body(gi, acc):
+    ks = [gi * group + q for q in range(group)]
+    js = [cols_gmem[r, k] for k in ks]
+    dgs = [dg_gmem[r, k] for k in ks]
+    if gated:
+      dus = [du_gmem[r, k] for k in ks]
+      wus = [wup_gmem[j, :] for j in js]
+      wgs = [wg_gmem[j, :] for j in js]
+    else:
+      wus = [wup_gmem[j, :] for j in js]
+    for q in range(group):
+      if gated:
+        acc = acc + dus[q] * wus[q].astype(_F32) + dgs[q] * wgs[q].astype(_F32)
+      else:
+        acc = acc + dgs[q] * wus[q].astype(_F32)
+    return acc
+
+  acc = lax.fori_loop(0, (n + (group - 1)) // group, body, acc0)
+  dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
+
+
 def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int = 4,
-                 interpret=False):
+                 split: bool = True, interpret=False):
   """(dx [M, D] f32, du [M, Wk] f32, dg [M, Wk] f32). Non-gated: u = w_gate_t = None.
 
   dy [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p, u [M, Wk] bf16 (0 in unused
   slots); n [M] int32; c [1] f32 (L1 coefficient dl1 / M); w_down, w_up_t, w_gate_t [H, D].
+
+  ``split=True`` (default) runs two kernels, dh -> (du, dg) reading only W_down rows, then
+  dx reading only W_up^T / W_gate^T rows: each pass gathers from a weight set that fits the
+  L2 (23 / 46 MB at the paper shape) where the single pass (``split=False``) gathers from all
+  three (69 MB, more than an H100's 50 MB L2), at the cost of writing and re-reading du / dg.
   """
   m, d = dy.shape
   h, d2 = w_down.shape
@@ -99,20 +160,32 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
   if not gated:
     u = jnp.zeros((8, 8), p.dtype)              # unused placeholder operands
     w_gate_t = jnp.zeros((8, 128), w_down.dtype)
+  c = c.astype(_F32).reshape(1)
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  suffix = "" if gated else "_ng"
+  coef_t = jax.ShapeDtypeStruct((m, wk), _F32)
   with common.interpret_context(bool(interpret)):
-    f = plgpu.kernel(
-        functools.partial(_rows_kernel, gated=gated, group=group),
-        out_type=(jax.ShapeDtypeStruct((m, d), _F32),
-                  jax.ShapeDtypeStruct((m, wk) if gated else (1, 1), _F32),
-                  jax.ShapeDtypeStruct((m, wk), _F32)),
-        grid=(m,),
-        grid_names=("r",),
-        compiler_params=params,
-        interpret=common.interpret_params(interpret),
-        kernel_name="twell_train_bwd_rows" if gated else "twell_train_bwd_rows_ng",
-    )
-    return f(dy, cols, p, u, n, c.astype(_F32).reshape(1), w_down, w_up_t, w_gate_t)
+    kernel = functools.partial(plgpu.kernel, grid=(m,), grid_names=("r",),
+                               compiler_params=params,
+                               interpret=common.interpret_params(interpret))
+    if not split:
+      f = kernel(
+          functools.partial(_rows_kernel, gated=gated, group=group),
+          out_type=(jax.ShapeDtypeStruct((m, d), _F32),
+                    coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
+          kernel_name="twell_train_bwd_rows" + suffix)
+      return f(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t)
+    f_dh = kernel(
+        functools.partial(_dh_kernel, gated=gated, group=group),
+        out_type=(coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
+        kernel_name="twell_train_bwd_dh" + suffix)
+    du, dg = f_dh(dy, cols, p, u, n, c, w_down)
+    f_dx = kernel(
+        functools.partial(_dx_kernel, gated=gated, group=group),
+        out_type=jax.ShapeDtypeStruct((m, d), _F32),
+        kernel_name="twell_train_bwd_dx" + suffix)
+    dx = f_dx(cols, n, du, dg, w_up_t, w_gate_t)
+    return dx, du, dg
 
 
 def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,

@@ -97,6 +97,17 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     # Sorted, exact column sets: the decoded support equals the positive set.
     np.testing.assert_array_equal(dense[ok] > 0, ref > 0)
 
+  @parameterized.parameters(dict(delay_release=1), dict(cluster_m=True),
+                            dict(cluster_m=True, delay_release=1, grid_minor_dim=1))
+  def test_gate_pack_configs_agree(self, **kw):
+    """Pipelining depth and 2-CTA multicast clusters change the schedule, never the result."""
+    x, wg, _, _ = make_inputs(512, 128, 512, active=12, heavy=0.02)
+    base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
+    got = gate_pack_mgpu.gate_pack(x, wg, config=gate_pack_mgpu.GateConfig(**kw),
+                                   interpret=self.INTERPRET)
+    for a, b in zip(got, base):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
   @parameterized.named_parameters(
       dict(testcase_name="gated_aligned", m=256, d=128, h=512, active=8.0),
       dict(testcase_name="gated_odd_m_padded_dh_heavy", m=203, d=96, h=300, active=10.0,

@@ -117,6 +117,41 @@ class TrainInterpretTest(TrainTestBase):
     if "tail_rows" in kw:
       self.assertGreater(expect_heavy, kw["tail_rows"])
 
+  @parameterized.parameters(True, False)
+  def test_bwd_rows_split_matches_reference(self, gated):
+    """The two-pass row backward (dh, then dx) against a numpy reference and the one-pass kernel."""
+    from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(int(time.time_ns() % 2**31))
+    m, d, h, wk = 16, 128, 256, 8
+    n = rng.integers(0, wk + 1, m).astype(np.int32)
+    n[0], n[1] = 0, wk                                   # an empty row and a full row
+    cols = np.stack([rng.choice(h, wk, replace=False) for _ in range(m)]).astype(np.int32)
+    valid = np.arange(wk)[None, :] < n[:, None]
+    cols = np.where(valid, cols, 0)
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(F32))
+    p = bf(np.where(valid, np.abs(rng.normal(size=(m, wk))) + 0.1, 0))
+    u = bf(np.where(valid, rng.normal(size=(m, wk)), 0))
+    dy, wd, wut, wgt = (bf(rng.normal(size=s_)) for s_ in ((m, d), (h, d), (h, d), (h, d)))
+    c = np.float32(0.3)
+    b16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    args = (b16(dy), jnp.asarray(cols), b16(p), b16(u) if gated else None, jnp.asarray(n),
+            jnp.full((1,), c, F32), b16(wd), b16(wut), b16(wgt) if gated else None)
+    dx, du, dg = train_bwd_mgpu.ell_bwd_rows(*args, interpret=True)
+    dx1, du1, dg1 = train_bwd_mgpu.ell_bwd_rows(*args, split=False, interpret=True)
+    hv = bf(p * u) if gated else p
+    dh = np.where(valid, np.einsum("md,mkd->mk", dy, wd[cols]) + c * np.sign(hv), 0)
+    dg_ref = dh * u if gated else dh
+    dx_ref = np.einsum("mk,mkd->md", dg_ref, wgt[cols] if gated else wut[cols])
+    if gated:
+      du_ref = dh * p
+      dx_ref += np.einsum("mk,mkd->md", du_ref, wut[cols])
+      np.testing.assert_allclose(np.where(valid, du, 0), du_ref, rtol=1e-4, atol=1e-3)
+      np.testing.assert_allclose(np.where(valid, du, 0), np.where(valid, du1, 0), rtol=1e-6)
+    np.testing.assert_allclose(np.where(valid, dg, 0), dg_ref, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.where(valid, dg, 0), np.where(valid, dg1, 0), rtol=1e-6)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(dx, dx1, rtol=1e-5, atol=1e-5)
+
   def test_scan_over_layers(self):
     """lax.scan over 2 layers' stacked weights vs the f32 reference.
 

@@ -1,0 +1,129 @@
+r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
+
+    python -m pallas_kernels.sweep [gate] [down] [bwd]
+
+* ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
+  2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
+  default's bit for bit. XLA's gate GEMM (with ReLU, bf16 out) for scale.
+* ``down``: the fused up/down kernel on the real pattern, and on the same pattern with every
+  column folded into 8 per tile (a 176-row working set that lives in L1/L2): if the second is
+  much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
+* ``bwd``: the training row backward, one pass (all three weight sets) vs two passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import bench_train
+from pallas_kernels import benchmark
+from pallas_kernels import common
+from pallas_kernels import ffn_train_mgpu
+from pallas_kernels import gate_pack_mgpu as gp
+from pallas_kernels import sparse_down_mgpu
+from pallas_kernels import train_bwd_mgpu
+
+
+def kernel_ms(f, *args, iterations=10):
+  """Median device ms of one call (all its kernels summed), or nan."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  try:
+    _, rt = profiler.measure(f, iterations=iterations)(*args)
+    return statistics.median(rt)
+  except Exception as e:
+    print(f"    measure failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return float("nan")
+
+
+def sweep_gate(x, wg):
+  xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
+  print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
+  base = None
+  configs = [
+      gp.GateConfig(),
+      gp.GateConfig(delay_release=1),
+      gp.GateConfig(cluster_m=True),
+      gp.GateConfig(cluster_m=True, delay_release=1),
+      gp.GateConfig(cluster_m=True, delay_release=1, grid_minor_dim=1),
+      gp.GateConfig(cluster_m=True, delay_release=1, grid_tile_width=4),
+      gp.GateConfig(cluster_m=True, delay_release=1, grid_tile_width=16),
+      gp.GateConfig(delay_release=1, max_concurrent_steps=3),
+      gp.GateConfig(cluster_m=True, delay_release=1, max_concurrent_steps=3),
+  ]
+  for cfg in configs:
+    f = jax.jit(functools.partial(gp.gate_pack, config=cfg))
+    try:
+      out = jax.block_until_ready(f(x, wg))
+    except Exception as e:
+      print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    if base is None:
+      base = out
+    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, base))
+    print(f"  gate_pack {_short(cfg)}: {kernel_ms(f, x, wg):.4f} ms  equal_to_default={same}",
+          flush=True)
+
+
+def _short(cfg):
+  d = gp.GateConfig()
+  return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
+                  if v != getattr(d, k)) or "default"
+
+
+def sweep_down(x, wg, wu, wd):
+  words, counts = jax.jit(gp.gate_pack)(x, wg)
+  m = x.shape[0]
+  row_ok = jnp.ones((m,), jnp.int32)
+  wut = jnp.asarray(wu.T)
+  f = jax.jit(sparse_down_mgpu.sparse_down)
+  print(f"  sparse_down real pattern: {kernel_ms(f, x, words, counts, row_ok, wut, wd):.4f} ms",
+        flush=True)
+  # Keep only the low 3 bits of each local column: 8 columns per tile, 176 weight rows in all.
+  folded = jnp.where(words == common.EMPTY_WORD, words, words & 0x0007FFFF)
+  print(f"  sparse_down folded (176-row working set): "
+        f"{kernel_ms(f, x, folded, counts, row_ok, wut, wd):.4f} ms", flush=True)
+
+
+def sweep_bwd(spec_name="paper_16k"):
+  spec = bench_train.SPECS[spec_name]
+  from twell_jax.testing import ffn_inputs  # pylint: disable=import-outside-toplevel
+  x, wg, wu, wd = ffn_inputs(jax.random.key(0), spec.m, spec.d, spec.h,
+                             active_fraction=spec.active / spec.h)
+  cfg = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows)
+  _, resid = jax.jit(lambda *a: ffn_train_mgpu.forward(cfg, *a))(x, wg, wu, wd)
+  _, _, _, _, cols, p, u, n = resid[:8]
+  dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
+  c = jnp.full((1,), 2e-5 / spec.m, jnp.float32)
+  wut, wgt = jnp.asarray(wu.T), jnp.asarray(wg.T)
+  for split in (False, True):
+    for group in (2, 4):
+      f = jax.jit(functools.partial(train_bwd_mgpu.ell_bwd_rows, split=split, group=group))
+      print(f"  ell_bwd_rows split={split} group={group}: "
+            f"{kernel_ms(f, dy, cols, p, u, n, c, wd, wut, wgt):.4f} ms", flush=True)
+
+
+def main(argv):
+  what = argv[1:] or ["gate", "down", "bwd"]
+  print("device:", jax.devices()[0].device_kind, flush=True)
+  x, wg, wu, wd = benchmark.make_inputs(benchmark.SPECS["paper_16k"])
+  for w in what:
+    print(f"== {w}", flush=True)
+    try:
+      if w == "gate":
+        sweep_gate(x, wg)
+      elif w == "down":
+        sweep_down(x, wg, wu, wd)
+      elif w == "bwd":
+        sweep_bwd()
+    except Exception as e:  # keep going
+      print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
