@@ -136,3 +136,23 @@ def print_breakdown(label: str, table) -> dict:
   for name, t in table:
     print(f"    {t:8.4f} ms  {name[:90]}")
   return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}
+
+
+def prefetched_fori_loop(n_steps, load, step, init):
+  """``fori_loop`` over steps whose scalar index loads run one step ahead.
+
+  ``load(i)`` issues the (cheap, scalar) GMEM loads step i needs, e.g. the column indices and
+  coefficients of a group of sparse entries, and must clamp its indices so that ``load(n_steps)``
+  is a harmless in-bounds read; ``step(i, loaded, state)`` does the dependent work (weight-row
+  loads, math). Loading step i + 1's indices before step i's weight rows takes one L2 round
+  trip off each step's dependency chain.
+  """
+  from jax import lax  # pylint: disable=import-outside-toplevel
+
+  def body(i, carry):
+    state, cur = carry
+    nxt = load(i + 1)
+    return step(i, cur, state), nxt
+
+  state, _ = lax.fori_loop(0, n_steps, body, (init, load(0)))
+  return state

@@ -91,9 +91,9 @@ def reference_forward(x, w_gate, w_up, w_down):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "compression", "overflow_capacity",
-                                             "rows_per_cta", "group"))
+                                             "rows_per_cta", "group", "prefetch"))
 def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
-                overflow_capacity=None, w_up_t=None, rows_per_cta=1, group=1):
+                overflow_capacity=None, w_up_t=None, rows_per_cta=1, group=1, prefetch=True):
   """TwELL FFN forward. Returns (y [M, D] bf16, stats dict of device arrays).
 
   ``w_up_t`` optionally passes a pre-transposed [H, D] copy of ``w_up`` (layers can hold one
@@ -159,7 +159,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   def sparse_path(fix: bool):
     y, l1_rows = sparse_down_mgpu.sparse_down(
         xp, words, counts, row_ok, wup_t, wd_p, compression=compression,
-        rows_per_cta=rows_per_cta, group=group, interpret=interpret)
+        rows_per_cta=rows_per_cta, group=group, prefetch=prefetch, interpret=interpret)
     l1_rows = jnp.where(row_ok.astype(bool) & valid_row, l1_rows, 0.0)
     fired = fired_from_words()
     if fix:

@@ -96,10 +96,72 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
   lax.fori_loop(0, rows_per_cta, row_body, 0)
 
 
+def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
+                     y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int,
+                     gated: bool):
+  """Same math as ``_kernel`` (group=1), software-pipelined on the scalar index loads.
+
+  The per-entry chain of v1 is count load -> word load -> weight-row loads -> reduction, all
+  L2 round trips in a row. Here the next tile's count and first word are loaded while the
+  current tile's entries run, and inside a tile the next entry's word is loaded before the
+  current entry's weight rows, so only the row loads and the reduction stay on the chain.
+  """
+  base = lax.axis_index("r") * rows_per_cta
+  last_tile = n_tiles - 1
+
+  def row_body(i, _):
+    r = base + i
+    ok = rowok_gmem[r] != 0
+    if gated:
+      x = x_gmem[r, :].astype(jnp.float32)
+      acc0 = x * 0.0
+    else:
+      x = None
+      acc0 = wd_gmem[0, :].astype(jnp.float32) * 0.0
+
+    def count(t):
+      return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+
+    def tile_body(t, carry):
+      acc, l1, cnt, w0 = carry
+      t_next = jnp.minimum(t + 1, last_tile)
+      cnt_next = jnp.where(t < last_tile, count(t_next), 0)
+      w0_next = words_gmem[r, t_next * slots]
+
+      def entry_body(k, carry):
+        acc, l1, w = carry
+        w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
+        j = t * common.TILE_N + lax.shift_right_logical(w, 16)
+        g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
+        wd = wd_gmem[j, :]
+        if gated:
+          u = jnp.sum(x * wup_gmem[j, :].astype(jnp.float32))
+          u = u.astype(jnp.bfloat16).astype(jnp.float32)
+          h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
+        else:
+          h = g
+        return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h), w_next
+
+      acc, l1, _ = lax.fori_loop(0, cnt, entry_body, (acc, l1, w0))
+      return acc, l1, cnt_next, w0_next
+
+    acc, l1, _, _ = lax.fori_loop(0, n_tiles, tile_body,
+                                  (acc0, jnp.float32(0.0), count(0), words_gmem[r, 0]))
+    y_gmem[r, :] = acc.astype(y_gmem.dtype)
+    l1_gmem[r] = l1
+    return 0
+
+  lax.fori_loop(0, rows_per_cta, row_body, 0)
+
+
 def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
-                rows_per_cta: int = 1, group: int = 1,
+                rows_per_cta: int = 1, group: int = 1, prefetch: bool = True,
                 interpret=False):
-  """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated)."""
+  """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated).
+
+  ``prefetch=True`` (default) runs ``_kernel_prefetch`` (index loads software-pipelined;
+  ``group`` is then ignored); ``prefetch=False`` the v1 kernel with ``group`` tiles side by side.
+  """
   m, d = x.shape
   h, d2 = w_down.shape
   gated = w_up_t is not None
@@ -115,10 +177,14 @@ def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with common.interpret_context(bool(interpret)):
+    if prefetch:
+      body = functools.partial(_kernel_prefetch, rows_per_cta=rows_per_cta, slots=slots,
+                               n_tiles=n_tiles, gated=gated)
+    else:
+      body = functools.partial(_kernel, rows_per_cta=rows_per_cta, slots=slots,
+                               n_tiles=n_tiles, gated=gated, group=min(group, n_tiles))
     f = plgpu.kernel(
-        functools.partial(_kernel, rows_per_cta=rows_per_cta, slots=slots,
-                          n_tiles=n_tiles, gated=gated,
-                          group=min(group, n_tiles)),
+        body,
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m // rows_per_cta,),

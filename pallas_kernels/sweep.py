@@ -8,7 +8,8 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
 * ``down``: the fused up/down kernel on the real pattern, and on the same pattern with every
   column folded into 8 per tile (a 176-row working set that lives in L1/L2): if the second is
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
-* ``bwd``: the training row backward, one pass (all three weight sets) vs two passes.
+* ``bwd``: the training kernels: row backward in one pass (all three weight sets) vs two
+  passes, the sampled up / sparse down kernel and the weight-gradient kernel by ``group``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pallas_kernels import ffn_train_mgpu
 from pallas_kernels import gate_pack_mgpu as gp
 from pallas_kernels import sparse_down_mgpu
 from pallas_kernels import train_bwd_mgpu
+from pallas_kernels import train_fwd_mgpu
 
 
 def kernel_ms(f, *args, iterations=10):
@@ -81,13 +83,14 @@ def sweep_down(x, wg, wu, wd):
   m = x.shape[0]
   row_ok = jnp.ones((m,), jnp.int32)
   wut = jnp.asarray(wu.T)
-  f = jax.jit(sparse_down_mgpu.sparse_down)
-  print(f"  sparse_down real pattern: {kernel_ms(f, x, words, counts, row_ok, wut, wd):.4f} ms",
-        flush=True)
-  # Keep only the low 3 bits of each local column: 8 columns per tile, 176 weight rows in all.
   folded = jnp.where(words == common.EMPTY_WORD, words, words & 0x0007FFFF)
-  print(f"  sparse_down folded (176-row working set): "
-        f"{kernel_ms(f, x, folded, counts, row_ok, wut, wd):.4f} ms", flush=True)
+  for prefetch in (False, True):
+    f = jax.jit(functools.partial(sparse_down_mgpu.sparse_down, prefetch=prefetch))
+    real = kernel_ms(f, x, words, counts, row_ok, wut, wd)
+    # Keep only the low 3 bits of each local column: 8 columns per tile, 176 weight rows in all.
+    fold = kernel_ms(f, x, folded, counts, row_ok, wut, wd)
+    print(f"  sparse_down prefetch={prefetch}: real pattern {real:.4f} ms, "
+          f"folded (176-row working set) {fold:.4f} ms", flush=True)
 
 
 def sweep_bwd(spec_name="paper_16k"):
@@ -106,6 +109,17 @@ def sweep_bwd(spec_name="paper_16k"):
       f = jax.jit(functools.partial(train_bwd_mgpu.ell_bwd_rows, split=split, group=group))
       print(f"  ell_bwd_rows split={split} group={group}: "
             f"{kernel_ms(f, dy, cols, p, u, n, c, wd, wut, wgt):.4f} ms", flush=True)
+  for group in (2, 4, 8):
+    f = jax.jit(functools.partial(train_fwd_mgpu.ell_up_down, group=group))
+    print(f"  ell_up_down group={group}: {kernel_ms(f, x, cols, p, n, wut, wd):.4f} ms",
+          flush=True)
+  _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
+  col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
+  flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
+  args = (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p))
+  for group in (2, 4, 8):
+    f = jax.jit(functools.partial(train_bwd_mgpu.csc_weight_grads, group=group))
+    print(f"  csc_weight_grads group={group}: {kernel_ms(f, *args):.4f} ms", flush=True)
 
 
 def main(argv):

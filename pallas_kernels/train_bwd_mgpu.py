@@ -87,12 +87,16 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
   n = n_gmem[r]
   c = c_gmem[0]
   dy = dy_gmem[r, :].astype(_F32)
+  last = cols_gmem.shape[1] - 1
 
-  def body(gi, carry):
+  def load(gi):
+    ks = [jnp.minimum(gi * group + q, last) for q in range(group)]
+    return ([cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks],
+            [u_gmem[r, k].astype(_F32) for k in ks] if gated else None)
+
+  def step(gi, loaded, carry):
+    js, ps, us = loaded
     ks = [gi * group + q for q in range(group)]
-    js = [cols_gmem[r, k] for k in ks]
-    ps = [p_gmem[r, k].astype(_F32) for k in ks]
-    us = [u_gmem[r, k].astype(_F32) for k in ks] if gated else None
     wds = [wd_gmem[j, :] for j in js]
     for q in range(group):
       h = (ps[q] * us[q]).astype(jnp.bfloat16).astype(_F32) if gated else ps[q]
@@ -105,7 +109,7 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
         dg_gmem[r, ks[q]] = dh
     return carry
 
-  lax.fori_loop(0, (n + (group - 1)) // group, body, 0)
+  common.prefetched_fori_loop((n + (group - 1)) // group, load, step, 0)
 
 
 def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, *,
@@ -114,17 +118,17 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
   r = lax.axis_index("r")
   n = n_gmem[r]
   acc0 = wup_gmem[0, :].astype(_F32) * 0.0
+  last = cols_gmem.shape[1] - 1
 
-  def body(gi, acc):
-    ks = [gi * group + q for q in range(group)]
-    js = [cols_gmem[r, k] for k in ks]
-    dgs = [dg_gmem[r, k] for k in ks]
-    if gated:
-      dus = [du_gmem[r, k] for k in ks]
-      wus = [wup_gmem[j, :] for j in js]
-      wgs = [wg_gmem[j, :] for j in js]
-    else:
-      wus = [wup_gmem[j, :] for j in js]
+  def load(gi):
+    ks = [jnp.minimum(gi * group + q, last) for q in range(group)]
+    return ([cols_gmem[r, k] for k in ks], [dg_gmem[r, k] for k in ks],
+            [du_gmem[r, k] for k in ks] if gated else None)
+
+  def step(gi, loaded, acc):
+    js, dgs, dus = loaded
+    wus = [wup_gmem[j, :] for j in js]
+    wgs = [wg_gmem[j, :] for j in js] if gated else None
     for q in range(group):
       if gated:
         acc = acc + dus[q] * wus[q].astype(_F32) + dgs[q] * wgs[q].astype(_F32)
@@ -132,7 +136,7 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
         acc = acc + dgs[q] * wus[q].astype(_F32)
     return acc
 
-  acc = lax.fori_loop(0, (n + (group - 1)) // group, body, acc0)
+  acc = common.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0)
   dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
 
 
@@ -196,27 +200,30 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   last = rows_gmem.shape[0] - 1
   zero = x_gmem[0, :].astype(_F32) * 0.0
 
-  def body(gi, carry):
-    acc_u, acc_g, acc_d = carry
+  def load(gi):
     es = [start + gi * group + q for q in range(group)]
     valid = [e < end for e in es]
     es = [jnp.minimum(e, last) for e in es]
-    ms = [rows_gmem[e] for e in es]
+    coef = lambda ref, q: jnp.where(valid[q], ref[es[q]], 0.0)
+    return ([rows_gmem[e] for e in es], [coef(dg_gmem, q) for q in range(group)],
+            [coef(h_gmem, q) for q in range(group)],
+            [coef(du_gmem, q) for q in range(group)] if gated else None)
+
+  def step(gi, loaded, carry):
+    acc_u, acc_g, acc_d = carry
+    ms, a_gs, a_hs, a_us = loaded
     xs = [x_gmem[mm, :] for mm in ms]
     dys = [dy_gmem[mm, :] for mm in ms]
     for q in range(group):
       xq = xs[q].astype(_F32)
-      a_g = jnp.where(valid[q], dg_gmem[es[q]], 0.0)
-      a_h = jnp.where(valid[q], h_gmem[es[q]], 0.0)
-      acc_g = acc_g + a_g * xq
-      acc_d = acc_d + a_h * dys[q].astype(_F32)
+      acc_g = acc_g + a_gs[q] * xq
+      acc_d = acc_d + a_hs[q] * dys[q].astype(_F32)
       if gated:
-        a_u = jnp.where(valid[q], du_gmem[es[q]], 0.0)
-        acc_u = acc_u + a_u * xq
+        acc_u = acc_u + a_us[q] * xq
     return acc_u, acc_g, acc_d
 
   n_groups = (end - start + (group - 1)) // group
-  acc_u, acc_g, acc_d = lax.fori_loop(0, n_groups, body, (zero, zero, zero))
+  acc_u, acc_g, acc_d = common.prefetched_fori_loop(n_groups, load, step, (zero, zero, zero))
   if gated:
     dwu_gmem[j, :] = acc_u
   dwg_gmem[j, :] = acc_g

@@ -13,7 +13,7 @@ dense tail) get y = 0 and l1 = 0.
 
 Mapping (like ``sparse_down_mgpu``): one CTA (one warpgroup, 128 threads) per row; x_r and the
 f32 accumulator live in registers (D/128 values per thread), ELL columns/values are scalar GMEM
-reads, and weight rows are D-long contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and
+reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and
 ``w_down`` [H, D]. ``group`` entries are processed side by side per step so that 2 * group row
 loads are in flight; slots past n_r hold column 0 and p = 0 (the caller pads the ELL arrays to a
 multiple of ``group`` slots). No tensor cores. Requires D % 128 == 0.
@@ -44,11 +44,16 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
     x = None
     acc0 = wd_gmem[0, :].astype(_F32) * 0.0
 
-  def body(gi, carry):
+  last = cols_gmem.shape[1] - 1
+
+  def load(gi):
+    ks = [jnp.minimum(gi * group + q, last) for q in range(group)]
+    return [cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks]
+
+  def step(gi, loaded, carry):
     acc, l1 = carry
+    js, ps = loaded
     ks = [gi * group + q for q in range(group)]
-    js = [cols_gmem[r, k] for k in ks]
-    ps = [p_gmem[r, k].astype(_F32) for k in ks]
     wds = [wd_gmem[j, :] for j in js]
     if gated:
       wus = [wup_gmem[j, :] for j in js]
@@ -64,7 +69,7 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
     return acc, l1
 
   n_groups = (n + (group - 1)) // group
-  acc, l1 = lax.fori_loop(0, n_groups, body, (acc0, jnp.float32(0.0)))
+  acc, l1 = common.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)))
   y_gmem[r, :] = acc.astype(y_gmem.dtype)
   l1_gmem[r] = l1
 

@@ -134,6 +134,26 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     if heavy >= 0.03:
       self.assertGreater(int(stats["overflow_rows"]), 0)
 
+  @parameterized.parameters(True, False)
+  def test_sparse_down_versions_agree(self, gated):
+    """The prefetching fused kernel gives v1's bits (group 1: same summation order) and v1 with
+    group 2 (another order) the same values up to f32 rounding."""
+    x, wg, wu, wd = make_inputs(128, 128, 768, active=10.0, heavy=0.05, zero_rows=3,
+                                gated=gated)
+    words, counts = gate_pack_mgpu.gate_pack(x, wg if gated else wu, interpret=self.INTERPRET)
+    row_ok = (counts.reshape(128, 3, common.COUNT_LANES)[..., 0] <= 32).all(1).astype(jnp.int32)
+    args = (x, words, counts, row_ok, wu.T if gated else None, wd)
+    y, l1 = sparse_down_mgpu.sparse_down(*args, interpret=self.INTERPRET)
+    for group in (1, 2):
+      y1, l1_1 = sparse_down_mgpu.sparse_down(*args, prefetch=False, group=group,
+                                              interpret=self.INTERPRET)
+      if group == 1:
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y1, np.float32))
+      else:
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y1, np.float32),
+                                   rtol=1e-2, atol=1e-3)
+      np.testing.assert_allclose(np.asarray(l1), np.asarray(l1_1), rtol=1e-5)
+
   def test_rejects_bad_input(self):
     x, wg, wu, wd = make_inputs(64, 64, 256)
     with self.assertRaisesRegex(ValueError, "w_down"):
