@@ -141,8 +141,8 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
 
 
 def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int = 4,
-                 split: bool = True, interpret=False):
-  """(dx [M, D] f32, du [M, Wk] f32, dg [M, Wk] f32). Non-gated: u = w_gate_t = None.
+                 split: bool = True, dx_dtype=_F32, interpret=False):
+  """(dx [M, D] ``dx_dtype``, du [M, Wk] f32, dg [M, Wk] f32). Non-gated: u = w_gate_t = None.
 
   dy [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p, u [M, Wk] bf16 (0 in unused
   slots); n [M] int32; c [1] f32 (L1 coefficient dl1 / M); w_down, w_up_t, w_gate_t [H, D].
@@ -175,7 +175,7 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
     if not split:
       f = kernel(
           functools.partial(_rows_kernel, gated=gated, group=group),
-          out_type=(jax.ShapeDtypeStruct((m, d), _F32),
+          out_type=(jax.ShapeDtypeStruct((m, d), dx_dtype),
                     coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
           kernel_name="twell_train_bwd_rows" + suffix)
       return f(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t)
@@ -186,7 +186,7 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
     du, dg = f_dh(dy, cols, p, u, n, c, w_down)
     f_dx = kernel(
         functools.partial(_dx_kernel, gated=gated, group=group),
-        out_type=jax.ShapeDtypeStruct((m, d), _F32),
+        out_type=jax.ShapeDtypeStruct((m, d), dx_dtype),
         kernel_name="twell_train_bwd_dx" + suffix)
     dx = f_dx(cols, n, du, dg, w_up_t, w_gate_t)
     return dx, du, dg
