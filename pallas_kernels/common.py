@@ -156,3 +156,18 @@ def prefetched_fori_loop(n_steps, load, step, init):
 
   state, _ = lax.fori_loop(0, n_steps, body, (init, load(0)))
   return state
+
+
+def gather_kernel_params():
+  """Compiler params of the row / column gather kernels (Lane semantics, GMEM only).
+
+  Pallas puts a warpgroup barrier before and after every ref store unless told not to
+  (``unsafe_no_auto_barriers``); the per-entry scalar stores of the training kernels (u, du,
+  dg) then cost two ``bar.sync`` each. The barriers are not needed here: these kernels never
+  read a location they (or another thread) write (outputs are write-only, inputs read-only),
+  they use no SMEM and no async copies, which are the two conditions Pallas documents for
+  turning them off safely.
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                              unsafe_no_auto_barriers=True)

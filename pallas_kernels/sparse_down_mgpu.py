@@ -175,7 +175,7 @@ def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 
   n_tiles = h // common.TILE_N
   if not gated:
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  params = common.gather_kernel_params()
   with common.interpret_context(bool(interpret)):
     if prefetch:
       body = functools.partial(_kernel_prefetch, rows_per_cta=rows_per_cta, slots=slots,

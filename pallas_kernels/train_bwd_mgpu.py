@@ -165,7 +165,7 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
     u = jnp.zeros((8, 8), p.dtype)              # unused placeholder operands
     w_gate_t = jnp.zeros((8, 128), w_down.dtype)
   c = c.astype(_F32).reshape(1)
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  params = common.gather_kernel_params()
   suffix = "" if gated else "_ng"
   coef_t = jax.ShapeDtypeStruct((m, wk), _F32)
   with common.interpret_context(bool(interpret)):
@@ -245,7 +245,7 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, interpr
                      f"{dg.shape=} {h.shape=}")
   if not gated:
     du = jnp.zeros((8,), _F32)
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  params = common.gather_kernel_params()
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_kernel, gated=gated, group=group),

@@ -91,7 +91,7 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, group: int = 4, interpret=Fals
     raise ValueError(f"ell_up_down: {w_up_t.shape=} must be {(h, d)}")
   if not gated:
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
-  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  params = common.gather_kernel_params()
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, gated=gated, group=group),
