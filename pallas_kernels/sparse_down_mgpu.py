@@ -98,11 +98,8 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
 
 def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
                      y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int,
-                     gated: bool, x_f32: bool):
+                     gated: bool):
   """Same math as ``_kernel`` (group=1), software-pipelined on the scalar index loads.
-
-  ``x_f32=False`` keeps the row of x in registers as bf16 and widens it per entry (exact, the
-  same bits), 8 registers per thread fewer for more CTAs per SM.
 
   The per-entry chain of v1 is count load -> word load -> weight-row loads -> reduction, all
   L2 round trips in a row. Here the next tile's count and first word are loaded while the
@@ -116,9 +113,8 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
     r = base + i
     ok = rowok_gmem[r] != 0
     if gated:
-      x = x_gmem[r, :]
-      x = x.astype(jnp.float32) if x_f32 else x
-      acc0 = x.astype(jnp.float32) * 0.0
+      x = x_gmem[r, :].astype(jnp.float32)
+      acc0 = x * 0.0
     else:
       x = None
       acc0 = wd_gmem[0, :].astype(jnp.float32) * 0.0
@@ -139,7 +135,7 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
         g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
         wd = wd_gmem[j, :]
         if gated:
-          u = jnp.sum(x.astype(jnp.float32) * wup_gmem[j, :].astype(jnp.float32))
+          u = jnp.sum(x * wup_gmem[j, :].astype(jnp.float32))
           u = u.astype(jnp.bfloat16).astype(jnp.float32)
           h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
         else:
@@ -160,7 +156,7 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
 
 def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
                 rows_per_cta: int = 1, group: int = 1, prefetch: bool = True,
-                x_f32: bool = True, interpret=False):
+                interpret=False):
   """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated).
 
   ``prefetch=True`` (default) runs ``_kernel_prefetch`` (index loads software-pipelined;
@@ -183,7 +179,7 @@ def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 
   with common.interpret_context(bool(interpret)):
     if prefetch:
       body = functools.partial(_kernel_prefetch, rows_per_cta=rows_per_cta, slots=slots,
-                               n_tiles=n_tiles, gated=gated, x_f32=x_f32)
+                               n_tiles=n_tiles, gated=gated)
     else:
       body = functools.partial(_kernel, rows_per_cta=rows_per_cta, slots=slots,
                                n_tiles=n_tiles, gated=gated, group=min(group, n_tiles))

@@ -144,9 +144,6 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     row_ok = (counts.reshape(128, 3, common.COUNT_LANES)[..., 0] <= 32).all(1).astype(jnp.int32)
     args = (x, words, counts, row_ok, wu.T if gated else None, wd)
     y, l1 = sparse_down_mgpu.sparse_down(*args, interpret=self.INTERPRET)
-    y_b, l1_b = sparse_down_mgpu.sparse_down(*args, x_f32=False, interpret=self.INTERPRET)
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_b, np.float32))
-    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l1_b))
     for group in (1, 2):
       y1, l1_1 = sparse_down_mgpu.sparse_down(*args, prefetch=False, group=group,
                                               interpret=self.INTERPRET)
