@@ -20,7 +20,8 @@ Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, 
 and tail gate / up rows ([R, H]); never a dense [M, H] tensor.
 
 Backward (no host synchronization):
- 1. ``train_bwd_mgpu.ell_bwd_rows``: dh on the pattern (+ the L1 term), du, dg, and dx.
+ 1. ``train_bwd_mgpu.ell_bwd_rows``: dh on the pattern (+ the L1 term) -> du, dg (one kernel,
+    W_down rows), then dx (a second kernel, W_up^T / W_gate^T rows): two L2-sized working sets.
  2. CSC of the pattern by an XLA sort of the [M * W] ELL entries by column (padding slots get
     the key H and sort last), then ``train_bwd_mgpu.csc_weight_grads``: dW_up, dW_gate,
     dW_down as per-column sums of x / dy rows (no atomics).

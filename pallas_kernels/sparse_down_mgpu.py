@@ -16,7 +16,9 @@ its f32 accumulator live in registers (D/128 values per thread each), the packed
 counts are read as scalars straight from GMEM, weight rows are loaded from GMEM (L2) into
 registers with 16-byte vector loads. Rows flagged in ``row_ok`` == 0 (overflow rows: some tile
 holds more than S entries) are skipped; the caller computes them on another path.
-No tensor cores: each active entry costs 2 D-long row reads and ~4D FMAs.
+No tensor cores: each active entry costs 2 D-long row reads and ~4D FMAs. The default kernel
+(``prefetch=True``, ``_kernel_prefetch``) issues the scalar index loads one step ahead; the
+v1 kernel (``prefetch=False``) walks ``group`` tiles side by side. PERF.md has the numbers.
 Requires D % 128 == 0 (the caller pads).
 """
 
