@@ -34,6 +34,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common
 
 
+def _row_start(x_gmem, wd_gmem, r, gated: bool):
+  """(x_r in f32 registers or None when non-gated, a zero f32 [D] accumulator)."""
+  if gated:
+    x = x_gmem[r, :].astype(jnp.float32)
+    return x, x * 0.0
+  return None, wd_gmem[0, :].astype(jnp.float32) * 0.0
+
+
 def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
             y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int, gated: bool,
             group: int):
@@ -43,12 +51,7 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
   def row_body(i, _):
     r = base + i
     ok = rowok_gmem[r]
-    if gated:
-      x = x_gmem[r, :].astype(jnp.float32)
-      acc0 = x * 0.0
-    else:
-      x = None
-      acc0 = wd_gmem[0, :].astype(jnp.float32) * 0.0
+    x, acc0 = _row_start(x_gmem, wd_gmem, r, gated)
 
     # `group` tiles are walked side by side: entry k of each of them is processed in the same
     # step, so 2 * group weight-row loads are in flight before the first reduction. Slots past
@@ -114,12 +117,7 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
   def row_body(i, _):
     r = base + i
     ok = rowok_gmem[r] != 0
-    if gated:
-      x = x_gmem[r, :].astype(jnp.float32)
-      acc0 = x * 0.0
-    else:
-      x = None
-      acc0 = wd_gmem[0, :].astype(jnp.float32) * 0.0
+    x, acc0 = _row_start(x_gmem, wd_gmem, r, gated)
 
     def count(t):
       return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
