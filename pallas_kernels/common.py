@@ -17,6 +17,8 @@ import statistics
 import time
 
 import jax
+from jax import lax
+import jax.numpy as jnp
 from jax.extend import backend
 
 # One TwELL tile spans 256 hidden columns (reference-brief 1.1).
@@ -87,17 +89,22 @@ def time_fn(f, *args, iters, kernel_time: bool = True):
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))
     ts.append((time.perf_counter() - t0) * 1e3)
-  kernel_ms = None
-  if not kernel_time:
-    return statistics.median(ts), kernel_ms, out
+  kernel_ms = device_ms(f, *args, iterations=min(iters, 10)) if kernel_time else None
+  return statistics.median(ts), kernel_ms, out
+
+
+def device_ms(f, *args, iterations: int = 10) -> float | None:
+  """Median device time of one call of `f`, all its kernels summed (mosaic's CUPTI profiler),
+  or None where CUPTI is unavailable."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
   try:
-    from jax.experimental.mosaic.gpu import profiler
-    _, rt = profiler.measure(f, iterations=min(iters, 10))(*args)
-    if rt is not None:
-      kernel_ms = statistics.median(rt) if isinstance(rt, list) else float(rt)
+    _, rt = profiler.measure(f, iterations=iterations)(*args)
   except Exception as e:  # CUPTI may be unavailable
     print(f"  (profiler.measure failed: {type(e).__name__}: {str(e)[:200]})")
-  return statistics.median(ts), kernel_ms, out
+    return None
+  if rt is None:
+    return None
+  return statistics.median(rt) if isinstance(rt, list) else float(rt)
 
 
 def pipelined_ms(f, *args, iters: int) -> float:
@@ -147,8 +154,6 @@ def prefetched_fori_loop(n_steps, load, step, init):
   loads, math). Loading step i + 1's indices before step i's weight rows takes one L2 round
   trip off each step's dependency chain.
   """
-  from jax import lax  # pylint: disable=import-outside-toplevel
-
   def body(i, carry):
     state, cur = carry
     nxt = load(i + 1)
@@ -156,6 +161,12 @@ def prefetched_fori_loop(n_steps, load, step, init):
 
   state, _ = lax.fori_loop(0, n_steps, body, (init, load(0)))
   return state
+
+
+def group_slots(step, group: int, last: int) -> list:
+  """Slot indices of the `group` ELL entries of step `step`, clamped to `last` (so that the
+  one-step-ahead loads of ``prefetched_fori_loop`` stay in bounds)."""
+  return [jnp.minimum(step * group + q, last) for q in range(group)]
 
 
 def gather_kernel_params():

@@ -46,10 +46,11 @@ class GateConfig:
   grid_tile_width: int = 8
   compression: int = 8
   # wgmma groups left in flight at the end of each K step (the pipeline then releases an SMEM
-  # stage one step later): 0 serializes MMA issue and completion, 1 overlaps them.
+  # stage one step later): 0 serializes MMA issue and completion, 1 overlaps them. Measured no
+  # faster at the paper shape (PERF.md), so 0 stays the default.
   delay_release: int = 0
   # 2-CTA clusters along M sharing each W tile through TMA multicast (halves W's L2 traffic;
-  # needs M % 256 == 0, the caller falls back to single CTAs otherwise).
+  # needs M % 256 == 0: gate_pack raises otherwise). Measured no faster (PERF.md): off by default.
   cluster_m: bool = False
 
   def __post_init__(self):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import sys
 
 import jax
@@ -34,13 +33,8 @@ from pallas_kernels import train_fwd_mgpu
 
 def kernel_ms(f, *args, iterations=10):
   """Median device ms of one call (all its kernels summed), or nan."""
-  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
-  try:
-    _, rt = profiler.measure(f, iterations=iterations)(*args)
-    return statistics.median(rt)
-  except Exception as e:
-    print(f"    measure failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return float("nan")
+  ms = common.device_ms(f, *args, iterations=iterations)
+  return float("nan") if ms is None else ms
 
 
 def sweep_gate(x, wg):

@@ -1,6 +1,7 @@
 """Training backward, sparse part (Mosaic GPU, Hopper): two kernels.
 
-``ell_bwd_rows`` (row side: SDDMM + two SpMMs; by default as two kernels, see its docstring), per token row r and ELL entry k < n_r with
+``ell_bwd_rows`` (row side: SDDMM + two SpMMs; by default as two kernels, see its docstring),
+per token row r and ELL entry k < n_r with
 column j, gate value p and (gated) up value u, h = bf16(p * u) (non-gated: h = p):
     dh_k = dy_r . W_down[j, :] + c * sign(h_k)         c = d(loss)/d(l1) / M  (L1 term)
     gated:      du_k = dh_k * p_k ;  dg_k = dh_k * u_k
@@ -90,7 +91,7 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
-    ks = [jnp.minimum(gi * group + q, last) for q in range(group)]
+    ks = common.group_slots(gi, group, last)
     return ([cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks],
             [u_gmem[r, k].astype(_F32) for k in ks] if gated else None)
 
@@ -121,7 +122,7 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
-    ks = [jnp.minimum(gi * group + q, last) for q in range(group)]
+    ks = common.group_slots(gi, group, last)
     return ([cols_gmem[r, k] for k in ks], [dg_gmem[r, k] for k in ks],
             [du_gmem[r, k] for k in ks] if gated else None)
 

@@ -13,7 +13,8 @@ dense tail) get y = 0 and l1 = 0.
 
 Mapping (like ``sparse_down_mgpu``): one CTA (one warpgroup, 128 threads) per row; x_r and the
 f32 accumulator live in registers (D/128 values per thread), ELL columns/values are scalar GMEM
-reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and
+reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long
+contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and
 ``w_down`` [H, D]. ``group`` entries are processed side by side per step so that 2 * group row
 loads are in flight; slots past n_r hold column 0 and p = 0 (the caller pads the ELL arrays to a
 multiple of ``group`` slots). No tensor cores. Requires D % 128 == 0.
@@ -47,7 +48,7 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
-    ks = [jnp.minimum(gi * group + q, last) for q in range(group)]
+    ks = common.group_slots(gi, group, last)
     return [cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks]
 
   def step(gi, loaded, carry):
