@@ -182,3 +182,33 @@ def gather_kernel_params():
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                               unsafe_no_auto_barriers=True)
+
+
+ROW_MODES = ("f32", "bf16", "reload")
+
+
+def hold_row(ref, r, mode: str):
+  """A GMEM row that a gather kernel uses at every entry (x_r, dy_r), held per ``mode``:
+  "f32" in registers as f32 (D/128 registers per thread), "bf16" in registers as stored (half
+  as many; widened at each use), "reload" not held (read again, an L1 hit, at each use: no
+  registers across entries, so more CTAs fit on an SM). Use the result through ``row_at``.
+  """
+  if mode not in ROW_MODES:
+    raise ValueError(f"row mode {mode!r} must be one of {ROW_MODES}")
+  if mode == "reload":
+    return None
+  row = ref[r, :]
+  return row.astype(jnp.float32) if mode == "f32" else row
+
+
+def row_at(held, ref, r):
+  """The row held by ``hold_row`` as f32 at its point of use (same values in every mode)."""
+  if held is None:
+    return ref[r, :].astype(jnp.float32)
+  return held.astype(jnp.float32)
+
+
+def zeros_like_row(row):
+  """f32 zeros in the register layout of a loaded row (exact even if the row holds inf/nan)."""
+  return lax.bitcast_convert_type(
+      lax.bitcast_convert_type(row.astype(jnp.float32), jnp.int32) & 0, jnp.float32)

@@ -91,14 +91,18 @@ def reference_forward(x, w_gate, w_up, w_down):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "compression", "overflow_capacity",
-                                             "rows_per_cta", "group", "prefetch"))
+                                             "rows_per_cta", "group", "prefetch", "split",
+                                             "x_mode"))
 def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
-                overflow_capacity=None, w_up_t=None, rows_per_cta=1, group=1, prefetch=True):
+                overflow_capacity=None, w_up_t=None, rows_per_cta=1, group=1, prefetch=True,
+                split=False, x_mode="f32"):
   """TwELL FFN forward. Returns (y [M, D] bf16, stats dict of device arrays).
 
   ``w_up_t`` optionally passes a pre-transposed [H, D] copy of ``w_up`` (layers can hold one
   to save the transpose). Stats: "l1" (mean over tokens of sum_j |h|), "nnz_per_token",
-  "max_tile_nnz", "overflow_rows", "fired" [H] bool.
+  "max_tile_nnz", "overflow_rows", "fired" [H] bool. ``rows_per_cta``, ``group``,
+  ``prefetch``, ``split`` and ``x_mode`` pick the version of the sparse up/down kernel
+  (``sparse_down_mgpu.sparse_down``); every version gives the same result.
   """
   if x.ndim != 2:
     raise ValueError(f"x must be [M, D], got shape {x.shape}")
@@ -159,7 +163,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   def sparse_path(fix: bool):
     y, l1_rows = sparse_down_mgpu.sparse_down(
         xp, words, counts, row_ok, wup_t, wd_p, compression=compression,
-        rows_per_cta=rows_per_cta, group=group, prefetch=prefetch, interpret=interpret)
+        rows_per_cta=rows_per_cta, group=group, prefetch=prefetch, split=split, x_mode=x_mode,
+        interpret=interpret)
     l1_rows = jnp.where(row_ok.astype(bool) & valid_row, l1_rows, 0.0)
     fired = fired_from_words()
     if fix:

@@ -62,6 +62,8 @@ class TrainConfig:
   compression: int = 8    # TwELL compression of the gate GEMM epilogue (S = 256 / C slots/tile)
   group: int = 2          # entries processed side by side in the row / column kernels
                           # (2 measured 2-5% faster than 4 on an H200, run 3 of 2026-11-21)
+  x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row)
+  wgrads_split: bool = False  # weight gradients as two gathers (dy rows, then x rows)
 
   @property
   def mp(self) -> int:
@@ -182,7 +184,8 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
 
   def sparse(_):
     y, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu.T if gated else None, wd,
-                                               group=cfg.group, interpret=interpret)
+                                               group=cfg.group, x_mode=cfg.x_mode,
+                                               interpret=interpret)
     r = cfg.tail_rows
 
     def tail(rb):
@@ -259,7 +262,7 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
   # below rounds once, as before.
   dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
       dyp, cols, p, u if gated else None, n, c, wd, wu.T, wg.T if gated else None,
-      group=cfg.group, dx_dtype=dt, interpret=interpret)
+      group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, interpret=interpret)
 
   # Column side: CSC of the pattern (XLA sort), weight gradients (kernel).
   col_ptr, sid = _csc(cfg, cols, n)
@@ -273,7 +276,7 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
     du_s = None
   dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
       xp, dyp, col_ptr, rows_s, du_s, flat(dg), flat(h_ell), group=cfg.group,
-      interpret=interpret)
+      split=cfg.wgrads_split, interpret=interpret)
 
   # Dense tail rows (heavy rows, at most R; the smallest static bucket that holds them).
   w_in = wg if gated else wu

@@ -34,12 +34,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import common
 
 
-def _row_start(x_gmem, wd_gmem, r, gated: bool):
-  """(x_r in f32 registers or None when non-gated, a zero f32 [D] accumulator)."""
-  if gated:
-    x = x_gmem[r, :].astype(jnp.float32)
-    return x, x * 0.0
-  return None, wd_gmem[0, :].astype(jnp.float32) * 0.0
+def _row_start(x_gmem, wd_gmem, r, gated: bool, x_mode: str = "f32"):
+  """(x_r held per ``x_mode`` (``common.hold_row``) or None when non-gated, a zero f32 [D]
+  accumulator)."""
+  acc0 = common.zeros_like_row(wd_gmem[0, :])
+  if not gated:
+    return None, acc0
+  return common.hold_row(x_gmem, r, x_mode), acc0
 
 
 def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
@@ -103,7 +104,7 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
 
 def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
                      y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int,
-                     gated: bool):
+                     gated: bool, x_mode: str = "f32"):
   """Same math as ``_kernel`` (group=1), software-pipelined on the scalar index loads.
 
   The per-entry chain of v1 is count load -> word load -> weight-row loads -> reduction, all
@@ -117,7 +118,7 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
   def row_body(i, _):
     r = base + i
     ok = rowok_gmem[r] != 0
-    x, acc0 = _row_start(x_gmem, wd_gmem, r, gated)
+    x, acc0 = _row_start(x_gmem, wd_gmem, r, gated, x_mode)
 
     def count(t):
       return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
@@ -135,7 +136,7 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
         g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
         wd = wd_gmem[j, :]
         if gated:
-          u = jnp.sum(x * wup_gmem[j, :].astype(jnp.float32))
+          u = jnp.sum(common.row_at(x, x_gmem, r) * wup_gmem[j, :].astype(jnp.float32))
           u = u.astype(jnp.bfloat16).astype(jnp.float32)
           h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
         else:
@@ -154,14 +155,65 @@ def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_g
   lax.fori_loop(0, rows_per_cta, row_body, 0)
 
 
+def _sddmm_kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, hw_gmem, *,
+                  rows_per_cta: int, slots: int, n_tiles: int, x_mode: str):
+  """Split mode, first pass (sampled up projection): rewrites each valid gate word (j, g_j) of
+  an ok row as (j, h_j), h_j = bf16(g_j * bf16(x_r . W_up[:, j])); other slots are not written.
+
+  Same loop and index prefetching as ``_kernel_prefetch``, but nothing is accumulated: a row
+  holds only x_r (or nothing, ``x_mode="reload"``) across entries, so more rows fit on an SM.
+  """
+  base = lax.axis_index("r") * rows_per_cta
+  last_tile = n_tiles - 1
+
+  def row_body(i, _):
+    r = base + i
+    ok = rowok_gmem[r] != 0
+    x, _ = _row_start(x_gmem, wup_gmem, r, True, x_mode)
+
+    def count(t):
+      return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+
+    def tile_body(t, carry):
+      cnt, w0 = carry
+      t_next = jnp.minimum(t + 1, last_tile)
+      cnt_next = jnp.where(t < last_tile, count(t_next), 0)
+      w0_next = words_gmem[r, t_next * slots]
+
+      def entry_body(k, w):
+        w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
+        j = t * common.TILE_N + lax.shift_right_logical(w, 16)
+        g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
+        u = jnp.sum(common.row_at(x, x_gmem, r) * wup_gmem[j, :].astype(jnp.float32))
+        u = u.astype(jnp.bfloat16).astype(jnp.float32)
+        h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
+        h_bits = lax.shift_right_logical(lax.bitcast_convert_type(h, jnp.int32), 16)
+        hw_gmem[r, t * slots + k] = (w & jnp.int32(-65536)) | h_bits
+        return w_next
+
+      lax.fori_loop(0, cnt, entry_body, w0)
+      return cnt_next, w0_next
+
+    lax.fori_loop(0, n_tiles, tile_body, (count(0), words_gmem[r, 0]))
+    return 0
+
+  lax.fori_loop(0, rows_per_cta, row_body, 0)
+
+
 def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
                 rows_per_cta: int = 1, group: int = 1, prefetch: bool = True,
-                interpret=False):
+                split: bool = False, x_mode: str = "f32", interpret=False):
   """y [M, D] bf16 and l1 [M] f32 from the packed gate. ``w_up_t`` may be None (non-gated).
 
   ``prefetch=True`` (default) runs ``_kernel_prefetch`` (index loads software-pipelined;
   ``group`` is then ignored); ``prefetch=False`` the v1 kernel with ``group`` tiles side by side.
+  ``split=True`` (gated only) runs two kernels instead of the fused one: ``_sddmm_kernel``
+  rewrites the words as (j, h_j), then the non-gated ``_kernel_prefetch`` accumulates y; neither
+  holds both x_r and the accumulator, and the second has no cross-thread reduction. Same bits as
+  the fused kernel. ``x_mode`` ("f32", "bf16", "reload"): where x_r lives (``common.hold_row``).
   """
+  if x_mode not in common.ROW_MODES:
+    raise ValueError(f"{x_mode=} must be one of {common.ROW_MODES}")
   m, d = x.shape
   h, d2 = w_down.shape
   gated = w_up_t is not None
@@ -176,10 +228,24 @@ def sparse_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 
   if not gated:
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
   params = common.gather_kernel_params()
+  if split and gated:
+    with common.interpret_context(bool(interpret)):
+      hw = plgpu.kernel(
+          functools.partial(_sddmm_kernel, rows_per_cta=rows_per_cta, slots=slots,
+                            n_tiles=n_tiles, x_mode=x_mode),
+          out_type=jax.ShapeDtypeStruct(words.shape, jnp.int32),
+          grid=(m // rows_per_cta,),
+          grid_names=("r",),
+          compiler_params=params,
+          interpret=common.interpret_params(interpret),
+          kernel_name="twell_sampled_up",
+      )(x, words, counts, row_ok, w_up_t)
+    return sparse_down(x, hw, counts, row_ok, None, w_down, compression=compression,
+                       rows_per_cta=rows_per_cta, interpret=interpret)
   with common.interpret_context(bool(interpret)):
     if prefetch:
       body = functools.partial(_kernel_prefetch, rows_per_cta=rows_per_cta, slots=slots,
-                               n_tiles=n_tiles, gated=gated)
+                               n_tiles=n_tiles, gated=gated, x_mode=x_mode)
     else:
       body = functools.partial(_kernel, rows_per_cta=rows_per_cta, slots=slots,
                                n_tiles=n_tiles, gated=gated, group=min(group, n_tiles))

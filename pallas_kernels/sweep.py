@@ -8,8 +8,10 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
 * ``down``: the fused up/down kernel on the real pattern, and on the same pattern with every
   column folded into 8 per tile (a 176-row working set that lives in L1/L2): if the second is
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
-* ``bwd``: the training kernels: row backward in one pass (all three weight sets) vs two
-  passes, the sampled up / sparse down kernel and the weight-gradient kernel by ``group``.
+* ``down`` also times the sparse_down versions (x placement, split sampled-up + down pair) and
+  the whole forward per version against XLA dense.
+* ``bwd``: the training kernels per variant (x / dy placement, split weight gradients, group),
+  then forward + backward per TrainConfig variant against XLA dense.
 """
 
 from __future__ import annotations
@@ -72,22 +74,57 @@ def _short(cfg):
                   if v != getattr(d, k)) or "default"
 
 
-def sweep_down(x, wg, wu, wd):
+DOWN_VARIANTS = (
+    dict(prefetch=False),
+    dict(),
+    dict(x_mode="bf16"),
+    dict(x_mode="reload"),
+    dict(split=True),
+    dict(split=True, x_mode="bf16"),
+    dict(split=True, x_mode="reload"),
+)
+
+
+def sweep_down(x, wg, wu, wd, fold=True):
+  """Kernel time of every sparse_down version (all must give the default's bits), then the
+  whole forward per version against XLA dense in the same process."""
   words, counts = jax.jit(gp.gate_pack)(x, wg)
   m = x.shape[0]
   row_ok = jnp.ones((m,), jnp.int32)
   wut = jnp.asarray(wu.T)
   folded = jnp.where(words == common.EMPTY_WORD, words, words & 0x0007FFFF)
-  for prefetch in (False, True):
-    f = jax.jit(functools.partial(sparse_down_mgpu.sparse_down, prefetch=prefetch))
+  base = None
+  for kw in DOWN_VARIANTS:
+    f = jax.jit(functools.partial(sparse_down_mgpu.sparse_down, **kw))
+    try:
+      out = jax.block_until_ready(f(x, words, counts, row_ok, wut, wd))
+    except Exception as e:
+      print(f"  sparse_down {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    if base is None:
+      base = out
+    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, base))
     real = kernel_ms(f, x, words, counts, row_ok, wut, wd)
-    # Keep only the low 3 bits of each local column: 8 columns per tile, 176 weight rows in all.
-    fold = kernel_ms(f, x, folded, counts, row_ok, wut, wd)
-    print(f"  sparse_down prefetch={prefetch}: real pattern {real:.4f} ms, "
-          f"folded (176-row working set) {fold:.4f} ms", flush=True)
+    line = f"  sparse_down {kw or 'default'}: real pattern {real:.4f} ms, equal_to_v1={same}"
+    if fold:
+      # Keep only the low 3 bits of each local column: 8 columns per tile, 176 weight rows.
+      line += f", folded (176-row working set) {kernel_ms(f, x, folded, counts, row_ok, wut, wd):.4f} ms"
+    print(line, flush=True)
+  dense_ms, _, _ = common.time_fn(benchmark.dense_ffn, x, wg, wu, wd, iters=20,
+                                  kernel_time=False)
+  print(f"  forward: XLA dense {dense_ms:.3f} ms (wall, median of 20)", flush=True)
+  for kw in DOWN_VARIANTS[1:]:
+    from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
+    f = jax.jit(lambda *a, kw=kw: ffn_mgpu.ffn_forward(*a, **kw)[0])
+    ms, k_ms, _ = common.time_fn(f, x, wg, wu, wd, iters=20)
+    print(f"  forward {kw or 'default'}: {ms:.3f} ms wall (kernels {k_ms:.3f}), "
+          f"ratio {ms / dense_ms:.3f}", flush=True)
 
 
 def sweep_bwd(spec_name="paper_16k"):
+  """Training kernels: where x / dy rows live (``x_mode``), the split weight-gradient pass and
+  ``group``; every variant must give the default's bits. Then forward + backward per
+  TrainConfig variant against XLA dense forward + backward in the same process."""
   spec = bench_train.SPECS[spec_name]
   from twell_jax.testing import ffn_inputs  # pylint: disable=import-outside-toplevel
   x, wg, wu, wd = ffn_inputs(jax.random.key(0), spec.m, spec.d, spec.h,
@@ -98,22 +135,52 @@ def sweep_bwd(spec_name="paper_16k"):
   dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
   c = jnp.full((1,), 2e-5 / spec.m, jnp.float32)
   wut, wgt = jnp.asarray(wu.T), jnp.asarray(wg.T)
-  for split in (False, True):
-    for group in (2, 4):
-      f = jax.jit(functools.partial(train_bwd_mgpu.ell_bwd_rows, split=split, group=group))
-      print(f"  ell_bwd_rows split={split} group={group}: "
-            f"{kernel_ms(f, dy, cols, p, u, n, c, wd, wut, wgt):.4f} ms", flush=True)
-  for group in (2, 4, 8):
-    f = jax.jit(functools.partial(train_fwd_mgpu.ell_up_down, group=group))
-    print(f"  ell_up_down group={group}: {kernel_ms(f, x, cols, p, n, wut, wd):.4f} ms",
-          flush=True)
+
+  def variants(label, fn, args, kws):
+    base = None
+    for kw in kws:
+      f = jax.jit(functools.partial(fn, **kw))
+      try:
+        out = jax.block_until_ready(f(*args))
+      except Exception as e:
+        print(f"  {label} {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      base = out if base is None else base
+      same = all(bool(jnp.array_equal(a, b)) for a, b in
+                 zip(jax.tree.leaves(out), jax.tree.leaves(base)))
+      print(f"  {label} {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
+
+  variants("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),
+           [dict(group=2), dict(group=2, x_mode="bf16"), dict(group=2, x_mode="reload"),
+            dict(group=4, x_mode="reload")])
+  variants("ell_bwd_rows", train_bwd_mgpu.ell_bwd_rows, (dy, cols, p, u, n, c, wd, wut, wgt),
+           [dict(group=2), dict(group=2, dy_mode="bf16"), dict(group=2, dy_mode="reload"),
+            dict(group=4, dy_mode="reload")])
   _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
   col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
   flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
-  args = (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p))
-  for group in (2, 4, 8):
-    f = jax.jit(functools.partial(train_bwd_mgpu.csc_weight_grads, group=group))
-    print(f"  csc_weight_grads group={group}: {kernel_ms(f, *args):.4f} ms", flush=True)
+  variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
+           (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
+           [dict(group=2), dict(group=2, split=True), dict(group=4, split=True)])
+
+  ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+  dense = jax.jit(jax.grad(bench_train._loss_fn("dense", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
+  dense_ms, _, _ = common.time_fn(dense, x, wg, wu, wd, iters=20, kernel_time=False)
+  print(f"  fwd+bwd: XLA dense {dense_ms:.3f} ms (wall, median of 20)", flush=True)
+  for kw in (dict(), dict(x_mode="bf16"), dict(x_mode="reload"), dict(wgrads_split=True),
+             dict(x_mode="reload", wgrads_split=True)):
+    tc = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
+                                    **kw)
+
+    def step(x_, wg_, wu_, wd_, tc=tc):
+      out, res = ffn_train_mgpu.forward(tc, x_, wg_, wu_, wd_)
+      return out[0], ffn_train_mgpu.backward(tc, res, (ct.astype(jnp.bfloat16),
+                                                       jnp.float32(2e-5)))
+
+    f = jax.jit(step)
+    ms, k_ms, _ = common.time_fn(f, x, wg, wu, wd, iters=20)
+    print(f"  fwd+bwd TrainConfig {kw or 'default'}: {ms:.3f} ms wall (kernels {k_ms:.3f}), "
+          f"ratio {ms / dense_ms:.3f}", flush=True)
 
 
 def main(argv):

@@ -82,12 +82,12 @@ def _rows_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem, wu
 
 
 def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
-               du_gmem, dg_gmem, *, gated: bool, group: int):
+               du_gmem, dg_gmem, *, gated: bool, group: int, dy_mode: str):
   """Split pass 1: dh on the pattern -> du, dg (reads only W_down rows)."""
   r = lax.axis_index("r")
   n = n_gmem[r]
   c = c_gmem[0]
-  dy = dy_gmem[r, :].astype(_F32)
+  dy = common.hold_row(dy_gmem, r, dy_mode)
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
@@ -101,7 +101,7 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
     wds = [wd_gmem[j, :] for j in js]
     for q in range(group):
       h = (ps[q] * us[q]).astype(jnp.bfloat16).astype(_F32) if gated else ps[q]
-      dh = jnp.sum(dy * wds[q].astype(_F32)) + c * _sign(h)
+      dh = jnp.sum(common.row_at(dy, dy_gmem, r) * wds[q].astype(_F32)) + c * _sign(h)
       dh = jnp.where(ps[q] > 0, dh, 0.0)
       if gated:
         du_gmem[r, ks[q]] = dh * ps[q]
@@ -118,7 +118,7 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
   """Split pass 2: dx = sum_k du_k W_up^T[j_k] + dg_k W_gate^T[j_k] (reads W_up^T, W_gate^T)."""
   r = lax.axis_index("r")
   n = n_gmem[r]
-  acc0 = wup_gmem[0, :].astype(_F32) * 0.0
+  acc0 = common.zeros_like_row(wup_gmem[0, :])
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
@@ -142,7 +142,7 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
 
 
 def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int = 4,
-                 split: bool = True, dx_dtype=_F32, interpret=False):
+                 split: bool = True, dx_dtype=_F32, dy_mode: str = "f32", interpret=False):
   """(dx [M, D] ``dx_dtype``, du [M, Wk] f32, dg [M, Wk] f32). Non-gated: u = w_gate_t = None.
 
   dy [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p, u [M, Wk] bf16 (0 in unused
@@ -152,6 +152,7 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
   dx reading only W_up^T / W_gate^T rows: each pass gathers from a weight set that fits the
   L2 (23 / 46 MB at the paper shape) where the single pass (``split=False``) gathers from all
   three (69 MB, more than an H100's 50 MB L2), at the cost of writing and re-reading du / dg.
+  ``dy_mode``: where dy_r lives in the dh pass (``common.hold_row``); same results.
   """
   m, d = dy.shape
   h, d2 = w_down.shape
@@ -181,7 +182,7 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
           kernel_name="twell_train_bwd_rows" + suffix)
       return f(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t)
     f_dh = kernel(
-        functools.partial(_dh_kernel, gated=gated, group=group),
+        functools.partial(_dh_kernel, gated=gated, group=group, dy_mode=dy_mode),
         out_type=(coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
         kernel_name="twell_train_bwd_dh" + suffix)
     du, dg = f_dh(dy, cols, p, u, n, c, w_down)
@@ -199,7 +200,7 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   start = ptr_gmem[j]
   end = ptr_gmem[j + 1]
   last = rows_gmem.shape[0] - 1
-  zero = x_gmem[0, :].astype(_F32) * 0.0
+  zero = common.zeros_like_row(x_gmem[0, :])
 
   def load(gi):
     es = [start + gi * group + q for q in range(group)]
@@ -231,11 +232,50 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   dwd_gmem[j, :] = acc_d
 
 
-def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, interpret=False):
+def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int):
+  """Split weight gradients: out_i[j] = sum_e coef_i[e] a[rows_e] for ``n_out`` coefficient
+  arrays sharing one gathered operand ``a`` (x for dW_up^T / dW_gate^T, dy for dW_down)."""
+  coefs, outs = refs[:n_out], refs[n_out:]
+  j = lax.axis_index("j")
+  start = ptr_gmem[j]
+  end = ptr_gmem[j + 1]
+  last = rows_gmem.shape[0] - 1
+  zero = common.zeros_like_row(a_gmem[0, :])
+
+  def load(gi):
+    es = [start + gi * group + q for q in range(group)]
+    valid = [e < end for e in es]
+    es = [jnp.minimum(e, last) for e in es]
+    return ([rows_gmem[e] for e in es],
+            [[jnp.where(valid[q], ref[es[q]], 0.0) for q in range(group)] for ref in coefs])
+
+  def step(gi, loaded, accs):
+    ms, cs = loaded
+    rows = [a_gmem[mm, :] for mm in ms]
+    accs = list(accs)
+    for q in range(group):
+      aq = rows[q].astype(_F32)
+      for i in range(n_out):
+        accs[i] = accs[i] + cs[i][q] * aq
+    return tuple(accs)
+
+  n_groups = (end - start + (group - 1)) // group
+  accs = common.prefetched_fori_loop(n_groups, load, step, (zero,) * n_out)
+  for out, acc in zip(outs, accs):
+    out[j, :] = acc
+
+
+def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, split: bool = False,
+                     interpret=False):
   """(dW_up^T, dW_gate^T, dW_down), each [H, D] f32; dW_up^T is None when ``du`` is None.
 
   x, dy [M, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each entry, sorted by
   column); du, dg, h [E] f32 coefficients in the same order (non-gated: du None, dg = dh).
+
+  ``split=False``: one kernel gathers an x row and a dy row per entry (three accumulators);
+  ``split=True``: two kernels, dW_down from dy rows, then dW_up^T / dW_gate^T from x rows: each
+  gathers from one [M, D] operand (fewer bytes competing for the L2, fewer registers per CTA).
+  Same results either way (same summation order).
   """
   m, d = x.shape
   hh = col_ptr.shape[0] - 1
@@ -247,6 +287,21 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, interpr
   if not gated:
     du = jnp.zeros((8,), _F32)
   params = common.gather_kernel_params()
+  if split:
+    def one(a, coefs, name):
+      return plgpu.kernel(
+          functools.partial(_cols_one_kernel, n_out=len(coefs), group=group),
+          out_type=tuple(jax.ShapeDtypeStruct((hh, d), _F32) for _ in coefs),
+          grid=(hh,), grid_names=("j",), compiler_params=params,
+          interpret=common.interpret_params(interpret), kernel_name=name,
+      )(a, col_ptr, rows, *coefs)
+    with common.interpret_context(bool(interpret)):
+      (dwd,) = one(dy, (h,), "twell_train_wgrad_down")
+      if gated:
+        dwu, dwg = one(x, (du, dg), "twell_train_wgrads_up_gate")
+        return dwu, dwg, dwd
+      (dwg,) = one(x, (dg,), "twell_train_wgrad_up_ng")
+      return None, dwg, dwd
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_kernel, gated=gated, group=group),

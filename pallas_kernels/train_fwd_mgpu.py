@@ -35,15 +35,11 @@ _F32 = jnp.float32
 
 
 def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
-            y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int):
+            y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str):
   r = lax.axis_index("r")
   n = n_gmem[r]
-  if gated:
-    x = x_gmem[r, :].astype(_F32)
-    acc0 = x * 0.0
-  else:
-    x = None
-    acc0 = wd_gmem[0, :].astype(_F32) * 0.0
+  x = common.hold_row(x_gmem, r, x_mode) if gated else None
+  acc0 = common.zeros_like_row(wd_gmem[0, :])
 
   last = cols_gmem.shape[1] - 1
 
@@ -60,7 +56,8 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
       wus = [wup_gmem[j, :] for j in js]
     for q in range(group):
       if gated:
-        u = jnp.sum(x * wus[q].astype(_F32)).astype(jnp.bfloat16).astype(_F32)
+        u = jnp.sum(common.row_at(x, x_gmem, r) * wus[q].astype(_F32))
+        u = u.astype(jnp.bfloat16).astype(_F32)
         u_gmem[r, ks[q]] = u
         h = (ps[q] * u).astype(jnp.bfloat16).astype(_F32)
       else:
@@ -75,11 +72,13 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
   l1_gmem[r] = l1
 
 
-def ell_up_down(x, cols, p, n, w_up_t, w_down, *, group: int = 4, interpret=False):
+def ell_up_down(x, cols, p, n, w_up_t, w_down, *, group: int = 4, x_mode: str = "f32",
+                interpret=False):
   """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks.
 
   x [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p [M, Wk] bf16 (0 in unused slots);
   n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % group == 0, D % 128 == 0.
+  ``x_mode``: where x_r lives during its row (``common.hold_row``); same results in every mode.
   """
   m, d = x.shape
   h, d2 = w_down.shape
@@ -95,7 +94,7 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, group: int = 4, interpret=Fals
   params = common.gather_kernel_params()
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_kernel, gated=gated, group=group),
+        functools.partial(_kernel, gated=gated, group=group, x_mode=x_mode),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m, wk if gated else 1), _F32),
                   jax.ShapeDtypeStruct((m,), _F32)),

@@ -136,14 +136,23 @@ class MgpuKernelsTestBase(parameterized.TestCase):
 
   @parameterized.parameters(True, False)
   def test_sparse_down_versions_agree(self, gated):
-    """The prefetching fused kernel gives v1's bits (group 1: same summation order) and v1 with
-    group 2 (another order) the same values up to f32 rounding."""
+    """The prefetching fused kernel gives v1's bits (group 1: same summation order), and so do
+    its x placements and the split (sampled-up + down) pair; v1 with group 2 (another order)
+    gives the same values up to f32 rounding."""
     x, wg, wu, wd = make_inputs(128, 128, 768, active=10.0, heavy=0.05, zero_rows=3,
                                 gated=gated)
     words, counts = gate_pack_mgpu.gate_pack(x, wg if gated else wu, interpret=self.INTERPRET)
     row_ok = (counts.reshape(128, 3, common.COUNT_LANES)[..., 0] <= 32).all(1).astype(jnp.int32)
     args = (x, words, counts, row_ok, wu.T if gated else None, wd)
     y, l1 = sparse_down_mgpu.sparse_down(*args, interpret=self.INTERPRET)
+    variants = [dict(x_mode="bf16"), dict(x_mode="reload")]
+    if gated:
+      variants += [dict(split=True), dict(split=True, x_mode="reload")]
+    for kw in variants:
+      y2, l1_2 = sparse_down_mgpu.sparse_down(*args, interpret=self.INTERPRET, **kw)
+      np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y2, np.float32),
+                                    err_msg=str(kw))
+      np.testing.assert_array_equal(np.asarray(l1), np.asarray(l1_2), err_msg=str(kw))
     for group in (1, 2):
       y1, l1_1 = sparse_down_mgpu.sparse_down(*args, prefetch=False, group=group,
                                               interpret=self.INTERPRET)
@@ -189,6 +198,12 @@ class MgpuLoweringTest(parameterized.TestCase):
   def test_lowers_for_cuda(self, gated):
     x, wg, wu, wd = make_inputs(256, 256, 512, gated=gated)
     common.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a), x, wg, wu, wd)
+
+  @parameterized.parameters(dict(split=True), dict(x_mode="bf16"), dict(x_mode="reload"),
+                            dict(split=True, x_mode="reload"))
+  def test_sparse_down_variants_lower(self, **kw):
+    x, wg, wu, wd = make_inputs(256, 256, 512)
+    common.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a, **kw), x, wg, wu, wd)
 
 
 @pytest.mark.gpu

@@ -152,6 +152,25 @@ class TrainInterpretTest(TrainTestBase):
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(dx, dx1, rtol=1e-5, atol=1e-5)
 
+  def test_kernel_variants_same_bits(self):
+    """Where x / dy rows live (registers f32 / bf16, or reloaded) and the split weight-gradient
+    pass change the schedule only: forward and backward give the default's bits."""
+    m, d, h = 64, 128, 256
+    x, wg, wu, wd = ffn_inputs(jax.random.key(int(time.time_ns() % 2**31)), m, d, h,
+                               active_fraction=0.04, heavy_fraction=0.03)
+    dy = jax.random.normal(jax.random.key(7), (m, d), jnp.bfloat16)
+
+    def run(**kw):
+      cfg = ffn_train_mgpu.make_config(m, d, h, ell_width=16, **kw)
+      out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd, interpret=True)
+      return jax.tree.leaves((out, ffn_train_mgpu.backward(cfg, res, (dy, jnp.float32(1.0)),
+                                                           interpret=True)))
+
+    base = run()
+    for kw in (dict(x_mode="bf16"), dict(x_mode="reload", wgrads_split=True)):
+      for a, b in zip(run(**kw), base, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32), err_msg=str(kw))
+
   def test_scan_over_layers(self):
     """lax.scan over 2 layers' stacked weights vs the f32 reference.
 
@@ -225,6 +244,16 @@ class TrainLoweringTest(parameterized.TestCase):
   def test_fwd_bwd_lowers_for_cuda(self, gated):
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 256, 256, 512, gated=gated)
     cfg = ffn_train_mgpu.make_config(256, 256, 512)
+
+    def f(x, wg, wu, wd, dy):
+      out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
+      return out, ffn_train_mgpu.backward(cfg, res, (dy, jnp.float32(1.0)))
+
+    common.lower_for_cuda(f, x, wg, wu, wd, x)
+
+  def test_kernel_variants_lower_for_cuda(self):
+    x, wg, wu, wd = ffn_inputs(jax.random.key(0), 256, 256, 512)
+    cfg = ffn_train_mgpu.make_config(256, 256, 512, x_mode="reload", wgrads_split=True)
 
     def f(x, wg, wu, wd, dy):
       out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
