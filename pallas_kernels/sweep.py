@@ -80,7 +80,6 @@ DOWN_VARIANTS = (
     dict(x_mode="bf16"),
     dict(x_mode="reload"),
     dict(split=True),
-    dict(split=True, x_mode="bf16"),
     dict(split=True, x_mode="reload"),
 )
 
@@ -116,12 +115,12 @@ def sweep_down(x, wg, wu, wd, fold=True):
   for kw in DOWN_VARIANTS[1:]:
     from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
     f = jax.jit(lambda *a, kw=kw: ffn_mgpu.ffn_forward(*a, **kw)[0])
-    ms, k_ms, _ = common.time_fn(f, x, wg, wu, wd, iters=20)
-    print(f"  forward {kw or 'default'}: {ms:.3f} ms wall (kernels {k_ms:.3f}), "
-          f"ratio {ms / dense_ms:.3f}", flush=True)
+    ms, _, _ = common.time_fn(f, x, wg, wu, wd, iters=20, kernel_time=False)
+    print(f"  forward {kw or 'default'}: {ms:.3f} ms wall, ratio {ms / dense_ms:.3f}",
+          flush=True)
 
 
-def sweep_bwd(spec_name="paper_16k"):
+def sweep_bwd(spec_name="paper_16k", variants_rows=False):
   """Training kernels: where x / dy rows live (``x_mode``), the split weight-gradient pass and
   ``group``; every variant must give the default's bits. Then forward + backward per
   TrainConfig variant against XLA dense forward + backward in the same process."""
@@ -146,29 +145,41 @@ def sweep_bwd(spec_name="paper_16k"):
         print(f"  {label} {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
       base = out if base is None else base
+      # (Outputs with unused ELL slots hold garbage there: same_bits is only meaningful for
+      # the weight gradients.)
       same = all(bool(jnp.array_equal(a, b)) for a, b in
                  zip(jax.tree.leaves(out), jax.tree.leaves(base)))
-      print(f"  {label} {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
+      name = {k: (f"{v.shape[0] - 1} chunks" if hasattr(v, "shape") else v)
+              for k, v in kw.items()}
+      print(f"  {label} {name}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
 
-  variants("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),
-           [dict(group=2), dict(group=2, x_mode="bf16"), dict(group=2, x_mode="reload"),
-            dict(group=4, x_mode="reload")])
-  variants("ell_bwd_rows", train_bwd_mgpu.ell_bwd_rows, (dy, cols, p, u, n, c, wd, wut, wgt),
-           [dict(group=2), dict(group=2, dy_mode="bf16"), dict(group=2, dy_mode="reload"),
-            dict(group=4, dy_mode="reload")])
+  if variants_rows:
+    variants("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),
+             [dict(group=2), dict(group=2, x_mode="bf16"), dict(group=2, x_mode="reload"),
+              dict(group=4, x_mode="reload")])
+    variants("ell_bwd_rows", train_bwd_mgpu.ell_bwd_rows, (dy, cols, p, u, n, c, wd, wut, wgt),
+             [dict(group=2), dict(group=2, dy_mode="bf16"), dict(group=2, dy_mode="reload"),
+              dict(group=4, dy_mode="reload")])
   _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
   col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
   flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
+  keys = jnp.where(jnp.arange(cfg.wk)[None, :] < n[:, None], cols, cfg.hp)
+  bounds = {k: train_bwd_mgpu.chunk_bounds(col_ptr, keys, k) for k in (2, 4)}
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
-           [dict(group=2), dict(group=2, split=True), dict(group=4, split=True)])
+           [dict(group=2), dict(group=2, split=True), dict(group=2, split=True, bounds=bounds[2]),
+            dict(group=2, split=True, bounds=bounds[4]), dict(group=1, split=True)])
+  variants("ell_bwd_rows dx_passes", train_bwd_mgpu.ell_bwd_rows,
+           (dy, cols, p, u, n, c, wd, wut, wgt),
+           [dict(group=2, dx_dtype=jnp.bfloat16), dict(group=2, dx_dtype=jnp.bfloat16, dx_passes=2)])
 
   ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   dense = jax.jit(jax.grad(bench_train._loss_fn("dense", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
   dense_ms, _, _ = common.time_fn(dense, x, wg, wu, wd, iters=20, kernel_time=False)
   print(f"  fwd+bwd: XLA dense {dense_ms:.3f} ms (wall, median of 20)", flush=True)
-  for kw in (dict(), dict(x_mode="bf16"), dict(x_mode="reload"), dict(wgrads_split=True),
-             dict(x_mode="reload", wgrads_split=True)):
+  for kw in (dict(), dict(wgrads_split=True), dict(wgrads_split=True, wgrads_chunks=2),
+             dict(wgrads_split=True, dx_passes=2),
+             dict(wgrads_split=True, wgrads_chunks=2, dx_passes=2)):
     tc = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
                                     **kw)
 
@@ -178,8 +189,8 @@ def sweep_bwd(spec_name="paper_16k"):
                                                        jnp.float32(2e-5)))
 
     f = jax.jit(step)
-    ms, k_ms, _ = common.time_fn(f, x, wg, wu, wd, iters=20)
-    print(f"  fwd+bwd TrainConfig {kw or 'default'}: {ms:.3f} ms wall (kernels {k_ms:.3f}), "
+    ms, _, _ = common.time_fn(f, x, wg, wu, wd, iters=20, kernel_time=False)
+    print(f"  fwd+bwd TrainConfig {kw or 'default'}: {ms:.3f} ms wall, "
           f"ratio {ms / dense_ms:.3f}", flush=True)
 
 
