@@ -212,3 +212,4 @@ def zeros_like_row(row):
   """f32 zeros in the register layout of a loaded row (exact even if the row holds inf/nan)."""
   return lax.bitcast_convert_type(
       lax.bitcast_convert_type(row.astype(jnp.float32), jnp.int32) & 0, jnp.float32)
+

@@ -95,7 +95,7 @@ def reference_forward(x, w_gate, w_up, w_down):
                                              "x_mode"))
 def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
                 overflow_capacity=None, w_up_t=None, rows_per_cta=1, group=1, prefetch=True,
-                split=False, x_mode="f32"):
+                split=False, x_mode="reload"):
   """TwELL FFN forward. Returns (y [M, D] bf16, stats dict of device arrays).
 
   ``w_up_t`` optionally passes a pre-transposed [H, D] copy of ``w_up`` (layers can hold one

@@ -63,9 +63,8 @@ class TrainConfig:
   group: int = 2          # entries processed side by side in the row / column kernels
                           # (2 measured 2-5% faster than 4 on an H200, run 3 of 2026-11-21)
   x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row)
-  wgrads_split: bool = False  # weight gradients as two gathers (dy rows, then x rows)
-  wgrads_chunks: int = 1  # token chunks of the split weight-gradient gathers (L2-sized)
-  dx_passes: int = 1      # dx as one gather (W_up^T and W_gate^T rows) or two
+  wgrads_kernels: int = 1  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads)
+  wgrads_group: int | None = None  # ``group`` of the weight-gradient kernels (None: group)
 
   @property
   def mp(self) -> int:
@@ -244,21 +243,13 @@ def _csc(cfg: TrainConfig, cols, n):
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
   key = jnp.where(valid, cols, cfg.hp).reshape(-1)
   ids = jnp.arange(key.shape[0], dtype=jnp.int32)
-  # Stable: a column's entries stay in token order (the chunked weight gradients need it, and
-  # it makes the weight gradients' summation order deterministic).
+  # Stable: a column's entries stay in token order (a deterministic summation order for the
+  # weight gradients).
   _, sid = lax.sort((key, ids), num_keys=1, is_stable=True)
   hist = jnp.zeros((cfg.hp,), jnp.int32).at[key].add(1, mode="drop")
   col_ptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist, dtype=jnp.int32)])
   return col_ptr, sid
 
-
-def _csc_bounds(cfg: TrainConfig, cols, n, col_ptr):
-  """Token-chunk bounds of the CSC for ``csc_weight_grads`` (None: one chunk)."""
-  if not cfg.wgrads_split or cfg.wgrads_chunks <= 1:
-    return None
-  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
-  keys = jnp.where(valid, cols, cfg.hp)
-  return train_bwd_mgpu.chunk_bounds(col_ptr, keys, cfg.wgrads_chunks)
 
 
 def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
@@ -275,8 +266,7 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
   # below rounds once, as before.
   dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
       dyp, cols, p, u if gated else None, n, c, wd, wu.T, wg.T if gated else None,
-      group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, dx_passes=cfg.dx_passes,
-      interpret=interpret)
+      group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, interpret=interpret)
 
   # Column side: CSC of the pattern (XLA sort), weight gradients (kernel).
   col_ptr, sid = _csc(cfg, cols, n)
@@ -289,8 +279,8 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
     h_ell = p.astype(_F32)
     du_s = None
   dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
-      xp, dyp, col_ptr, rows_s, du_s, flat(dg), flat(h_ell), group=cfg.group,
-      split=cfg.wgrads_split, bounds=_csc_bounds(cfg, cols, n, col_ptr), interpret=interpret)
+      xp, dyp, col_ptr, rows_s, du_s, flat(dg), flat(h_ell),
+      group=cfg.wgrads_group or cfg.group, kernels=cfg.wgrads_kernels, interpret=interpret)
 
   # Dense tail rows (heavy rows, at most R; the smallest static bucket that holds them).
   w_in = wg if gated else wu

@@ -10,7 +10,7 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
 * ``down`` also times the sparse_down versions (x placement, split sampled-up + down pair) and
   the whole forward per version against XLA dense.
-* ``bwd``: the training kernels per variant (x / dy placement, split weight gradients, group),
+* ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
   then forward + backward per TrainConfig variant against XLA dense.
 """
 
@@ -77,10 +77,10 @@ def _short(cfg):
 DOWN_VARIANTS = (
     dict(prefetch=False),
     dict(),
+    dict(x_mode="f32"),
     dict(x_mode="bf16"),
-    dict(x_mode="reload"),
+    dict(split=True, x_mode="f32"),
     dict(split=True),
-    dict(split=True, x_mode="reload"),
 )
 
 
@@ -121,8 +121,8 @@ def sweep_down(x, wg, wu, wd, fold=True):
 
 
 def sweep_bwd(spec_name="paper_16k", variants_rows=False):
-  """Training kernels: where x / dy rows live (``x_mode``), the split weight-gradient pass and
-  ``group``; every variant must give the default's bits. Then forward + backward per
+  """Training kernels: where x / dy rows live (``x_mode``, with ``variants_rows``), the weight
+  gradients in 1-3 kernels and ``group``; the weight gradients must keep the default's bits. Then forward + backward per
   TrainConfig variant against XLA dense forward + backward in the same process."""
   spec = bench_train.SPECS[spec_name]
   from twell_jax.testing import ffn_inputs  # pylint: disable=import-outside-toplevel
@@ -149,9 +149,7 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False):
       # the weight gradients.)
       same = all(bool(jnp.array_equal(a, b)) for a, b in
                  zip(jax.tree.leaves(out), jax.tree.leaves(base)))
-      name = {k: (f"{v.shape[0] - 1} chunks" if hasattr(v, "shape") else v)
-              for k, v in kw.items()}
-      print(f"  {label} {name}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
+      print(f"  {label} {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
 
   if variants_rows:
     variants("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),
@@ -163,23 +161,21 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False):
   _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
   col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
   flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
-  keys = jnp.where(jnp.arange(cfg.wk)[None, :] < n[:, None], cols, cfg.hp)
-  bounds = {k: train_bwd_mgpu.chunk_bounds(col_ptr, keys, k) for k in (2, 4)}
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
-           [dict(group=2), dict(group=2, split=True), dict(group=2, split=True, bounds=bounds[2]),
-            dict(group=2, split=True, bounds=bounds[4]), dict(group=1, split=True)])
-  variants("ell_bwd_rows dx_passes", train_bwd_mgpu.ell_bwd_rows,
-           (dy, cols, p, u, n, c, wd, wut, wgt),
-           [dict(group=2, dx_dtype=jnp.bfloat16), dict(group=2, dx_dtype=jnp.bfloat16, dx_passes=2)])
+           [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
+            dict(group=1, kernels=3), dict(group=2, kernels=3)])
+  variants("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),
+           [dict(group=2), dict(group=1)])
+  variants("ell_bwd_rows", train_bwd_mgpu.ell_bwd_rows, (dy, cols, p, u, n, c, wd, wut, wgt),
+           [dict(group=2, dx_dtype=jnp.bfloat16), dict(group=1, dx_dtype=jnp.bfloat16)])
 
   ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   dense = jax.jit(jax.grad(bench_train._loss_fn("dense", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
   dense_ms, _, _ = common.time_fn(dense, x, wg, wu, wd, iters=20, kernel_time=False)
   print(f"  fwd+bwd: XLA dense {dense_ms:.3f} ms (wall, median of 20)", flush=True)
-  for kw in (dict(), dict(wgrads_split=True), dict(wgrads_split=True, wgrads_chunks=2),
-             dict(wgrads_split=True, dx_passes=2),
-             dict(wgrads_split=True, wgrads_chunks=2, dx_passes=2)):
+  for kw in (dict(), dict(wgrads_kernels=2, wgrads_group=1),
+             dict(wgrads_kernels=3, wgrads_group=1), dict(group=1, wgrads_kernels=3)):
     tc = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
                                     **kw)
 

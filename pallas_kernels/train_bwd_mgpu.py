@@ -141,32 +141,8 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
   dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
 
 
-def _dx_one_kernel(cols_gmem, n_gmem, coef_gmem, w_gmem, *refs, group: int, has_init: bool):
-  """dx in two passes (``dx_passes=2``): out = init + sum_k coef_k W^T[j_k] for one weight."""
-  out_gmem = refs[-1]
-  r = lax.axis_index("r")
-  n = n_gmem[r]
-  acc0 = refs[0][r, :] if has_init else common.zeros_like_row(w_gmem[0, :])
-  last = cols_gmem.shape[1] - 1
-
-  def load(gi):
-    ks = common.group_slots(gi, group, last)
-    return [cols_gmem[r, k] for k in ks], [coef_gmem[r, k] for k in ks]
-
-  def step(gi, loaded, acc):
-    js, cs = loaded
-    ws = [w_gmem[j, :] for j in js]
-    for q in range(group):
-      acc = acc + cs[q] * ws[q].astype(_F32)
-    return acc
-
-  acc = common.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0)
-  out_gmem[r, :] = acc.astype(out_gmem.dtype)
-
-
 def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int = 4,
-                 split: bool = True, dx_dtype=_F32, dy_mode: str = "f32", dx_passes: int = 1,
-                 interpret=False):
+                 split: bool = True, dx_dtype=_F32, dy_mode: str = "f32", interpret=False):
   """(dx [M, D] ``dx_dtype``, du [M, Wk] f32, dg [M, Wk] f32). Non-gated: u = w_gate_t = None.
 
   dy [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p, u [M, Wk] bf16 (0 in unused
@@ -177,9 +153,6 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
   L2 (23 / 46 MB at the paper shape) where the single pass (``split=False``) gathers from all
   three (69 MB, more than an H100's 50 MB L2), at the cost of writing and re-reading du / dg.
   ``dy_mode``: where dy_r lives in the dh pass (``common.hold_row``); same results.
-  ``dx_passes=2`` (split, gated): dx as two gathers, du over W_up^T rows into an f32 partial,
-  then dg over W_gate^T rows onto it (23 MB working sets instead of 46 MB; another summation
-  order: equal up to f32 rounding).
   """
   m, d = dy.shape
   h, d2 = w_down.shape
@@ -213,14 +186,6 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
         out_type=(coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
         kernel_name="twell_train_bwd_dh" + suffix)
     du, dg = f_dh(dy, cols, p, u, n, c, w_down)
-    if gated and dx_passes == 2:
-      part = kernel(functools.partial(_dx_one_kernel, group=group, has_init=False),
-                    out_type=jax.ShapeDtypeStruct((m, d), _F32),
-                    kernel_name="twell_train_bwd_dx_up")(cols, n, du, w_up_t)
-      dx = kernel(functools.partial(_dx_one_kernel, group=group, has_init=True),
-                  out_type=jax.ShapeDtypeStruct((m, d), dx_dtype),
-                  kernel_name="twell_train_bwd_dx_gate")(cols, n, dg, w_gate_t, part)
-      return dx, du, dg
     f_dx = kernel(
         functools.partial(_dx_kernel, gated=gated, group=group),
         out_type=jax.ShapeDtypeStruct((m, d), dx_dtype),
@@ -267,22 +232,16 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   dwd_gmem[j, :] = acc_d
 
 
-def _cols_one_kernel(a_gmem, lo_gmem, hi_gmem, rows_gmem, *refs, n_out: int, group: int,
-                     has_init: bool):
-  """Split weight gradients: out_i[j] = init_i[j] + sum_{lo[j] <= e < hi[j]} coef_i[e] a[rows_e]
-  for ``n_out`` coefficient arrays sharing one gathered operand ``a`` (x for dW_up^T /
-  dW_gate^T, dy for dW_down); ``init`` is zero unless ``has_init`` (a previous token chunk)."""
-  coefs = refs[:n_out]
-  inits = refs[n_out:2 * n_out] if has_init else ()
-  outs = refs[2 * n_out:] if has_init else refs[n_out:]
+def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int):
+  """Split weight gradients: out_i[j] = sum_{ptr[j] <= e < ptr[j + 1]} coef_i[e] a[rows_e] for
+  ``n_out`` coefficient arrays sharing one gathered operand ``a`` (x for dW_up^T / dW_gate^T,
+  dy for dW_down)."""
+  coefs, outs = refs[:n_out], refs[n_out:]
   j = lax.axis_index("j")
-  start = lo_gmem[j]
-  end = hi_gmem[j]
+  start = ptr_gmem[j]
+  end = ptr_gmem[j + 1]
   last = rows_gmem.shape[0] - 1
-  if has_init:
-    acc0 = tuple(ref[j, :] for ref in inits)
-  else:
-    acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
+  acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
 
   def load(gi):
     es = [start + gi * group + q for q in range(group)]
@@ -307,38 +266,17 @@ def _cols_one_kernel(a_gmem, lo_gmem, hi_gmem, rows_gmem, *refs, n_out: int, gro
     out[j, :] = acc
 
 
-def chunk_bounds(col_ptr, keys, n_chunks: int):
-  """[n_chunks + 1, H] int32: row c is where token chunk c starts in each column of the CSC.
-
-  ``keys`` [M, W] int32 holds each ELL slot's column (H for unused slots); the CSC must list
-  a column's entries in token order (a stable sort of the row-major entries by column). Chunk
-  c covers tokens [c * ceil(M / n_chunks), (c + 1) * ceil(M / n_chunks)).
-  """
-  hh = col_ptr.shape[0] - 1
-  m = keys.shape[0]
-  size = -(-m // n_chunks)
-  bounds = [col_ptr[:-1]]
-  for c in range(1, n_chunks):
-    before = jnp.zeros((hh,), jnp.int32).at[keys[:c * size].reshape(-1)].add(1, mode="drop")
-    bounds.append(col_ptr[:-1] + before)
-  bounds.append(col_ptr[1:])
-  return jnp.stack(bounds)
-
-
-def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, split: bool = False,
-                     bounds=None, interpret=False):
+def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels: int = 1,
+                     interpret=False):
   """(dW_up^T, dW_gate^T, dW_down), each [H, D] f32; dW_up^T is None when ``du`` is None.
 
   x, dy [M, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each entry, sorted by
   column); du, dg, h [E] f32 coefficients in the same order (non-gated: du None, dg = dh).
 
-  ``split=False``: one kernel gathers an x row and a dy row per entry (three accumulators);
-  ``split=True``: two kernels, dW_down from dy rows, then dW_up^T / dW_gate^T from x rows: each
-  gathers from one [M, D] operand (fewer bytes competing for the L2, fewer registers per CTA).
-  ``bounds`` (split only; from ``chunk_bounds``): run each split kernel once per token chunk,
-  chunk c summing entries bounds[c, j] <= e < bounds[c + 1, j] onto chunk c - 1's f32 output,
-  so that one chunk's rows of x / dy stay in L2. Same results in every mode (same summation
-  order).
+  ``kernels``: 1, one kernel gathers an x row and a dy row per entry into three accumulators;
+  2, dW_down from dy rows, then dW_up^T / dW_gate^T from x rows; 3, one kernel per weight
+  gradient (x rows gathered twice). Fewer accumulators per kernel means fewer registers per
+  CTA and more columns in flight per SM (PERF.md). Same results in every mode (same order).
   """
   m, d = x.shape
   hh = col_ptr.shape[0] - 1
@@ -347,33 +285,30 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, split: 
   if dy.shape != (m, d) or d % 128 or dg.shape != (e,) or h.shape != (e,):
     raise ValueError(f"csc_weight_grads: bad shapes {x.shape=} {dy.shape=} {rows.shape=} "
                      f"{dg.shape=} {h.shape=}")
+  if kernels not in (1, 2, 3):
+    raise ValueError(f"csc_weight_grads: {kernels=} must be 1, 2 or 3")
   if not gated:
     du = jnp.zeros((8,), _F32)
   params = common.gather_kernel_params()
-  if split:
-    if bounds is None:
-      bounds = jnp.stack([col_ptr[:-1], col_ptr[1:]])
-    if bounds.ndim != 2 or bounds.shape[1] != hh:
-      raise ValueError(f"csc_weight_grads: {bounds.shape=} must be [chunks + 1, {hh}]")
-
+  if kernels > 1:
     def one(a, coefs, name):
-      outs = None
-      for ci in range(bounds.shape[0] - 1):
-        outs = plgpu.kernel(
-            functools.partial(_cols_one_kernel, n_out=len(coefs), group=group,
-                              has_init=outs is not None),
-            out_type=tuple(jax.ShapeDtypeStruct((hh, d), _F32) for _ in coefs),
-            grid=(hh,), grid_names=("j",), compiler_params=params,
-            interpret=common.interpret_params(interpret), kernel_name=name,
-        )(a, bounds[ci], bounds[ci + 1], rows, *coefs, *(outs or ()))
-      return outs
+      return plgpu.kernel(
+          functools.partial(_cols_one_kernel, n_out=len(coefs), group=group),
+          out_type=tuple(jax.ShapeDtypeStruct((hh, d), _F32) for _ in coefs),
+          grid=(hh,), grid_names=("j",), compiler_params=params,
+          interpret=common.interpret_params(interpret), kernel_name=name,
+      )(a, col_ptr, rows, *coefs)
     with common.interpret_context(bool(interpret)):
       (dwd,) = one(dy, (h,), "twell_train_wgrad_down")
-      if gated:
+      if not gated:
+        (dwg,) = one(x, (dg,), "twell_train_wgrad_up_ng")
+        return None, dwg, dwd
+      if kernels == 2:
         dwu, dwg = one(x, (du, dg), "twell_train_wgrads_up_gate")
-        return dwu, dwg, dwd
-      (dwg,) = one(x, (dg,), "twell_train_wgrad_up_ng")
-      return None, dwg, dwd
+      else:
+        (dwu,) = one(x, (du,), "twell_train_wgrad_up")
+        (dwg,) = one(x, (dg,), "twell_train_wgrad_gate")
+      return dwu, dwg, dwd
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_kernel, gated=gated, group=group),

@@ -145,7 +145,7 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     row_ok = (counts.reshape(128, 3, common.COUNT_LANES)[..., 0] <= 32).all(1).astype(jnp.int32)
     args = (x, words, counts, row_ok, wu.T if gated else None, wd)
     y, l1 = sparse_down_mgpu.sparse_down(*args, interpret=self.INTERPRET)
-    variants = [dict(x_mode="bf16"), dict(x_mode="reload")]
+    variants = [dict(x_mode="bf16"), dict(x_mode="f32")]
     if gated:
       variants += [dict(split=True), dict(split=True, x_mode="reload")]
     for kw in variants:
@@ -199,7 +199,7 @@ class MgpuLoweringTest(parameterized.TestCase):
     x, wg, wu, wd = make_inputs(256, 256, 512, gated=gated)
     common.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a), x, wg, wu, wd)
 
-  @parameterized.parameters(dict(split=True), dict(x_mode="bf16"), dict(x_mode="reload"),
+  @parameterized.parameters(dict(split=True), dict(x_mode="bf16"), dict(x_mode="f32"),
                             dict(split=True, x_mode="reload"))
   def test_sparse_down_variants_lower(self, **kw):
     x, wg, wu, wd = make_inputs(256, 256, 512)
