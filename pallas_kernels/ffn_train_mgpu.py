@@ -22,9 +22,10 @@ and tail gate / up rows ([R, H]); never a dense [M, H] tensor.
 Backward (no host synchronization):
  1. ``train_bwd_mgpu.ell_bwd_rows``: dh on the pattern (+ the L1 term) -> du, dg (one kernel,
     W_down rows), then dx (a second kernel, W_up^T / W_gate^T rows): two L2-sized working sets.
- 2. CSC of the pattern by an XLA sort of the [M * W] ELL entries by column (padding slots get
-    the key H and sort last), then ``train_bwd_mgpu.csc_weight_grads``: dW_up, dW_gate,
-    dW_down as per-column sums of x / dy rows (no atomics).
+ 2. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
+    slots get the key H and sort last), then ``train_bwd_mgpu.csc_weight_grads``: dW_up,
+    dW_gate, dW_down as per-column sums of x / dy rows (no atomics), by default as two kernels
+    (dW_down from dy rows, then dW_up / dW_gate from x rows: fewer registers per CTA).
  3. Tail rows: dense XLA products on R rows; capacity exceeded: the VJP of the dense FFN,
     recomputed from x (``lax.cond``).
 Shapes: any M, D, H (padded internally: M to 128, D to 128, H to 256 with zeros, which is exact).
@@ -62,9 +63,11 @@ class TrainConfig:
   compression: int = 8    # TwELL compression of the gate GEMM epilogue (S = 256 / C slots/tile)
   group: int = 2          # entries processed side by side in the row / column kernels
                           # (2 measured 2-5% faster than 4 on an H200, run 3 of 2026-11-21)
-  x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row)
-  wgrads_kernels: int = 1  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads)
-  wgrads_group: int | None = None  # ``group`` of the weight-gradient kernels (None: group)
+  x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row;
+                          # "reload" measured slower here, "bf16" the same: PERF.md)
+  wgrads_kernels: int = 2  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads):
+                           # 1.03 ms (1), 0.625 (2), 0.87 (3) on an H100, 2026-11-21 run 13
+  wgrads_group: int | None = 1  # ``group`` of the weight-gradient kernels (None: group)
 
   @property
   def mp(self) -> int:
