@@ -68,6 +68,8 @@ class TrainConfig:
   wgrads_kernels: int = 2  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads):
                            # 1.03 ms (1), 0.625 (2), 0.87 (3) on an H100, 2026-11-21 run 13
   wgrads_group: int | None = 1  # ``group`` of the weight-gradient kernels (None: group)
+  dh_in_columns: bool = False  # dh computed by the dW_down column pass (csc_down_dh), not
+                               # by a row pass: one W_down-row gather per entry less
 
   @property
   def mp(self) -> int:
@@ -264,26 +266,37 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
   c = (dl1.astype(_F32) / m).reshape(1)
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
 
-  # Row side: dh, du, dg on the pattern and dx (kernels). dx comes out in the input dtype:
-  # heavy rows have no ELL entries (their dx is 0 here), so adding the tail's f32 products
-  # below rounds once, as before.
-  dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
-      dyp, cols, p, u if gated else None, n, c, wd, wu.T, wg.T if gated else None,
-      group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, interpret=interpret)
-
-  # Column side: CSC of the pattern (XLA sort), weight gradients (kernel).
   col_ptr, sid = _csc(cfg, cols, n)
   flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]
   rows_s = sid // cfg.wk
-  if gated:
-    h_ell = (p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32)
-    du_s = flat(du)
+  h_ell = ((p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32) if gated
+           else p.astype(_F32))
+  wgroup = cfg.wgrads_group or cfg.group
+  if cfg.dh_in_columns:
+    # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows), then dW_up /
+    # dW_gate (x rows); du / dg go back to ELL order for the row-side dx.
+    dwd, du_s, dg_s = train_bwd_mgpu.csc_down_dh(
+        dyp, wd, col_ptr, rows_s, flat(p.astype(_F32)), flat(u.astype(_F32)) if gated else None,
+        flat(h_ell), c, group=wgroup, interpret=interpret)
+    to_ell = lambda a: (jnp.zeros((cfg.mp * cfg.wk,), _F32).at[sid].set(a)
+                        .reshape(cfg.mp, cfg.wk))
+    dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
+        xp, dyp, col_ptr, rows_s, du_s, dg_s, flat(h_ell), group=wgroup, kernels=2,
+        x_only=True, interpret=interpret)
+    dx = train_bwd_mgpu.ell_dx(
+        cols, n, to_ell(du_s) if gated else None, to_ell(dg_s), wu.T, wg.T if gated else None,
+        group=cfg.group, dx_dtype=dt, interpret=interpret)
   else:
-    h_ell = p.astype(_F32)
-    du_s = None
-  dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
-      xp, dyp, col_ptr, rows_s, du_s, flat(dg), flat(h_ell),
-      group=cfg.wgrads_group or cfg.group, kernels=cfg.wgrads_kernels, interpret=interpret)
+    # Row side: dh, du, dg on the pattern and dx (kernels). dx comes out in the input dtype:
+    # heavy rows have no ELL entries (their dx is 0 here), so adding the tail's f32 products
+    # below rounds once, as before.
+    dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
+        dyp, cols, p, u if gated else None, n, c, wd, wu.T, wg.T if gated else None,
+        group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, interpret=interpret)
+    # Column side: weight gradients (kernels) over the CSC of the pattern.
+    dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
+        xp, dyp, col_ptr, rows_s, flat(du) if gated else None, flat(dg), flat(h_ell),
+        group=wgroup, kernels=cfg.wgrads_kernels, interpret=interpret)
 
   # Dense tail rows (heavy rows, at most R; the smallest static bucket that holds them).
   w_in = wg if gated else wu

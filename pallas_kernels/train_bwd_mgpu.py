@@ -30,6 +30,7 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
@@ -266,8 +267,110 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
     out[j, :] = acc
 
 
+def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, h_gmem,
+                         c_gmem, dwd_gmem, du_gmem, dg_gmem, *, gated: bool, group: int):
+  """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
+  (token m = rows[e]) computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
+  writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
+  dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
+  side needs no dh pass (which gathers a W_down row per entry)."""
+  j = lax.axis_index("j")
+  start = ptr_gmem[j]
+  end = ptr_gmem[j + 1]
+  c = c_gmem[0]
+  last = rows_gmem.shape[0] - 1
+  wdj = wd_gmem[j, :].astype(_F32)
+  acc0 = common.zeros_like_row(wd_gmem[j, :])
+
+  def load(gi):
+    es = [start + gi * group + q for q in range(group)]
+    valid = [e < end for e in es]
+    es = [jnp.minimum(e, last) for e in es]
+    coef = lambda ref, q: jnp.where(valid[q], ref[es[q]], 0.0)
+    return ([rows_gmem[e] for e in es], [coef(p_gmem, q) for q in range(group)],
+            [coef(h_gmem, q) for q in range(group)],
+            [coef(u_gmem, q) for q in range(group)] if gated else None)
+
+  def step(gi, loaded, acc):
+    ms, ps, hs, us = loaded
+    dys = [dy_gmem[mm, :] for mm in ms]
+    for q in range(group):
+      e = start + gi * group + q
+      dyq = dys[q].astype(_F32)
+      dh = jnp.sum(dyq * wdj) + c * _sign(hs[q])
+      dh = jnp.where(ps[q] > 0, dh, 0.0)
+      # Slots past the column's end belong to the next column (or to nothing): no store.
+      @pl.when(e < end)
+      def _():
+        if gated:
+          du_gmem[e] = dh * ps[q]
+          dg_gmem[e] = dh * us[q]
+        else:
+          dg_gmem[e] = dh
+      acc = acc + hs[q] * dyq
+    return acc
+
+  n_groups = (end - start + (group - 1)) // group
+  acc = common.prefetched_fori_loop(n_groups, load, step, acc0)
+  dwd_gmem[j, :] = acc
+
+
+def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, *, group: int = 1, interpret=False):
+  """(dW_down [H, D] f32, du [E] f32 or None (non-gated), dg [E] f32), all per CSC entry.
+
+  dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32; p, u, h [E] f32
+  in CSC order (u None when non-gated); c [1] f32 (the L1 coefficient, as in ``ell_bwd_rows``).
+  Entries e >= col_ptr[H] of du / dg are not written. dh equals ``ell_bwd_rows``'s bit for bit
+  (same products, same reduction).
+  """
+  m, d = dy.shape
+  hh = col_ptr.shape[0] - 1
+  e = rows.shape[0]
+  gated = u is not None
+  if w_down.shape != (hh, d) or d % 128 or p.shape != (e,) or h.shape != (e,):
+    raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
+                     f"{rows.shape=} {p.shape=} {h.shape=}")
+  if not gated:
+    u = jnp.zeros((8,), _F32)
+  coef_t = jax.ShapeDtypeStruct((e,), _F32)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_cols_down_dh_kernel, gated=gated, group=group),
+        out_type=(jax.ShapeDtypeStruct((hh, d), _F32),
+                  coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t),
+        grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
+    )
+    dwd, du, dg = f(dy, w_down, col_ptr, rows, p, u, h, c.astype(_F32).reshape(1))
+  return dwd, (du if gated else None), dg
+
+
+def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
+           interpret=False):
+  """dx [M, D] = sum_k du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over the ELL entries
+  (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); the second pass of
+  ``ell_bwd_rows``, callable on its own when du / dg come from ``csc_down_dh``."""
+  m, wk = cols.shape
+  h, d = w_up_t.shape
+  gated = w_gate_t is not None
+  if wk % group or dg.shape != (m, wk) or (gated and du.shape != (m, wk)) or d % 128:
+    raise ValueError(f"ell_dx: bad shapes {cols.shape=} {dg.shape=} {w_up_t.shape=} {group=}")
+  if not gated:
+    du = jnp.zeros((1, 1), _F32)
+    w_gate_t = jnp.zeros((8, 128), w_up_t.dtype)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_dx_kernel, gated=gated, group=group),
+        out_type=jax.ShapeDtypeStruct((m, d), dx_dtype), grid=(m,), grid_names=("r",),
+        compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_bwd_dx" + ("" if gated else "_ng"))
+    return f(cols, n, du, dg, w_up_t, w_gate_t)
+
+
 def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels: int = 1,
-                     interpret=False):
+                     x_only: bool = False, interpret=False):
   """(dW_up^T, dW_gate^T, dW_down), each [H, D] f32; dW_up^T is None when ``du`` is None.
 
   x, dy [M, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each entry, sorted by
@@ -277,6 +380,8 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
   2, dW_down from dy rows, then dW_up^T / dW_gate^T from x rows; 3, one kernel per weight
   gradient (x rows gathered twice). Fewer accumulators per kernel means fewer registers per
   CTA and more columns in flight per SM (PERF.md). Same results in every mode (same order).
+  ``x_only`` (kernels 2 or 3): skip dW_down (it comes from ``csc_down_dh``); returns
+  (dW_up^T, dW_gate^T, None).
   """
   m, d = x.shape
   hh = col_ptr.shape[0] - 1
@@ -298,8 +403,10 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
           grid=(hh,), grid_names=("j",), compiler_params=params,
           interpret=common.interpret_params(interpret), kernel_name=name,
       )(a, col_ptr, rows, *coefs)
+    if x_only and kernels == 1:
+      raise ValueError("csc_weight_grads: x_only needs kernels 2 or 3")
     with common.interpret_context(bool(interpret)):
-      (dwd,) = one(dy, (h,), "twell_train_wgrad_down")
+      (dwd,) = (None,) if x_only else one(dy, (h,), "twell_train_wgrad_down")
       if not gated:
         (dwg,) = one(x, (dg,), "twell_train_wgrad_up_ng")
         return None, dwg, dwd

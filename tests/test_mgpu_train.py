@@ -154,8 +154,8 @@ class TrainInterpretTest(TrainTestBase):
 
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), the weight gradients in 1-3
-    kernels and their group change the schedule only: forward and backward give the
-    default's bits."""
+    kernels, their group, and dh on the column side change the schedule only: forward and
+    backward give the default's bits."""
     m, d, h = 64, 128, 256
     x, wg, wu, wd = ffn_inputs(jax.random.key(int(time.time_ns() % 2**31)), m, d, h,
                                active_fraction=0.04, heavy_fraction=0.03)
@@ -168,8 +168,9 @@ class TrainInterpretTest(TrainTestBase):
                                                            interpret=True)))
 
     base = run()
-    for kw in (dict(x_mode="bf16"), dict(x_mode="reload", wgrads_kernels=2),
-               dict(wgrads_kernels=3, wgrads_group=1)):
+    for kw in (dict(x_mode="bf16"), dict(x_mode="reload", wgrads_kernels=1),
+               dict(wgrads_kernels=3, wgrads_group=2), dict(dh_in_columns=True),
+               dict(dh_in_columns=True, wgrads_group=2)):
       for a, b in zip(run(**kw), base, strict=True):
         np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32), err_msg=str(kw))
 
@@ -256,7 +257,8 @@ class TrainLoweringTest(parameterized.TestCase):
   def test_kernel_variants_lower_for_cuda(self):
     # D = 2048: f32 and bf16 rows get different register layouts only from D = 512 up.
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 256, 2048, 512)
-    cfg = ffn_train_mgpu.make_config(256, 2048, 512, x_mode="reload", wgrads_kernels=3)
+    cfg = ffn_train_mgpu.make_config(256, 2048, 512, x_mode="reload", wgrads_kernels=3,
+                                     dh_in_columns=True)
 
     def f(x, wg, wu, wd, dy):
       out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
