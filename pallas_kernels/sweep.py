@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 
 import jax
@@ -120,7 +121,7 @@ def sweep_down(x, wg, wu, wd, fold=True):
           flush=True)
 
 
-def sweep_bwd(spec_name="paper_16k", variants_rows=False):
+def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False):
   """Training kernels: where x / dy rows live (``x_mode``, with ``variants_rows``), the weight
   gradients in 1-3 kernels and ``group``; the weight gradients must keep the default's bits. Then forward + backward per
   TrainConfig variant against XLA dense forward + backward in the same process."""
@@ -161,6 +162,8 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False):
   _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
   col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
   flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
+  if train_only:
+    return sweep_train(spec, x, wg, wu, wd)
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
            [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
@@ -170,12 +173,20 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False):
   variants("ell_bwd_rows", train_bwd_mgpu.ell_bwd_rows, (dy, cols, p, u, n, c, wd, wut, wgt),
            [dict(group=2, dx_dtype=jnp.bfloat16), dict(group=1, dx_dtype=jnp.bfloat16)])
 
+  sweep_train(spec, x, wg, wu, wd)
+
+
+TRAIN_VARIANTS = (dict(), dict(dh_in_columns=True), dict(dh_in_columns=True, wgrads_group=2),
+                  dict(wgrads_kernels=1, wgrads_group=2))
+
+
+def sweep_train(spec, x, wg, wu, wd):
+  """Forward + backward per TrainConfig variant against XLA dense, same process."""
   ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   dense = jax.jit(jax.grad(bench_train._loss_fn("dense", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
   dense_ms, _, _ = common.time_fn(dense, x, wg, wu, wd, iters=20, kernel_time=False)
   print(f"  fwd+bwd: XLA dense {dense_ms:.3f} ms (wall, median of 20)", flush=True)
-  for kw in (dict(), dict(wgrads_kernels=2, wgrads_group=1),
-             dict(wgrads_kernels=3, wgrads_group=1), dict(group=1, wgrads_kernels=3)):
+  for kw in TRAIN_VARIANTS:
     tc = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
                                     **kw)
 
@@ -188,6 +199,8 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False):
     ms, _, _ = common.time_fn(f, x, wg, wu, wd, iters=20, kernel_time=False)
     print(f"  fwd+bwd TrainConfig {kw or 'default'}: {ms:.3f} ms wall, "
           f"ratio {ms / dense_ms:.3f}", flush=True)
+    if os.environ.get("SWEEP_BREAKDOWN"):  # needs XLA_FLAGS=--xla_gpu_enable_command_buffer=
+      common.print_breakdown(str(kw), common.kernel_breakdown(f, x, wg, wu, wd))
 
 
 def main(argv):
@@ -203,6 +216,8 @@ def main(argv):
         sweep_down(x, wg, wu, wd)
       elif w == "bwd":
         sweep_bwd()
+      elif w == "train":
+        sweep_bwd(train_only=True)
     except Exception as e:  # keep going
       print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
 
