@@ -20,12 +20,14 @@ Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, 
 and tail gate / up rows ([R, H]); never a dense [M, H] tensor.
 
 Backward (no host synchronization):
- 1. ``train_bwd_mgpu.ell_bwd_rows``: dh on the pattern (+ the L1 term) -> du, dg (one kernel,
-    W_down rows), then dx (a second kernel, W_up^T / W_gate^T rows): two L2-sized working sets.
- 2. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
-    slots get the key H and sort last), then ``train_bwd_mgpu.csc_weight_grads``: dW_up,
-    dW_gate, dW_down as per-column sums of x / dy rows (no atomics), by default as two kernels
-    (dW_down from dy rows, then dW_up / dW_gate from x rows: fewer registers per CTA).
+ 1. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
+    slots get the key H and sort last).
+ 2. ``train_bwd_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with W_down[j]
+    in registers, gathers the dy row of each entry once for both dh (+ the L1 term) -> du, dg
+    and dW_down[j]; then ``csc_weight_grads(x_only=True)``: dW_up, dW_gate from x rows; then
+    du, dg go back to ELL order and ``ell_dx`` gathers W_up^T / W_gate^T rows for dx.
+    (``dh_in_columns=False``: ``ell_bwd_rows`` computes dh row-side, gathering W_down rows,
+    then dx; ``csc_weight_grads`` the three weight gradients in 1-3 kernels.) No atomics.
  3. Tail rows: dense XLA products on R rows; capacity exceeded: the VJP of the dense FFN,
     recomputed from x (``lax.cond``).
 Shapes: any M, D, H (padded internally: M to 128, D to 128, H to 256 with zeros, which is exact).
@@ -68,8 +70,9 @@ class TrainConfig:
   wgrads_kernels: int = 2  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads):
                            # 1.03 ms (1), 0.625 (2), 0.87 (3) on an H100, 2026-11-21 run 13
   wgrads_group: int | None = 1  # ``group`` of the weight-gradient kernels (None: group)
-  dh_in_columns: bool = False  # dh computed by the dW_down column pass (csc_down_dh), not
-                               # by a row pass: one W_down-row gather per entry less
+  dh_in_columns: bool = True  # dh computed by the dW_down column pass (csc_down_dh), not
+                              # by a row pass: one W_down-row gather per entry less (H100:
+                              # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
 
   @property
   def mp(self) -> int:
@@ -278,8 +281,10 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
     dwd, du_s, dg_s = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, flat(p.astype(_F32)), flat(u.astype(_F32)) if gated else None,
         flat(h_ell), c, group=wgroup, interpret=interpret)
-    to_ell = lambda a: (jnp.zeros((cfg.mp * cfg.wk,), _F32).at[sid].set(a)
-                        .reshape(cfg.mp, cfg.wk))
+    # (Zeros in unused slots: ell_dx reads up to a multiple of its group, and du / dg past
+    # col_ptr[H] were never written.)
+    to_ell = lambda a: jnp.where(valid, jnp.zeros((cfg.mp * cfg.wk,), _F32).at[sid].set(a)
+                                 .reshape(cfg.mp, cfg.wk), 0.0)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, flat(h_ell), group=wgroup, kernels=2,
         x_only=True, interpret=interpret)

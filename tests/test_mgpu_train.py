@@ -168,9 +168,10 @@ class TrainInterpretTest(TrainTestBase):
                                                            interpret=True)))
 
     base = run()
-    for kw in (dict(x_mode="bf16"), dict(x_mode="reload", wgrads_kernels=1),
-               dict(wgrads_kernels=3, wgrads_group=2), dict(dh_in_columns=True),
-               dict(dh_in_columns=True, wgrads_group=2)):
+    for kw in (dict(x_mode="bf16"), dict(wgrads_group=2),
+               dict(dh_in_columns=False), dict(dh_in_columns=False, x_mode="reload",
+                                                wgrads_kernels=1),
+               dict(dh_in_columns=False, wgrads_kernels=3, wgrads_group=2)):
       for a, b in zip(run(**kw), base, strict=True):
         np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32), err_msg=str(kw))
 
@@ -258,7 +259,7 @@ class TrainLoweringTest(parameterized.TestCase):
     # D = 2048: f32 and bf16 rows get different register layouts only from D = 512 up.
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 256, 2048, 512)
     cfg = ffn_train_mgpu.make_config(256, 2048, 512, x_mode="reload", wgrads_kernels=3,
-                                     dh_in_columns=True)
+                                     dh_in_columns=False)
 
     def f(x, wg, wu, wd, dy):
       out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
