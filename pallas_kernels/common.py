@@ -169,6 +169,13 @@ def group_slots(step, group: int, last: int) -> list:
   return [jnp.minimum(step * group + q, last) for q in range(group)]
 
 
+def column_slots(start, end, step, group: int, last: int):
+  """CSC entry indices of the `group` entries of step `step` of a column [start, end), clamped
+  to `last` (in bounds for the one-step-ahead loads), and whether each is inside the column."""
+  es = [start + step * group + q for q in range(group)]
+  return [jnp.minimum(e, last) for e in es], [e < end for e in es]
+
+
 def gather_kernel_params():
   """Compiler params of the row / column gather kernels (Lane semantics, GMEM only).
 

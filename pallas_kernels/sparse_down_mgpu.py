@@ -43,6 +43,19 @@ def _row_start(x_gmem, wd_gmem, r, gated: bool, x_mode: str = "f32"):
   return common.hold_row(x_gmem, r, x_mode), acc0
 
 
+def _decode(t, w):
+  """Packed word of tile t -> (hidden column j, value as f32)."""
+  j = t * common.TILE_N + lax.shift_right_logical(w, 16)
+  return j, lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
+
+
+def _sampled_h(x, x_gmem, r, wup_gmem, j, g):
+  """h_j = bf16(g_j * bf16(x_r . W_up[:, j])) as f32 (x_r held per ``common.hold_row``)."""
+  u = jnp.sum(common.row_at(x, x_gmem, r) * wup_gmem[j, :].astype(jnp.float32))
+  u = u.astype(jnp.bfloat16).astype(jnp.float32)
+  return (g * u).astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
             y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int, gated: bool,
             group: int):
@@ -74,10 +87,9 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
         for p in range(group):
           valid = k < cnts[p]
           w = words_gmem[r, tiles[p] * slots + jnp.minimum(k, slots - 1)]
-          j = tiles[p] * common.TILE_N + lax.shift_right_logical(w, 16)
+          j, g = _decode(tiles[p], w)
           js.append(jnp.where(valid, j, 0))
-          gs.append(jnp.where(valid, lax.bitcast_convert_type(lax.shift_left(w, 16),
-                                                              jnp.float32), 0.0))
+          gs.append(jnp.where(valid, g, 0.0))
         wds = [wd_gmem[j, :] for j in js]
         if gated:
           wus = [wup_gmem[j, :] for j in js]
@@ -102,52 +114,59 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
   lax.fori_loop(0, rows_per_cta, row_body, 0)
 
 
+def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, entry, init):
+  """Folds ``entry(t, k, w, state) -> state`` over the valid packed entries of row r (none
+  unless ``ok``), tile by tile, with the scalar index loads software-pipelined.
+
+  The per-entry chain of a plain walk is count load -> word load -> weight-row loads ->
+  reduction, all L2 round trips in a row. Here the next tile's count and first word are loaded
+  while the current tile's entries run, and inside a tile the next entry's word is loaded
+  before ``entry`` issues the current entry's weight rows.
+  """
+  last_tile = n_tiles - 1
+
+  def count(t):
+    return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+
+  def tile_body(t, carry):
+    state, cnt, w0 = carry
+    t_next = jnp.minimum(t + 1, last_tile)
+    cnt_next = jnp.where(t < last_tile, count(t_next), 0)
+    w0_next = words_gmem[r, t_next * slots]
+
+    def entry_body(k, carry):
+      state, w = carry
+      w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
+      return entry(t, k, w, state), w_next
+
+    state, _ = lax.fori_loop(0, cnt, entry_body, (state, w0))
+    return state, cnt_next, w0_next
+
+  state, _, _ = lax.fori_loop(0, n_tiles, tile_body, (init, count(0), words_gmem[r, 0]))
+  return state
+
+
 def _kernel_prefetch(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem,
                      y_gmem, l1_gmem, *, rows_per_cta: int, slots: int, n_tiles: int,
                      gated: bool, x_mode: str = "f32"):
-  """Same math as ``_kernel`` (group=1), software-pipelined on the scalar index loads.
-
-  The per-entry chain of v1 is count load -> word load -> weight-row loads -> reduction, all
-  L2 round trips in a row. Here the next tile's count and first word are loaded while the
-  current tile's entries run, and inside a tile the next entry's word is loaded before the
-  current entry's weight rows, so only the row loads and the reduction stay on the chain.
-  """
+  """Same math as ``_kernel`` (group=1), with the index loads software-pipelined
+  (``_walk_entries``), so only the weight-row loads and the reduction stay on the chain."""
   base = lax.axis_index("r") * rows_per_cta
-  last_tile = n_tiles - 1
 
   def row_body(i, _):
     r = base + i
-    ok = rowok_gmem[r] != 0
     x, acc0 = _row_start(x_gmem, wd_gmem, r, gated, x_mode)
 
-    def count(t):
-      return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+    def entry(t, k, w, state):
+      del k
+      acc, l1 = state
+      j, g = _decode(t, w)
+      wd = wd_gmem[j, :]
+      h = _sampled_h(x, x_gmem, r, wup_gmem, j, g) if gated else g
+      return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h)
 
-    def tile_body(t, carry):
-      acc, l1, cnt, w0 = carry
-      t_next = jnp.minimum(t + 1, last_tile)
-      cnt_next = jnp.where(t < last_tile, count(t_next), 0)
-      w0_next = words_gmem[r, t_next * slots]
-
-      def entry_body(k, carry):
-        acc, l1, w = carry
-        w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
-        j = t * common.TILE_N + lax.shift_right_logical(w, 16)
-        g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
-        wd = wd_gmem[j, :]
-        if gated:
-          u = jnp.sum(common.row_at(x, x_gmem, r) * wup_gmem[j, :].astype(jnp.float32))
-          u = u.astype(jnp.bfloat16).astype(jnp.float32)
-          h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
-        else:
-          h = g
-        return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h), w_next
-
-      acc, l1, _ = lax.fori_loop(0, cnt, entry_body, (acc, l1, w0))
-      return acc, l1, cnt_next, w0_next
-
-    acc, l1, _, _ = lax.fori_loop(0, n_tiles, tile_body,
-                                  (acc0, jnp.float32(0.0), count(0), words_gmem[r, 0]))
+    acc, l1 = _walk_entries(words_gmem, counts_gmem, r, rowok_gmem[r] != 0, slots=slots,
+                            n_tiles=n_tiles, entry=entry, init=(acc0, jnp.float32(0.0)))
     y_gmem[r, :] = acc.astype(y_gmem.dtype)
     l1_gmem[r] = l1
     return 0
@@ -160,41 +179,24 @@ def _sddmm_kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, hw_gmem
   """Split mode, first pass (sampled up projection): rewrites each valid gate word (j, g_j) of
   an ok row as (j, h_j), h_j = bf16(g_j * bf16(x_r . W_up[:, j])); other slots are not written.
 
-  Same loop and index prefetching as ``_kernel_prefetch``, but nothing is accumulated: a row
-  holds only x_r (or nothing, ``x_mode="reload"``) across entries, so more rows fit on an SM.
+  Same walk as ``_kernel_prefetch``, but nothing is accumulated: a row holds only x_r (or
+  nothing, ``x_mode="reload"``) across entries, so more rows fit on an SM.
   """
   base = lax.axis_index("r") * rows_per_cta
-  last_tile = n_tiles - 1
 
   def row_body(i, _):
     r = base + i
-    ok = rowok_gmem[r] != 0
     x, _ = _row_start(x_gmem, wup_gmem, r, True, x_mode)
 
-    def count(t):
-      return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+    def entry(t, k, w, state):
+      j, g = _decode(t, w)
+      h = _sampled_h(x, x_gmem, r, wup_gmem, j, g)
+      h_bits = lax.shift_right_logical(lax.bitcast_convert_type(h, jnp.int32), 16)
+      hw_gmem[r, t * slots + k] = (w & jnp.int32(-65536)) | h_bits
+      return state
 
-    def tile_body(t, carry):
-      cnt, w0 = carry
-      t_next = jnp.minimum(t + 1, last_tile)
-      cnt_next = jnp.where(t < last_tile, count(t_next), 0)
-      w0_next = words_gmem[r, t_next * slots]
-
-      def entry_body(k, w):
-        w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
-        j = t * common.TILE_N + lax.shift_right_logical(w, 16)
-        g = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
-        u = jnp.sum(common.row_at(x, x_gmem, r) * wup_gmem[j, :].astype(jnp.float32))
-        u = u.astype(jnp.bfloat16).astype(jnp.float32)
-        h = (g * u).astype(jnp.bfloat16).astype(jnp.float32)
-        h_bits = lax.shift_right_logical(lax.bitcast_convert_type(h, jnp.int32), 16)
-        hw_gmem[r, t * slots + k] = (w & jnp.int32(-65536)) | h_bits
-        return w_next
-
-      lax.fori_loop(0, cnt, entry_body, w0)
-      return cnt_next, w0_next
-
-    lax.fori_loop(0, n_tiles, tile_body, (count(0), words_gmem[r, 0]))
+    _walk_entries(words_gmem, counts_gmem, r, rowok_gmem[r] != 0, slots=slots,
+                  n_tiles=n_tiles, entry=entry, init=jnp.int32(0))
     return 0
 
   lax.fori_loop(0, rows_per_cta, row_body, 0)

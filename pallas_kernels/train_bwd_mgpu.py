@@ -187,12 +187,9 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
         out_type=(coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
         kernel_name="twell_train_bwd_dh" + suffix)
     du, dg = f_dh(dy, cols, p, u, n, c, w_down)
-    f_dx = kernel(
-        functools.partial(_dx_kernel, gated=gated, group=group),
-        out_type=jax.ShapeDtypeStruct((m, d), dx_dtype),
-        kernel_name="twell_train_bwd_dx" + suffix)
-    dx = f_dx(cols, n, du, dg, w_up_t, w_gate_t)
-    return dx, du, dg
+  dx = ell_dx(cols, n, du if gated else None, dg, w_up_t, w_gate_t if gated else None,
+              group=group, dx_dtype=dx_dtype, interpret=interpret)
+  return dx, du, dg
 
 
 def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
@@ -204,9 +201,7 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   zero = common.zeros_like_row(x_gmem[0, :])
 
   def load(gi):
-    es = [start + gi * group + q for q in range(group)]
-    valid = [e < end for e in es]
-    es = [jnp.minimum(e, last) for e in es]
+    es, valid = common.column_slots(start, end, gi, group, last)
     coef = lambda ref, q: jnp.where(valid[q], ref[es[q]], 0.0)
     return ([rows_gmem[e] for e in es], [coef(dg_gmem, q) for q in range(group)],
             [coef(h_gmem, q) for q in range(group)],
@@ -245,9 +240,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
   acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
 
   def load(gi):
-    es = [start + gi * group + q for q in range(group)]
-    valid = [e < end for e in es]
-    es = [jnp.minimum(e, last) for e in es]
+    es, valid = common.column_slots(start, end, gi, group, last)
     return ([rows_gmem[e] for e in es],
             [[jnp.where(valid[q], ref[es[q]], 0.0) for q in range(group)] for ref in coefs])
 
@@ -283,9 +276,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
   acc0 = common.zeros_like_row(wd_gmem[j, :])
 
   def load(gi):
-    es = [start + gi * group + q for q in range(group)]
-    valid = [e < end for e in es]
-    es = [jnp.minimum(e, last) for e in es]
+    es, valid = common.column_slots(start, end, gi, group, last)
     coef = lambda ref, q: jnp.where(valid[q], ref[es[q]], 0.0)
     return ([rows_gmem[e] for e in es], [coef(p_gmem, q) for q in range(group)],
             [coef(h_gmem, q) for q in range(group)],
