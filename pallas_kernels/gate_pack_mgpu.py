@@ -52,6 +52,14 @@ class GateConfig:
   # 2-CTA clusters along M sharing each W tile through TMA multicast (halves W's L2 traffic;
   # needs M % 256 == 0: gate_pack raises otherwise). Measured no faster (PERF.md): off by default.
   cluster_m: bool = False
+  # Extraction loop of the pack: 1 takes the row minimum over all 256 keys per slot; 2 first
+  # splits each row into column pairs (c, c + 128) kept as sorted 2-queues (head = min,
+  # tail = max) and takes the minimum over the 128 heads, popping the winning queue: half the
+  # elements per step. Same words (a multiway merge of sorted queues is the sorted order).
+  extract_ways: int = 2
+  # Diagnostic only (sweep.py): False skips the extraction loop (counts are still exact, every
+  # word is EMPTY), to time the GEMM and the epilogue separately. Never set by the library.
+  pack: bool = True
 
   def __post_init__(self):
     if self.tile_k not in (32, 64):
@@ -60,6 +68,8 @@ class GateConfig:
       raise ValueError(f"{self.compression=} must be 2, 4 or 8")
     if self.delay_release not in (0, 1):
       raise ValueError(f"{self.delay_release=} must be 0 or 1")
+    if self.extract_ways not in (1, 2):
+      raise ValueError(f"{self.extract_ways=} must be 1 or 2")
 
   @property
   def slots(self) -> int:
@@ -71,13 +81,14 @@ CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
 
 
-def _pack_tile(acc, slots: int, cnt_smem):
+def _pack_tile(acc, cfg: GateConfig, cnt_smem):
   """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32).
 
   ``cnt_smem`` is this warpgroup's own [64] int32 scratch: the loop bound (max count over the
   64 rows) is read back from it with scalar loads instead of a cross-warp array reduction,
   whose shared reduction scratch both compute warpgroups would race on.
   """
+  slots = cfg.slots
   pos = acc > 0
   # bf16(acc) widened back to f32 has zero low half: its high half is the bf16 bit pattern.
   bits = lax.shift_right_arithmetic(
@@ -87,26 +98,45 @@ def _pack_tile(acc, slots: int, cnt_smem):
   # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
   key = jnp.where(jnp.logical_not(pos), common.EMPTY_WORD, col * 65536 + bits)
   cnt = jnp.sum(pos.astype(jnp.int32), axis=1)                     # [64], row layout
+  counts = lax.broadcast_in_dim(cnt, (WG_M, common.COUNT_LANES), (0,))
+  slot_iota = plgpu.layout_cast(
+      lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
+  words0 = slot_iota * 0 + common.EMPTY_WORD
+  if not cfg.pack:
+    return words0, counts
   cnt_smem[...] = jnp.where(cnt <= slots, cnt, 0)
   n_iter = cnt_smem[0]
   for i in range(1, WG_M):
     n_iter = jnp.maximum(n_iter, cnt_smem[i])
-  slot_iota = plgpu.layout_cast(
-      lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
-  words0 = slot_iota * 0 + common.EMPTY_WORD
 
-  def body(k, carry):
-    key, words = carry
-    kmin = jnp.min(key, axis=1)                                      # [64]
+  def put(words, k, kmin):
     # The carry is the 'true' case of each select so that its signedness is kept.
-    key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, TILE_N), (0,)),
-                    key, common.EMPTY_WORD)
-    words = jnp.where(slot_iota != k,
-                      words, lax.broadcast_in_dim(kmin, (WG_M, slots), (0,)))
-    return key, words
+    return jnp.where(slot_iota != k, words, lax.broadcast_in_dim(kmin, (WG_M, slots), (0,)))
 
-  _, words = lax.fori_loop(0, n_iter, body, (key, words0))
-  counts = lax.broadcast_in_dim(cnt, (WG_M, common.COUNT_LANES), (0,))
+  if cfg.extract_ways == 1:
+    def body(k, carry):
+      key, words = carry
+      kmin = jnp.min(key, axis=1)                                    # [64]
+      key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, TILE_N), (0,)),
+                      key, common.EMPTY_WORD)
+      return key, put(words, k, kmin)
+
+    _, words = lax.fori_loop(0, n_iter, body, (key, words0))
+  else:
+    half = TILE_N // 2
+    lo, hi = key[:, :half], key[:, half:]
+    # Keys are unique per row except EMPTY, so min / max order each pair into a 2-queue.
+    heads, tails = jnp.minimum(lo, hi), jnp.maximum(lo, hi)
+
+    def body(k, carry):
+      heads, tails, words = carry
+      kmin = jnp.min(heads, axis=1)                                  # [64]
+      keep = heads != lax.broadcast_in_dim(kmin, (WG_M, half), (0,))
+      # Pop the winner: its tail moves up and EMPTY takes the tail's place.
+      heads, tails = jnp.where(keep, heads, tails), jnp.where(keep, tails, common.EMPTY_WORD)
+      return heads, tails, put(words, k, kmin)
+
+    _, _, words = lax.fori_loop(0, n_iter, body, (heads, tails, words0))
   return words, counts
 
 
@@ -168,7 +198,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
         def _acc_scope(acc_ref):
           eval_pipeline(acc_ref)
-          words, counts = _pack_tile(acc_ref[...], slots, cnt_smem.at[wg])
+          words, counts = _pack_tile(acc_ref[...], cfg, cnt_smem.at[wg])
           # The previous tile's TMA stores must be done reading our staging buffers.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           words_smem[wg] = words

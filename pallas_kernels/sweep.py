@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [down] [bwd]
+    python -m pallas_kernels.sweep [gate] [down] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -10,6 +10,8 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
 * ``down`` also times the sparse_down versions (x placement, split sampled-up + down pair) and
   the whole forward per version against XLA dense.
+* ``l2``: XLA's own fused row gather + sum at the fused kernels' access pattern (TB/s): the
+  device's gather ceiling, independent of our kernels.
 * ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
   then forward + backward per TrainConfig variant against XLA dense.
 """
@@ -41,19 +43,34 @@ def kernel_ms(f, *args, iterations=10):
 
 
 def sweep_gate(x, wg):
+  """gate_pack per GateConfig (the words must equal the default's) against XLA's GEMM and
+  jax's own Pallas Hopper matmul (no epilogue work: the pipeline's own speed at this shape);
+  ``pack=False`` times our kernel without the extraction loop."""
   xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
   print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=import-outside-toplevel
+  for tm, tn, wgd, cl in ((64, 256, hm.MatmulDimension.M, None),
+                          (128, 128, hm.MatmulDimension.N, None),
+                          (128, 128, hm.MatmulDimension.N, hm.MatmulDimension.M)):
+    cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=4,
+                          grid_minor_dim=hm.MatmulDimension.M, grid_tile_width=8,
+                          wg_dimension=wgd, cluster_dimension=cl)
+    try:
+      f = jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg))
+      print(f"  jax hopper_matmul_mgpu tile {tm}x{tn} wg={wgd} cluster={cl}: "
+            f"{kernel_ms(f, x, wg):.4f} ms", flush=True)
+    except Exception as e:
+      print(f"  jax hopper_matmul_mgpu {tm}x{tn}: FAILED {type(e).__name__}: {str(e)[:200]}",
+            flush=True)
   base = None
   configs = [
       gp.GateConfig(),
+      gp.GateConfig(extract_ways=1),
+      gp.GateConfig(pack=False),
       gp.GateConfig(delay_release=1),
-      gp.GateConfig(cluster_m=True),
       gp.GateConfig(cluster_m=True, delay_release=1),
       gp.GateConfig(cluster_m=True, delay_release=1, grid_minor_dim=1),
-      gp.GateConfig(cluster_m=True, delay_release=1, grid_tile_width=4),
-      gp.GateConfig(cluster_m=True, delay_release=1, grid_tile_width=16),
       gp.GateConfig(delay_release=1, max_concurrent_steps=3),
-      gp.GateConfig(cluster_m=True, delay_release=1, max_concurrent_steps=3),
   ]
   for cfg in configs:
     f = jax.jit(functools.partial(gp.gate_pack, config=cfg))
@@ -66,6 +83,32 @@ def sweep_gate(x, wg):
       base = out
     same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, base))
     print(f"  gate_pack {_short(cfg)}: {kernel_ms(f, x, wg):.4f} ms  equal_to_default={same}",
+          flush=True)
+
+
+def sweep_l2(wu, wd, m=16384, active=30):
+  """Row-gather throughput of XLA's own fused gather + sum (no Pallas), the access pattern of
+  the fused kernels: ``active`` uniform random weight rows (4 KiB each) per token, summed.
+  Compares the gather ceiling of the device with what our kernels reach (PERF.md)."""
+  h, d = wd.shape
+  idx = jax.random.randint(jax.random.key(7), (m, active), 0, h)
+  wut = jnp.asarray(wu.T)
+  cases = (
+      ("one table (W_down, 23 MB)", lambda i: jnp.take(wd, i, axis=0), 1, idx),
+      ("two tables (W_up^T + W_down, 46 MB)",
+       lambda i: jnp.take(wut, i, axis=0) + jnp.take(wd, i, axis=0), 2, idx),
+      ("one table, 256 rows (2 MB, L2 / L1 resident)", lambda i: jnp.take(wd, i, axis=0), 1,
+       idx % 256),
+  )
+  for label, g, tables, ii in cases:
+    f = jax.jit(lambda i, g=g: g(i).astype(jnp.float32).sum(1))
+    table = common.kernel_breakdown(f, ii)
+    if not table:
+      continue
+    ms = sum(t for _, t in table)
+    gb = m * active * d * 2 * tables / 1e9
+    print(f"  XLA gather+sum, {label}: {len(table)} kernel(s) {ms:.4f} ms, {gb:.2f} GB "
+          f"gathered -> {gb / ms:.2f} TB/s  ({', '.join(n[:30] for n, _ in table)})",
           flush=True)
 
 
@@ -216,6 +259,8 @@ def main(argv):
         sweep_down(x, wg, wu, wd)
       elif w == "bwd":
         sweep_bwd()
+      elif w == "l2":
+        sweep_l2(wu, wd)
       elif w == "train":
         sweep_bwd(train_only=True)
     except Exception as e:  # keep going

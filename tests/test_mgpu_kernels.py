@@ -98,9 +98,11 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     np.testing.assert_array_equal(dense[ok] > 0, ref > 0)
 
   @parameterized.parameters(dict(delay_release=1), dict(cluster_m=True),
-                            dict(cluster_m=True, delay_release=1, grid_minor_dim=1))
+                            dict(cluster_m=True, delay_release=1, grid_minor_dim=1),
+                            dict(extract_ways=1))
   def test_gate_pack_configs_agree(self, **kw):
-    """Pipelining depth and 2-CTA multicast clusters change the schedule, never the result."""
+    """Pipelining depth, 2-CTA multicast clusters and the extraction loop's queue width
+    change the schedule, never the result."""
     x, wg, _, _ = make_inputs(512, 128, 512, active=12, heavy=0.02)
     base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
     got = gate_pack_mgpu.gate_pack(x, wg, config=gate_pack_mgpu.GateConfig(**kw),

@@ -241,6 +241,23 @@ class TrainInterpretTest(TrainTestBase):
       self.assertLess(_rel(g, r), 4e-2)
 
 
+class CscTest(parameterized.TestCase):
+  """The column-order permutation of the ELL entries (16-bit or 32-bit sort keys)."""
+
+  @parameterized.parameters(512, 70000)
+  def test_csc_is_a_stable_column_sort(self, h):
+    rng = np.random.default_rng(3)
+    cfg = ffn_train_mgpu.make_config(40, 64, h, ell_width=16)
+    cols = jnp.asarray(rng.integers(0, h, (cfg.mp, cfg.wk)), jnp.int32)
+    n = jnp.asarray(rng.integers(0, cfg.wk + 1, (cfg.mp,)), jnp.int32)
+    col_ptr, sid = ffn_train_mgpu._csc(cfg, cols, n)  # pylint: disable=protected-access
+    valid = np.arange(cfg.wk)[None, :] < np.asarray(n)[:, None]
+    key = np.where(valid, np.asarray(cols), cfg.hp).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(sid), np.argsort(key, kind="stable"))
+    hist = np.bincount(key[key < cfg.hp], minlength=cfg.hp)
+    np.testing.assert_array_equal(np.asarray(col_ptr), np.concatenate([[0], np.cumsum(hist)]))
+
+
 class TrainLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules of forward + backward for CUDA on any host (no GPU needed)."""
 
