@@ -143,7 +143,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   else:
     wup_t = None
 
-  cfg = gate_pack_mgpu.GateConfig(compression=compression)
+  cfg = gate_pack_mgpu.library_config(compression)
   words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, config=cfg,
                                            interpret=interpret)
   cnt = counts.reshape(mp, n_tiles, common.COUNT_LANES)[..., 0]

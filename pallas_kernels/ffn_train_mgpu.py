@@ -182,7 +182,7 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
   w_in = wg if gated else wu
   words, counts = gate_pack_mgpu.gate_pack(
-      xp, w_in, config=gate_pack_mgpu.GateConfig(compression=cfg.compression),
+      xp, w_in, config=gate_pack_mgpu.library_config(cfg.compression),
       interpret=interpret)
   cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)

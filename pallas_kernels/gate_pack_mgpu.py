@@ -57,6 +57,11 @@ class GateConfig:
   # tail = max) and takes the minimum over the 128 heads, popping the winning queue: half the
   # elements per step. Same words (a multiway merge of sorted queues is the sorted order).
   extract_ways: int = 2
+  # A 4th warpgroup packs (``_kernel_epilogue_wg``): the compute warpgroups only hand each
+  # finished tile over as bf16 through SMEM and go on with the next tile's MMAs, so the pack
+  # overlaps the tensor-core work instead of following it. Hand-written warp-specialized
+  # pipeline (3 SMEM stages: the hand-over buffer takes the 4th stage's space).
+  epilogue_wg: bool = False
   # Diagnostic only (sweep.py): False skips the extraction loop (counts are still exact, every
   # word is EMPTY), to time the GEMM and the epilogue separately. Never set by the library.
   pack: bool = True
@@ -70,10 +75,23 @@ class GateConfig:
       raise ValueError(f"{self.delay_release=} must be 0 or 1")
     if self.extract_ways not in (1, 2):
       raise ValueError(f"{self.extract_ways=} must be 1 or 2")
+    if self.epilogue_wg and (self.cluster_m or self.delay_release
+                             or self.max_concurrent_steps > 3):
+      raise ValueError("epilogue_wg supports neither cluster_m nor delay_release, and at "
+                       f"most 3 SMEM stages (SMEM); got {self}")
 
   @property
   def slots(self) -> int:
     return common.TILE_N // self.compression
+
+
+# The schedule the library's forward and training paths use (``library_config``); sweep.py
+# swaps it in-process to time whole steps per schedule.
+LIBRARY_CONFIG = GateConfig()
+
+
+def library_config(compression: int) -> GateConfig:
+  return dataclasses.replace(LIBRARY_CONFIG, compression=compression)
 
 
 WG_M = 64          # rows per compute warpgroup
@@ -88,11 +106,33 @@ def _pack_tile(acc, cfg: GateConfig, cnt_smem):
   64 rows) is read back from it with scalar loads instead of a cross-warp array reduction,
   whose shared reduction scratch both compute warpgroups would race on.
   """
-  slots = cfg.slots
   pos = acc > 0
   # bf16(acc) widened back to f32 has zero low half: its high half is the bf16 bit pattern.
   bits = lax.shift_right_arithmetic(
       lax.bitcast_convert_type(acc.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32), 16)
+  return _pack_bits(pos, bits, cfg, cnt_smem)
+
+
+# The hand-over value of a non-positive gate entry (epilogue_wg): bf16 bits 0x8000 (-0.0),
+# negative as int16, while every positive entry's bf16 bits (+0.0 for an f32 value that
+# underflows bf16, up to +inf) are >= 0 as int16: positivity survives the bf16 hand-over.
+_NOT_POSITIVE = -0.0
+
+
+def _handover_tile(acc):
+  """[64, 256] f32 -> bf16 with every entry that is not > 0 replaced by -0.0."""
+  return jnp.where(acc > 0, acc.astype(jnp.bfloat16), jnp.bfloat16(_NOT_POSITIVE))
+
+
+def _pack_handover(vals, cfg: GateConfig, cnt_smem):
+  """``_pack_tile`` of the tile that ``_handover_tile`` made from it (same words, counts)."""
+  bits = lax.bitcast_convert_type(vals, jnp.int16).astype(jnp.int32)   # sign-extends
+  return _pack_bits(bits >= 0, bits, cfg, cnt_smem)
+
+
+def _pack_bits(pos, bits, cfg: GateConfig, cnt_smem):
+  """Packs the [64, 256] tile given as positivity and bf16 bit patterns (WGMMA layout)."""
+  slots = cfg.slots
   col = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, TILE_N), 1), plgpu.Layout.WGMMA)
   # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
@@ -227,6 +267,152 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
+  """Warp-specialized gate GEMM with a packing warpgroup.
+
+  Warpgroups: 0, 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers), 2 TMA
+  producer, 3 packer. Per tile, each compute warpgroup writes its finished accumulator as bf16
+  (``_handover_tile``) into ``vals_smem`` and returns to the next tile's MMAs; the packer
+  reads both halves, packs them and TMA-stores words / counts. Barriers: ``produced`` /
+  ``consumed`` per SMEM stage (2 TMA arrivals / 2 compute arrivals), ``vals_full`` (2 compute
+  arrivals) and ``vals_free`` (the packer, which pre-arrives once so that the first tile
+  does not wait).
+  """
+  m, k = x_gmem.shape
+  _, n = w_gmem.shape
+  slots, tile_k, stages = cfg.slots, cfg.tile_k, cfg.max_concurrent_steps
+  m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N, k // tile_k
+  swizzle = plgpu.find_swizzle(tile_k * 16)
+  transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+  vals_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  words_sw = plgpu.find_swizzle(slots * 32)
+  words_tr = (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw))
+  counts_tr = (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32))
+  producer_wg, packer_wg = 2, 3     # (0 and 1 compute)
+
+  def local_tiles():
+    """How many tiles nd_loop gives this CTA (tiles sm, sm + num_sms, ...)."""
+    sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+    return lax.div(m_iters * n_iters - sm + num_sms - 1, num_sms)
+
+  def tile_coords(info):
+    (lin,) = info.index
+    return plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+
+  @functools.partial(
+      pl.run_scoped,
+      x_smem=plgpu.SMEM((stages, CTA_M, tile_k), x_gmem.dtype, transforms=transforms),
+      w_smem=plgpu.SMEM((stages, tile_k, TILE_N), w_gmem.dtype, transforms=transforms),
+      vals_smem=plgpu.SMEM((2, WG_M, TILE_N), jnp.bfloat16, transforms=vals_tr),
+      words_smem=plgpu.SMEM((WG_M, slots), jnp.int32, transforms=words_tr),
+      counts_smem=plgpu.SMEM((WG_M, common.COUNT_LANES), jnp.int32, transforms=counts_tr),
+      cnt_smem=plgpu.SMEM((WG_M,), jnp.int32),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      vals_full=plgpu.Barrier(num_arrivals=2),
+      vals_free=plgpu.Barrier(num_arrivals=1),
+      collective_axes="wg",
+  )
+  def _scope(x_smem, w_smem, vals_smem, words_smem, counts_smem, cnt_smem, produced,
+             consumed, vals_full, vals_free):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == producer_wg)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile(info):
+        m_idx, n_idx = tile_coords(info)
+        base = info.local_index * k_iters
+
+        @pl.loop(0, k_iters)
+        def _step(kk):
+          step = base + kk
+          slot = lax.rem(step, stages)
+
+          @pl.when(step >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          plgpu.copy_gmem_to_smem(
+              x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), pl.ds(kk * tile_k, tile_k)],
+              x_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(
+              w_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(n_idx * TILE_N, TILE_N)],
+              w_smem.at[slot], produced.at[slot])
+
+      # Observe the last stages' releases too: every barrier phase is waited for before the
+      # barriers go away (the interpreter checks it; harmless on the device).
+      total = local_tiles() * k_iters
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(_COMPUTE_REGS, action="increase")
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile(info):
+        base = info.local_index * k_iters
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(0, k_iters)
+          def _step(kk):
+            slot = lax.rem(base + kk, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            plgpu.wgmma(acc_ref, x_smem.at[slot, pl.ds(wg * WG_M, WG_M)], w_smem.at[slot])
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+          vals = _handover_tile(acc_ref[...])
+          plgpu.barrier_wait(vals_free)
+          vals_smem[wg] = vals
+          plgpu.barrier_arrive(vals_full)
+
+      plgpu.barrier_wait(vals_free)      # the packer's release of the last tile (drain)
+
+    @pl.when(wg == packer_wg)
+    def _packer():
+      plgpu.set_max_registers(_PACKER_REGS, action="increase")
+      plgpu.barrier_arrive(vals_free)
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile(info):
+        m_idx, n_idx = tile_coords(info)
+        plgpu.barrier_wait(vals_full)
+        for half in range(2):
+          vals = plgpu.load(vals_smem.at[half], layout=plgpu.Layout.WGMMA)
+          words, counts = _pack_handover(vals, cfg, cnt_smem)
+          if half == 1:
+            plgpu.barrier_arrive(vals_free)
+          rows = pl.ds(m_idx * CTA_M + half * WG_M, WG_M)
+          # The previous TMA stores must be done reading the staging buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          words_smem[...] = words
+          counts_smem[...] = counts
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              words_smem, words_gmem.at[rows, pl.ds(n_idx * slots, slots)],
+              commit_group=False)
+          plgpu.copy_smem_to_gmem(
+              counts_smem,
+              counts_gmem.at[rows, pl.ds(n_idx * common.COUNT_LANES, common.COUNT_LANES)],
+              commit_group=False)
+          plgpu.commit_smem_to_gmem_group()
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+
+# Per-thread register budgets of the four warpgroups (sum 2 * 152 + 32 + 176 = 512: the
+# register file of one CTA of 512 threads launched at 128 each).
+_COMPUTE_REGS, _PRODUCER_REGS, _PACKER_REGS = 152, 32, 176
+
+
 def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
   """TwELL-packed relu(x @ w). Returns (words [M, T*S] int32, counts [M, T*8] int32)."""
   m, k = x.shape
@@ -241,14 +427,14 @@ def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_kernel, cfg=config),
+        functools.partial(_kernel_epilogue_wg if config.epilogue_wg else _kernel, cfg=config),
         out_type=(jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
                   jax.ShapeDtypeStruct((m, t * common.COUNT_LANES), jnp.int32)),
         grid=(common.num_sms() // (2 if config.cluster_m else 1),),
         grid_names=("sm",),
         cluster=(2,) if config.cluster_m else (),
         cluster_names=("cluster",) if config.cluster_m else (),
-        num_threads=3,
+        num_threads=4 if config.epilogue_wg else 3,
         thread_name="wg",
         compiler_params=params,
         interpret=common.interpret_params(interpret),

@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [down] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_steps] [down] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -10,6 +10,7 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
 * ``down`` also times the sparse_down versions (x placement, split sampled-up + down pair) and
   the whole forward per version against XLA dense.
+* ``gate_steps``: the whole forward and forward + backward per library gate schedule.
 * ``l2``: XLA's own fused row gather + sum at the fused kernels' access pattern (TB/s): the
   device's gather ceiling, independent of our kernels.
 * ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
@@ -67,10 +68,12 @@ def sweep_gate(x, wg):
       gp.GateConfig(),
       gp.GateConfig(extract_ways=1),
       gp.GateConfig(pack=False),
+      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3),
+      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=2),
+      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1),
       gp.GateConfig(delay_release=1),
       gp.GateConfig(cluster_m=True, delay_release=1),
-      gp.GateConfig(cluster_m=True, delay_release=1, grid_minor_dim=1),
-      gp.GateConfig(delay_release=1, max_concurrent_steps=3),
+      gp.GateConfig(max_concurrent_steps=3),
   ]
   for cfg in configs:
     f = jax.jit(functools.partial(gp.gate_pack, config=cfg))
@@ -84,6 +87,38 @@ def sweep_gate(x, wg):
     same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, base))
     print(f"  gate_pack {_short(cfg)}: {kernel_ms(f, x, wg):.4f} ms  equal_to_default={same}",
           flush=True)
+
+
+GATE_STEP_CONFIGS = (gp.GateConfig(), gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3))
+
+
+def sweep_gate_steps(x, wg, wu, wd):
+  """Whole forward and forward + backward per library gate schedule (``LIBRARY_CONFIG``
+  swapped in-process) against XLA dense, same process, wall time."""
+  from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
+  spec = bench_train.SPECS["paper_16k"]
+  ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+  dense_f, _, _ = common.time_fn(benchmark.dense_ffn, x, wg, wu, wd, iters=30,
+                                 kernel_time=False)
+  dense_b = jax.jit(jax.grad(bench_train._loss_fn("dense", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
+  dense_b, _, _ = common.time_fn(dense_b, x, wg, wu, wd, iters=20, kernel_time=False)
+  print(f"  XLA dense: forward {dense_f:.3f} ms, fwd+bwd {dense_b:.3f} ms (wall)", flush=True)
+  saved = gp.LIBRARY_CONFIG
+  try:
+    for cfg in GATE_STEP_CONFIGS:
+      gp.LIBRARY_CONFIG = cfg
+      fwd = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a)[0])
+      step = jax.jit(jax.grad(bench_train._loss_fn("mosaic_gpu", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
+      try:
+        f_ms, _, _ = common.time_fn(fwd, x, wg, wu, wd, iters=30, kernel_time=False)
+        b_ms, _, _ = common.time_fn(step, x, wg, wu, wd, iters=20, kernel_time=False)
+      except Exception as e:
+        print(f"  {_short(cfg)}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      print(f"  gate {_short(cfg)}: forward {f_ms:.3f} ms (ratio {f_ms / dense_f:.3f}), "
+            f"fwd+bwd {b_ms:.3f} ms (ratio {b_ms / dense_b:.3f})", flush=True)
+  finally:
+    gp.LIBRARY_CONFIG = saved
 
 
 def sweep_l2(wu, wd, m=16384, active=30):
@@ -259,6 +294,8 @@ def main(argv):
         sweep_down(x, wg, wu, wd)
       elif w == "bwd":
         sweep_bwd()
+      elif w == "gate_steps":
+        sweep_gate_steps(x, wg, wu, wd)
       elif w == "l2":
         sweep_l2(wu, wd)
       elif w == "train":

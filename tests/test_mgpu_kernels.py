@@ -99,7 +99,9 @@ class MgpuKernelsTestBase(parameterized.TestCase):
 
   @parameterized.parameters(dict(delay_release=1), dict(cluster_m=True),
                             dict(cluster_m=True, delay_release=1, grid_minor_dim=1),
-                            dict(extract_ways=1))
+                            dict(extract_ways=1),
+                            dict(epilogue_wg=True, max_concurrent_steps=3),
+                            dict(epilogue_wg=True, max_concurrent_steps=2, extract_ways=1))
   def test_gate_pack_configs_agree(self, **kw):
     """Pipelining depth, 2-CTA multicast clusters and the extraction loop's queue width
     change the schedule, never the result."""
