@@ -57,10 +57,10 @@ class GateConfig:
   # tail = max) and takes the minimum over the 128 heads, popping the winning queue: half the
   # elements per step. Same words (a multiway merge of sorted queues is the sorted order).
   extract_ways: int = 2
-  # A 4th warpgroup packs (``_kernel_epilogue_wg``): the compute warpgroups only hand each
-  # finished tile over as bf16 through SMEM and go on with the next tile's MMAs, so the pack
-  # overlaps the tensor-core work instead of following it. Hand-written warp-specialized
-  # pipeline (3 SMEM stages: the hand-over buffer takes the 4th stage's space).
+  # A packing warpgroup (``_kernel_epilogue_wg``) takes the place of the TMA producer: the
+  # compute warpgroups hand each finished tile over as bf16 through SMEM and go on with the
+  # next tile's MMAs, so the pack overlaps the tensor-core work instead of following it.
+  # Hand-written pipeline (at most 3 SMEM stages: the hand-over buffer takes the 4th's space).
   epilogue_wg: bool = False
   # Diagnostic only (sweep.py): False skips the extraction loop (counts are still exact, every
   # word is EMPTY), to time the GEMM and the epilogue separately. Never set by the library.
@@ -268,15 +268,18 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
 
 
 def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
-  """Warp-specialized gate GEMM with a packing warpgroup.
+  """Gate GEMM with a packing warpgroup (3 warpgroups, hand-written pipeline).
 
-  Warpgroups: 0, 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers), 2 TMA
-  producer, 3 packer. Per tile, each compute warpgroup writes its finished accumulator as bf16
-  (``_handover_tile``) into ``vals_smem`` and returns to the next tile's MMAs; the packer
-  reads both halves, packs them and TMA-stores words / counts. Barriers: ``produced`` /
-  ``consumed`` per SMEM stage (2 TMA arrivals / 2 compute arrivals), ``vals_full`` (2 compute
-  arrivals) and ``vals_free`` (the packer, which pre-arrives once so that the first tile
-  does not wait).
+  Warpgroups 0 and 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers);
+  warpgroup 0 also issues the TMA loads, ``stages`` K steps ahead (a fourth, producer-only
+  warpgroup would cut every warpgroup's registers to 128: 512 threads share the 64K register
+  file, and ptxas then cannot fit a 64 x 256 f32 accumulator). Per tile, each compute
+  warpgroup writes its finished accumulator as bf16 (``_handover_tile``) into ``vals_smem``
+  and goes on with the next tile's MMAs; warpgroup 2 reads both halves, packs them and
+  TMA-stores words / counts. Barriers: ``produced`` / ``consumed`` per SMEM stage (2 TMA
+  arrivals / 2 compute arrivals), ``vals_full`` (2 compute arrivals), ``vals_free`` (the
+  packer; it pre-arrives once so that the first tile does not wait). Every barrier phase is
+  waited for before the kernel ends (the interpreter checks it; harmless on the device).
   """
   m, k = x_gmem.shape
   _, n = w_gmem.shape
@@ -288,15 +291,14 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
   words_sw = plgpu.find_swizzle(slots * 32)
   words_tr = (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw))
   counts_tr = (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32))
-  producer_wg, packer_wg = 2, 3     # (0 and 1 compute)
+  packer_wg = 2
+  sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
+  # nd_loop gives this CTA the tiles sm, sm + num_sms, ...; "steps" count its K steps over
+  # all of them (global step g = local tile * k_iters + kk).
+  local_tiles = lax.div(m_iters * n_iters - sm + num_sms - 1, num_sms)
+  total_steps = local_tiles * k_iters
 
-  def local_tiles():
-    """How many tiles nd_loop gives this CTA (tiles sm, sm + num_sms, ...)."""
-    sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
-    return lax.div(m_iters * n_iters - sm + num_sms - 1, num_sms)
-
-  def tile_coords(info):
-    (lin,) = info.index
+  def tile_coords(lin):
     return plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
 
   @functools.partial(
@@ -317,42 +319,23 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
              consumed, vals_full, vals_free):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == producer_wg)
-    def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    def issue_load(g):
+      m_idx, n_idx = tile_coords(sm + lax.div(g, k_iters) * num_sms)
+      kk, slot = lax.rem(g, k_iters), lax.rem(g, stages)
+      plgpu.copy_gmem_to_smem(
+          x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), pl.ds(kk * tile_k, tile_k)],
+          x_smem.at[slot], produced.at[slot])
+      plgpu.copy_gmem_to_smem(
+          w_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(n_idx * TILE_N, TILE_N)],
+          w_smem.at[slot], produced.at[slot])
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def _tile(info):
-        m_idx, n_idx = tile_coords(info)
-        base = info.local_index * k_iters
-
-        @pl.loop(0, k_iters)
-        def _step(kk):
-          step = base + kk
-          slot = lax.rem(step, stages)
-
-          @pl.when(step >= stages)
-          def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-          plgpu.copy_gmem_to_smem(
-              x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), pl.ds(kk * tile_k, tile_k)],
-              x_smem.at[slot], produced.at[slot])
-          plgpu.copy_gmem_to_smem(
-              w_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(n_idx * TILE_N, TILE_N)],
-              w_smem.at[slot], produced.at[slot])
-
-      # Observe the last stages' releases too: every barrier phase is waited for before the
-      # barriers go away (the interpreter checks it; harmless on the device).
-      total = local_tiles() * k_iters
-
-      @pl.loop(jnp.maximum(total - stages, 0), total)
-      def _drain(step):
-        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-    @pl.when(wg < 2)
+    @pl.when(wg < packer_wg)
     def _compute():
-      plgpu.set_max_registers(_COMPUTE_REGS, action="increase")
+      @pl.when(wg == 0)
+      def _prologue():
+        @pl.loop(0, jnp.minimum(stages, total_steps))
+        def _(g):
+          issue_load(g)
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
@@ -362,27 +345,39 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
         def _acc_scope(acc_ref):
           @pl.loop(0, k_iters)
           def _step(kk):
-            slot = lax.rem(base + kk, stages)
+            g = base + kk
+            slot = lax.rem(g, stages)
             plgpu.barrier_wait(produced.at[slot])
             plgpu.wgmma(acc_ref, x_smem.at[slot, pl.ds(wg * WG_M, WG_M)], w_smem.at[slot])
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(consumed.at[slot])
+
+            @pl.when(jnp.logical_and(wg == 0, g + stages < total_steps))
+            def _refill():
+              plgpu.barrier_wait(consumed.at[slot])   # both warpgroups are done with it
+              issue_load(g + stages)
 
           vals = _handover_tile(acc_ref[...])
           plgpu.barrier_wait(vals_free)
           vals_smem[wg] = vals
           plgpu.barrier_arrive(vals_full)
 
-      plgpu.barrier_wait(vals_free)      # the packer's release of the last tile (drain)
+      @pl.when(wg == 0)
+      def _drain():
+        @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+        def _(g):
+          plgpu.barrier_wait(consumed.at[lax.rem(g, stages)])
+
+      plgpu.barrier_wait(vals_free)      # the packer's release of the last tile
 
     @pl.when(wg == packer_wg)
     def _packer():
-      plgpu.set_max_registers(_PACKER_REGS, action="increase")
       plgpu.barrier_arrive(vals_free)
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
-        m_idx, n_idx = tile_coords(info)
+        (lin,) = info.index
+        m_idx, n_idx = tile_coords(lin)
         plgpu.barrier_wait(vals_full)
         for half in range(2):
           vals = plgpu.load(vals_smem.at[half], layout=plgpu.Layout.WGMMA)
@@ -407,12 +402,6 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-
-# Per-thread register budgets of the four warpgroups (sum 2 * 152 + 32 + 176 = 512: the
-# register file of one CTA of 512 threads launched at 128 each).
-_COMPUTE_REGS, _PRODUCER_REGS, _PACKER_REGS = 152, 32, 176
-
-
 def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
   """TwELL-packed relu(x @ w). Returns (words [M, T*S] int32, counts [M, T*8] int32)."""
   m, k = x.shape
@@ -434,7 +423,7 @@ def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
         grid_names=("sm",),
         cluster=(2,) if config.cluster_m else (),
         cluster_names=("cluster",) if config.cluster_m else (),
-        num_threads=4 if config.epilogue_wg else 3,
+        num_threads=3,
         thread_name="wg",
         compiler_params=params,
         interpret=common.interpret_params(interpret),
