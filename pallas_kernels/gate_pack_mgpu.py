@@ -87,7 +87,7 @@ class GateConfig:
 
 # The schedule the library's forward and training paths use (``library_config``); sweep.py
 # swaps it in-process to time whole steps per schedule.
-LIBRARY_CONFIG = GateConfig()
+LIBRARY_CONFIG = GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1)
 
 
 def library_config(compression: int) -> GateConfig:
@@ -99,45 +99,45 @@ CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
 
 
-def _pack_tile(acc, cfg: GateConfig, cnt_smem):
-  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32).
-
-  ``cnt_smem`` is this warpgroup's own [64] int32 scratch: the loop bound (max count over the
-  64 rows) is read back from it with scalar loads instead of a cross-warp array reduction,
-  whose shared reduction scratch both compute warpgroups would race on.
-  """
-  pos = acc > 0
-  # bf16(acc) widened back to f32 has zero low half: its high half is the bf16 bit pattern.
-  bits = lax.shift_right_arithmetic(
-      lax.bitcast_convert_type(acc.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32), 16)
-  return _pack_bits(pos, bits, cfg, cnt_smem)
-
-
-# The hand-over value of a non-positive gate entry (epilogue_wg): bf16 bits 0x8000 (-0.0),
-# negative as int16, while every positive entry's bf16 bits (+0.0 for an f32 value that
-# underflows bf16, up to +inf) are >= 0 as int16: positivity survives the bf16 hand-over.
+# A non-positive gate entry is written as bf16 -0.0 (bits 0x8000, negative as int16), while
+# every positive entry's bf16 bits (+0.0 for an f32 value that underflows bf16, up to +inf)
+# are >= 0 as int16: positivity survives the rounding to bf16, and one bitcast gives both the
+# test and the value bits. (Taking the bits from bf16(acc) widened back to f32 would let XLA
+# drop the rounding where excess precision is allowed, e.g. interpret mode on a GPU host.)
 _NOT_POSITIVE = -0.0
 
 
 def _handover_tile(acc):
-  """[64, 256] f32 -> bf16 with every entry that is not > 0 replaced by -0.0."""
+  """[64, 256] f32 -> bf16 (round to nearest) with every entry not > 0 replaced by -0.0."""
   return jnp.where(acc > 0, acc.astype(jnp.bfloat16), jnp.bfloat16(_NOT_POSITIVE))
 
 
+def _pack_tile(acc, cfg: GateConfig, cnt_smem):
+  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32)."""
+  return _pack_handover(_handover_tile(acc), cfg, cnt_smem)
+
+
 def _pack_handover(vals, cfg: GateConfig, cnt_smem):
-  """``_pack_tile`` of the tile that ``_handover_tile`` made from it (same words, counts)."""
+  """Packs a ``_handover_tile`` (the epilogue_wg kernel packs it in another warpgroup).
+
+  ``cnt_smem`` is the packing warpgroup's own [64] int32 scratch: the loop bound (max count
+  over the 64 rows) is read back from it with scalar loads instead of a cross-warp array
+  reduction, whose shared reduction scratch two packing warpgroups would race on.
+  """
   bits = lax.bitcast_convert_type(vals, jnp.int16).astype(jnp.int32)   # sign-extends
-  return _pack_bits(bits >= 0, bits, cfg, cnt_smem)
+  return _pack_bits(bits, cfg, cnt_smem)
 
 
-def _pack_bits(pos, bits, cfg: GateConfig, cnt_smem):
-  """Packs the [64, 256] tile given as positivity and bf16 bit patterns (WGMMA layout)."""
+def _pack_bits(bits, cfg: GateConfig, cnt_smem):
+  """Packs the [64, 256] tile given as int32 bf16 bit patterns, negative where not positive
+  (WGMMA layout)."""
   slots = cfg.slots
   col = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, TILE_N), 1), plgpu.Layout.WGMMA)
   # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
-  key = jnp.where(jnp.logical_not(pos), common.EMPTY_WORD, col * 65536 + bits)
-  cnt = jnp.sum(pos.astype(jnp.int32), axis=1)                     # [64], row layout
+  # Only the keys stay live from here on (the count is taken from them): registers.
+  key = jnp.where(bits < 0, common.EMPTY_WORD, col * 65536 + bits)
+  cnt = jnp.sum((key != common.EMPTY_WORD).astype(jnp.int32), axis=1)   # [64], row layout
   counts = lax.broadcast_in_dim(cnt, (WG_M, common.COUNT_LANES), (0,))
   slot_iota = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
@@ -459,8 +459,7 @@ def pack_reference(g, compression: int = 8):
   t = n // common.TILE_N
   g = g.reshape(m, t, common.TILE_N)
   pos = g > 0
-  bits = lax.shift_right_logical(
-      lax.bitcast_convert_type(g.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32), 16)
+  bits = lax.bitcast_convert_type(g.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
   key = jnp.where(pos, (jnp.arange(common.TILE_N) << 16)[None, None, :] | bits,
                   common.EMPTY_WORD)
   words = jnp.sort(key, axis=-1)[..., :s].reshape(m, t * s)

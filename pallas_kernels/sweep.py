@@ -68,11 +68,9 @@ def sweep_gate(x, wg):
       gp.GateConfig(),
       gp.GateConfig(extract_ways=1),
       gp.GateConfig(pack=False),
-      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3),
-      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=2),
       gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1),
-      gp.GateConfig(delay_release=1),
-      gp.GateConfig(cluster_m=True, delay_release=1),
+      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3),
+      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=2, extract_ways=1),
       gp.GateConfig(max_concurrent_steps=3),
   ]
   for cfg in configs:
@@ -89,7 +87,7 @@ def sweep_gate(x, wg):
           flush=True)
 
 
-GATE_STEP_CONFIGS = (gp.GateConfig(), gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3))
+GATE_STEP_CONFIGS = (gp.GateConfig(), gp.LIBRARY_CONFIG)
 
 
 def sweep_gate_steps(x, wg, wu, wd):

@@ -195,6 +195,24 @@ class MgpuKernelsInterpretTest(MgpuKernelsTestBase):
     self.assertFalse(gpu_callbacks.get_races().races_found)
 
 
+  def test_no_races_gate_packer_warpgroup(self):
+    """The hand-written pipeline of the library's gate schedule (epilogue_wg): two tiles per
+    CTA and more K steps than SMEM stages, so the refills, the cross-tile loads and the
+    hand-over buffer's reuse all run under the race detector."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    x, wg, _, _ = make_inputs(2048, 256, 512, active=8.0, heavy=0.02)
+    cfg = gate_pack_mgpu.LIBRARY_CONFIG
+    self.assertTrue(cfg.epilogue_wg)
+    got = gate_pack_mgpu.gate_pack(x, wg, config=cfg, interpret=params)
+    jax.block_until_ready(got)
+    self.assertFalse(gpu_callbacks.get_races().races_found)
+    base = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
+    for a, b in zip(got, base):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 class MgpuLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules for CUDA on any host (no GPU needed)."""
 
