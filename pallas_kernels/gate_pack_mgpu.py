@@ -135,9 +135,9 @@ def _pack_bits(bits, cfg: GateConfig, cnt_smem):
   col = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, TILE_N), 1), plgpu.Layout.WGMMA)
   # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
-  # Only the keys stay live from here on (the count is taken from them): registers.
   key = jnp.where(bits < 0, common.EMPTY_WORD, col * 65536 + bits)
-  cnt = jnp.sum((key != common.EMPTY_WORD).astype(jnp.int32), axis=1)   # [64], row layout
+  # (Counting from the keys instead measured 232 bytes of packer spills instead of 148.)
+  cnt = jnp.sum((bits >= 0).astype(jnp.int32), axis=1)              # [64], row layout
   counts = lax.broadcast_in_dim(cnt, (WG_M, common.COUNT_LANES), (0,))
   slot_iota = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
@@ -319,8 +319,10 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
              consumed, vals_full, vals_free):
     wg = lax.axis_index("wg")
 
-    def issue_load(g):
-      m_idx, n_idx = tile_coords(sm + lax.div(g, k_iters) * num_sms)
+    def issue_load(g, coords=None):
+      # (coords: the tile of step g when the caller has them, to keep the planar_snake
+      # arithmetic out of the MMA loop, where the accumulator holds 128 registers.)
+      m_idx, n_idx = coords or tile_coords(sm + lax.div(g, k_iters) * num_sms)
       kk, slot = lax.rem(g, k_iters), lax.rem(g, stages)
       plgpu.copy_gmem_to_smem(
           x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), pl.ds(kk * tile_k, tile_k)],
@@ -339,7 +341,10 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
+        (lin,) = info.index
         base = info.local_index * k_iters
+        # Refills run `stages` steps ahead: into this tile or the next one.
+        this_tile, next_tile = tile_coords(lin), tile_coords(lin + num_sms)
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
         def _acc_scope(acc_ref):
@@ -355,7 +360,9 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
             @pl.when(jnp.logical_and(wg == 0, g + stages < total_steps))
             def _refill():
               plgpu.barrier_wait(consumed.at[slot])   # both warpgroups are done with it
-              issue_load(g + stages)
+              same = kk + stages < k_iters
+              coords = tuple(jnp.where(same, a, b) for a, b in zip(this_tile, next_tile))
+              issue_load(g + stages, coords)
 
           vals = _handover_tile(acc_ref[...])
           plgpu.barrier_wait(vals_free)

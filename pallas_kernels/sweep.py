@@ -70,7 +70,6 @@ def sweep_gate(x, wg):
       gp.GateConfig(pack=False),
       gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1),
       gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3),
-      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=2, extract_ways=1),
       gp.GateConfig(max_concurrent_steps=3),
   ]
   for cfg in configs:

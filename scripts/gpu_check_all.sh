@@ -26,5 +26,5 @@ fi
 [ -n "$BREAKDOWN" ] && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 100 python3 -m pallas_kernels.benchmark \
   --specs=paper_16k --parts=false --fwd_groups= --breakdown --iters=20 \
   --out="$OUT/fwd_breakdown.json" 2>&1 | $F | grep -v '^{' > "$OUT/fwd_breakdown.log"; tail -3 "$OUT/fwd_breakdown.log"
-[ "${TESTS:-1}" = 1 ] && XLA_FLAGS="--xla_gpu_autotune_level=0" timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider \
+[ "${TESTS:-1}" = 1 ] && XLA_FLAGS="--xla_gpu_autotune_level=0" timeout -s INT 280 python3 -m pytest -q -p no:cacheprovider \
   tests/test_mgpu_train.py tests/test_mgpu_kernels.py -k "${TESTS_K:-TrainGpuTest or MgpuKernelsGpuTest}" > "$OUT/tests_full.log" 2>&1; tail -6 "$OUT/tests_full.log"
