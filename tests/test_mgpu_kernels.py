@@ -112,6 +112,13 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     for a, b in zip(got, base):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+  def test_gate_config_rejects_unsupported_schedules(self):
+    for kw in (dict(epilogue_wg=True), dict(epilogue_wg=True, max_concurrent_steps=3,
+                                           cluster_m=True),
+               dict(extract_ways=3), dict(tile_k=128)):
+      with self.assertRaises(ValueError):
+        gate_pack_mgpu.GateConfig(**kw)
+
   @parameterized.named_parameters(
       dict(testcase_name="gated_aligned", m=256, d=128, h=512, active=8.0),
       dict(testcase_name="gated_odd_m_padded_dh_heavy", m=203, d=96, h=300, active=10.0,
