@@ -153,6 +153,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   row_ok = jnp.logical_not(row_over).astype(jnp.int32)
 
   def fired_from_words():
+    # A scatter of every slot into [H]: 0.08 ms at the paper shape (H100, stats_probe.py); an
+    # OR-reduction of per-row 256-bit column masks measured the same, so the scatter stays.
     w = words.reshape(mp, n_tiles, slots)
     ok = ((jnp.arange(slots)[None, None, :] < cnt[..., None])
           & (row_ok.astype(bool) & valid_row)[:, None, None])
