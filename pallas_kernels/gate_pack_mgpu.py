@@ -189,6 +189,15 @@ def _pack_bits(bits, cfg: GateConfig, cnt_smem):
   return words, counts
 
 
+def _smem_transforms(cfg: GateConfig):
+  """SMEM tiling / swizzle of the (x, w) stages, the words and the counts staging buffers."""
+  swizzle = plgpu.find_swizzle(cfg.tile_k * 16)
+  words_sw = plgpu.find_swizzle(cfg.slots * 32)
+  return ((plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)),
+          (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw)),
+          (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
+
+
 def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem, rows,
                   n_idx):
   """Stages one 64-row record block in SMEM and TMA-stores it at (rows, tile n_idx)."""
@@ -214,11 +223,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
   tile_k = cfg.tile_k
   csize = 2 if cfg.cluster_m else 1
   m_iters, n_iters, k_iters = m // (CTA_M * csize), n // TILE_N, k // tile_k
-  swizzle = plgpu.find_swizzle(tile_k * 16)
-  transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-  words_sw = plgpu.find_swizzle(slots * 32)
-  words_tr = (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw))
-  counts_tr = (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32))
+  transforms, words_tr, counts_tr = _smem_transforms(cfg)
 
   def get_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -301,12 +306,8 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
   _, n = w_gmem.shape
   slots, tile_k, stages = cfg.slots, cfg.tile_k, cfg.max_concurrent_steps
   m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N, k // tile_k
-  swizzle = plgpu.find_swizzle(tile_k * 16)
-  transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+  transforms, words_tr, counts_tr = _smem_transforms(cfg)
   vals_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  words_sw = plgpu.find_swizzle(slots * 32)
-  words_tr = (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw))
-  counts_tr = (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32))
   packer_wg = 2
   sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
   # nd_loop gives this CTA the tiles sm, sm + num_sms, ...; "steps" count its K steps over

@@ -43,6 +43,21 @@ def kernel_ms(f, *args, iterations=10):
   return float("nan") if ms is None else ms
 
 
+def _variants(label, fns, args):
+  """Runs each (name, jitted f) of ``fns`` on ``args``; yields (name, f, same) for those that
+  run, ``same`` = bit-equal to the first one that ran (failures are printed and skipped)."""
+  base = None
+  for name, f in fns:
+    try:
+      out = jax.block_until_ready(f(*args))
+    except Exception as e:
+      print(f"  {label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    base = out if base is None else base
+    yield name, f, all(bool(jnp.array_equal(a, b)) for a, b in
+                       zip(jax.tree.leaves(out), jax.tree.leaves(base)))
+
+
 def sweep_gate(x, wg):
   """gate_pack per GateConfig (the words must equal the default's) against XLA's GEMM and
   jax's own Pallas Hopper matmul (no epilogue work: the pipeline's own speed at this shape);
@@ -63,7 +78,6 @@ def sweep_gate(x, wg):
     except Exception as e:
       print(f"  jax hopper_matmul_mgpu {tm}x{tn}: FAILED {type(e).__name__}: {str(e)[:200]}",
             flush=True)
-  base = None
   configs = [
       gp.GateConfig(),
       gp.GateConfig(extract_ways=1),
@@ -72,17 +86,10 @@ def sweep_gate(x, wg):
       gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3),
       gp.GateConfig(max_concurrent_steps=3),
   ]
-  for cfg in configs:
-    f = jax.jit(functools.partial(gp.gate_pack, config=cfg))
-    try:
-      out = jax.block_until_ready(f(x, wg))
-    except Exception as e:
-      print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
-    if base is None:
-      base = out
-    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, base))
-    print(f"  gate_pack {_short(cfg)}: {kernel_ms(f, x, wg):.4f} ms  equal_to_default={same}",
+  fns = [(_short(cfg), jax.jit(functools.partial(gp.gate_pack, config=cfg)))
+         for cfg in configs]
+  for name, f, same in _variants("gate_pack", fns, (x, wg)):
+    print(f"  gate_pack {name}: {kernel_ms(f, x, wg):.4f} ms  equal_to_default={same}",
           flush=True)
 
 
@@ -168,19 +175,11 @@ def sweep_down(x, wg, wu, wd, fold=True):
   row_ok = jnp.ones((m,), jnp.int32)
   wut = jnp.asarray(wu.T)
   folded = jnp.where(words == common.EMPTY_WORD, words, words & 0x0007FFFF)
-  base = None
-  for kw in DOWN_VARIANTS:
-    f = jax.jit(functools.partial(sparse_down_mgpu.sparse_down, **kw))
-    try:
-      out = jax.block_until_ready(f(x, words, counts, row_ok, wut, wd))
-    except Exception as e:
-      print(f"  sparse_down {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
-    if base is None:
-      base = out
-    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, base))
+  fns = [(kw or "default", jax.jit(functools.partial(sparse_down_mgpu.sparse_down, **kw)))
+         for kw in DOWN_VARIANTS]
+  for name, f, same in _variants("sparse_down", fns, (x, words, counts, row_ok, wut, wd)):
     real = kernel_ms(f, x, words, counts, row_ok, wut, wd)
-    line = f"  sparse_down {kw or 'default'}: real pattern {real:.4f} ms, equal_to_v1={same}"
+    line = f"  sparse_down {name}: real pattern {real:.4f} ms, equal_to_v1={same}"
     if fold:
       # Keep only the low 3 bits of each local column: 8 columns per tile, 176 weight rows.
       line += f", folded (176-row working set) {kernel_ms(f, x, folded, counts, row_ok, wut, wd):.4f} ms"
@@ -212,20 +211,11 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False):
   wut, wgt = jnp.asarray(wu.T), jnp.asarray(wg.T)
 
   def variants(label, fn, args, kws):
-    base = None
-    for kw in kws:
-      f = jax.jit(functools.partial(fn, **kw))
-      try:
-        out = jax.block_until_ready(f(*args))
-      except Exception as e:
-        print(f"  {label} {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        continue
-      base = out if base is None else base
-      # (Outputs with unused ELL slots hold garbage there: same_bits is only meaningful for
-      # the weight gradients.)
-      same = all(bool(jnp.array_equal(a, b)) for a, b in
-                 zip(jax.tree.leaves(out), jax.tree.leaves(base)))
-      print(f"  {label} {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
+    # (Outputs with unused ELL slots hold garbage there: same_bits is only meaningful for
+    # the weight gradients.)
+    fns = [(kw, jax.jit(functools.partial(fn, **kw))) for kw in kws]
+    for name, f, same in _variants(label, fns, args):
+      print(f"  {label} {name}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
 
   if variants_rows:
     variants("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),

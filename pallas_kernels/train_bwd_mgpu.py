@@ -192,6 +192,16 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
   return dx, du, dg
 
 
+def _column_loads(rows_gmem, coef_refs, start, end, gi, group: int, last):
+  """Scalar loads of CSC entry group ``gi`` of a column: (token rows [group], per ref of
+  ``coef_refs`` its coefficients [group], 0 past the column's end; None for a None ref)."""
+  es, valid = common.column_slots(start, end, gi, group, last)
+  rows = [rows_gmem[e] for e in es]
+  return rows, [None if ref is None else
+                [jnp.where(valid[q], ref[es[q]], 0.0) for q in range(group)]
+                for ref in coef_refs]
+
+
 def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
                  dwu_gmem, dwg_gmem, dwd_gmem, *, gated: bool, group: int):
   j = lax.axis_index("j")
@@ -201,11 +211,9 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   zero = common.zeros_like_row(x_gmem[0, :])
 
   def load(gi):
-    es, valid = common.column_slots(start, end, gi, group, last)
-    coef = lambda ref, q: jnp.where(valid[q], ref[es[q]], 0.0)
-    return ([rows_gmem[e] for e in es], [coef(dg_gmem, q) for q in range(group)],
-            [coef(h_gmem, q) for q in range(group)],
-            [coef(du_gmem, q) for q in range(group)] if gated else None)
+    ms, (gs, hs, us) = _column_loads(rows_gmem, (dg_gmem, h_gmem, du_gmem if gated else None),
+                                     start, end, gi, group, last)
+    return ms, gs, hs, us
 
   def step(gi, loaded, carry):
     acc_u, acc_g, acc_d = carry
@@ -240,9 +248,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
   acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
 
   def load(gi):
-    es, valid = common.column_slots(start, end, gi, group, last)
-    return ([rows_gmem[e] for e in es],
-            [[jnp.where(valid[q], ref[es[q]], 0.0) for q in range(group)] for ref in coefs])
+    return _column_loads(rows_gmem, coefs, start, end, gi, group, last)
 
   def step(gi, loaded, accs):
     ms, cs = loaded
@@ -276,11 +282,9 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
   acc0 = common.zeros_like_row(wd_gmem[j, :])
 
   def load(gi):
-    es, valid = common.column_slots(start, end, gi, group, last)
-    coef = lambda ref, q: jnp.where(valid[q], ref[es[q]], 0.0)
-    return ([rows_gmem[e] for e in es], [coef(p_gmem, q) for q in range(group)],
-            [coef(h_gmem, q) for q in range(group)],
-            [coef(u_gmem, q) for q in range(group)] if gated else None)
+    ms, (ps, hs, us) = _column_loads(rows_gmem, (p_gmem, h_gmem, u_gmem if gated else None),
+                                     start, end, gi, group, last)
+    return ms, ps, hs, us
 
   def step(gi, loaded, acc):
     ms, ps, hs, us = loaded
