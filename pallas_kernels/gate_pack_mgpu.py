@@ -10,7 +10,8 @@ Internal TwELL layout (one record per row and 256-column tile t, S = 256 / compr
   words[r, t*S + k] = (local_col << 16) | bf16_bits(relu(acc))   for the k-th positive of the
                       tile in increasing column order (k < min(count, S));  0x7FFFFFFF after.
   counts[r, t*8 + i] = true number of positives of (r, t) for every i in [0, 8) (may exceed S:
-                      the row is then an overflow row, which the caller must compute elsewhere).
+                      the row is then an overflow row, which the caller must compute elsewhere;
+                      the words of an overflowing record are all 0x7FFFFFFF).
 ReLU is the strict test acc > 0 on the f32 accumulator; the value is rounded to bf16 (RN).
 
 Packing (no atomics, no prefix sums; entries come out sorted and deterministic): with
@@ -27,7 +28,7 @@ kernels, same words bit for bit:
     idle meanwhile: 0.58 ms vs 0.48 ms without the pack, H100, PERF.md).
   * ``_kernel_epilogue_wg`` (``epilogue_wg=True``, the library's ``LIBRARY_CONFIG``): the
     compute warpgroups hand each finished tile to SMEM as bf16 and go on with the next
-    tile; a packing warpgroup packs it meanwhile (0.55 ms).
+    tile; a packing warpgroup packs it meanwhile, in 64-column chunks (0.534 ms).
 M must be a multiple of 128, N of 256, K of tile_k.
 """
 
@@ -93,8 +94,8 @@ class GateConfig:
 
 
 # The schedule the library's forward and training paths use (``library_config``); sweep.py
-# swaps it in-process to time whole steps per schedule. H100, paper shape (PERF.md): 0.550 ms
-# against 0.581 for GateConfig(); 1-way extraction because the packer's three warpgroups
+# swaps it in-process to time whole steps per schedule. H100, paper shape (PERF.md): 0.534 ms
+# against 0.58 for GateConfig(); 1-way extraction because the packer's three warpgroups
 # share 168 registers and the 2-way queues spill there (0.59-0.64 ms).
 LIBRARY_CONFIG = GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1)
 
@@ -106,6 +107,10 @@ def library_config(compression: int) -> GateConfig:
 WG_M = 64          # rows per compute warpgroup
 CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
+# Columns per chunk the packing warpgroup packs at a time (``_pack_chunks``): fewer live keys
+# per thread, fewer spills. H100, paper shape (sweep.py gate_chunks, PERF.md): 256 columns
+# 0.551 ms (216 bytes of spills), 128 0.538 (120), 64 0.534 (60).
+PACK_CHUNK = 64
 
 
 # A non-positive gate entry is written as bf16 -0.0 (bits 0x8000, negative as int16), while
@@ -123,69 +128,99 @@ def _handover_tile(acc):
 
 def _pack_tile(acc, cfg: GateConfig, cnt_smem):
   """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32)."""
-  return _pack_handover(_handover_tile(acc), cfg, cnt_smem)
+  vals = _handover_tile(acc)
+  return _pack_chunks(lambda _: vals, 1, cfg, cnt_smem)
 
 
-def _pack_handover(vals, cfg: GateConfig, cnt_smem):
-  """Packs a ``_handover_tile`` (the epilogue_wg kernel packs it in another warpgroup).
+def _bits(vals):
+  """bf16 hand-over values -> int32 bit patterns, negative where not positive."""
+  return lax.bitcast_convert_type(vals, jnp.int16).astype(jnp.int32)   # sign-extends
 
-  ``cnt_smem`` is the packing warpgroup's own [64] int32 scratch: the loop bound (max count
-  over the 64 rows) is read back from it with scalar loads instead of a cross-warp array
-  reduction, whose shared reduction scratch two packing warpgroups would race on.
+
+def _row_max(row_vec, cnt_smem):
+  """max over the 64 rows of a row-layout int32 vector, through the warpgroup's own SMEM
+  scratch and scalar loads (no cross-warp array reduction, whose shared scratch two packing
+  warpgroups would race on)."""
+  cnt_smem[...] = row_vec
+  out = cnt_smem[0]
+  for i in range(1, WG_M):
+    out = jnp.maximum(out, cnt_smem[i])
+  return out
+
+
+def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=None):
+  """Packs one 64-row record block from its ``_handover_tile`` values, read in column chunks:
+  ``load(c)`` gives chunk c ([64, 256 / n_chunks] bf16, WGMMA layout; called twice per chunk
+  when n_chunks > 1, once to count and once to pack, so that only one chunk's keys are live).
+  ``after_loads()`` runs after the last load (the packing warpgroup releases its hand-over
+  buffer there).
+
+  Every key of a chunk is smaller than every key of the next one (the column is the key's
+  high half), so the record is each chunk's sorted positives, one after the other: chunk c's
+  k-th positive goes to slot (positives of the chunks before c) + k.
+
+  Each chunk's loop runs as many times as its largest count among the rows whose record
+  fits (count <= S); records that overflow (count > S) are written as EMPTY words.
   """
-  bits = lax.bitcast_convert_type(vals, jnp.int16).astype(jnp.int32)   # sign-extends
-  return _pack_bits(bits, cfg, cnt_smem)
-
-
-def _pack_bits(bits, cfg: GateConfig, cnt_smem):
-  """Packs the [64, 256] tile given as int32 bf16 bit patterns, negative where not positive
-  (WGMMA layout)."""
-  slots = cfg.slots
-  col = plgpu.layout_cast(
-      lax.broadcasted_iota(jnp.int32, (WG_M, TILE_N), 1), plgpu.Layout.WGMMA)
-  # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
-  key = jnp.where(bits < 0, common.EMPTY_WORD, col * 65536 + bits)
-  # (Counting from the keys instead measured 232 bytes of packer spills instead of 148.)
-  cnt = jnp.sum((bits >= 0).astype(jnp.int32), axis=1)              # [64], row layout
-  counts = lax.broadcast_in_dim(cnt, (WG_M, common.COUNT_LANES), (0,))
+  slots, width = cfg.slots, TILE_N // n_chunks
+  first = load(0)
+  cnts = [jnp.sum((_bits(first if c == 0 else load(c)) >= 0).astype(jnp.int32), axis=1)
+          for c in range(n_chunks)]                                     # [64], row layout
+  total = functools.reduce(jnp.add, cnts)
+  counts = lax.broadcast_in_dim(total, (WG_M, common.COUNT_LANES), (0,))
   slot_iota = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
-  words0 = slot_iota * 0 + common.EMPTY_WORD
+  words = slot_iota * 0 + common.EMPTY_WORD
   if not cfg.pack:
-    return words0, counts
-  cnt_smem[...] = jnp.where(cnt <= slots, cnt, 0)
-  n_iter = cnt_smem[0]
-  for i in range(1, WG_M):
-    n_iter = jnp.maximum(n_iter, cnt_smem[i])
+    if after_loads is not None:
+      after_loads()
+    return words, counts
+  fits = total <= slots
+  base = total * 0                         # positives of the chunks already packed, per row
 
-  def put(words, k, kmin):
+  def put(words, slot, kmin):
     # The carry is the 'true' case of each select so that its signedness is kept.
-    return jnp.where(slot_iota != k, words, lax.broadcast_in_dim(kmin, (WG_M, slots), (0,)))
+    return jnp.where(slot_iota != lax.broadcast_in_dim(slot, (WG_M, slots), (0,)), words,
+                     lax.broadcast_in_dim(kmin, (WG_M, slots), (0,)))
 
-  if cfg.extract_ways == 1:
-    def body(k, carry):
-      key, words = carry
-      kmin = jnp.min(key, axis=1)                                    # [64]
-      key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, TILE_N), (0,)),
-                      key, common.EMPTY_WORD)
-      return key, put(words, k, kmin)
+  for c, cnt in enumerate(cnts):
+    b = _bits(first if c == 0 else load(c))
+    if c == n_chunks - 1 and after_loads is not None:
+      after_loads()
+    col = plgpu.layout_cast(
+        lax.broadcasted_iota(jnp.int32, (WG_M, width), 1), plgpu.Layout.WGMMA) + c * width
+    # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
+    key = jnp.where(b < 0, common.EMPTY_WORD, col * 65536 + b)
+    n_iter = _row_max(jnp.where(fits, cnt, 0), cnt_smem)
+    if cfg.extract_ways == 1:
+      def body(k, carry, base=base):
+        key, words = carry
+        kmin = jnp.min(key, axis=1)                                  # [64]
+        key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, width), (0,)),
+                        key, common.EMPTY_WORD)
+        return key, put(words, base + k, kmin)
 
-    _, words = lax.fori_loop(0, n_iter, body, (key, words0))
-  else:
-    half = TILE_N // 2
-    lo, hi = key[:, :half], key[:, half:]
-    # Keys are unique per row except EMPTY, so min / max order each pair into a 2-queue.
-    heads, tails = jnp.minimum(lo, hi), jnp.maximum(lo, hi)
+      _, words = lax.fori_loop(0, n_iter, body, (key, words))
+    else:
+      half = width // 2
+      lo, hi = key[:, :half], key[:, half:]
+      # Keys are unique per row except EMPTY, so min / max order each pair into a 2-queue.
+      heads, tails = jnp.minimum(lo, hi), jnp.maximum(lo, hi)
 
-    def body(k, carry):
-      heads, tails, words = carry
-      kmin = jnp.min(heads, axis=1)                                  # [64]
-      keep = heads != lax.broadcast_in_dim(kmin, (WG_M, half), (0,))
-      # Pop the winner: its tail moves up and EMPTY takes the tail's place.
-      heads, tails = jnp.where(keep, heads, tails), jnp.where(keep, tails, common.EMPTY_WORD)
-      return heads, tails, put(words, k, kmin)
+      def body(k, carry, base=base):
+        heads, tails, words = carry
+        kmin = jnp.min(heads, axis=1)                                # [64]
+        keep = heads != lax.broadcast_in_dim(kmin, (WG_M, half), (0,))
+        # Pop the winner: its tail moves up and EMPTY takes the tail's place.
+        heads, tails = jnp.where(keep, heads, tails), jnp.where(keep, tails, common.EMPTY_WORD)
+        return heads, tails, put(words, base + k, kmin)
 
-    _, _, words = lax.fori_loop(0, n_iter, body, (heads, tails, words0))
+      _, _, words = lax.fori_loop(0, n_iter, body, (heads, tails, words))
+    base = base + cnt
+  # Overflowing records: EMPTY (their row is computed elsewhere; a partial record would
+  # depend on the loop bounds of the other rows).
+  words = jnp.where(lax.broadcast_in_dim(fits, (WG_M, slots), (0,)) == False,  # noqa: E712
+                    common.EMPTY_WORD, words)
   return words, counts
 
 
@@ -404,10 +439,13 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
         m_idx, n_idx = tile_coords(lin)
         plgpu.barrier_wait(vals_full)
         for half in range(2):
-          vals = plgpu.load(vals_smem.at[half], layout=plgpu.Layout.WGMMA)
-          words, counts = _pack_handover(vals, cfg, cnt_smem)
-          if half == 1:
-            plgpu.barrier_arrive(vals_free)
+          load = lambda c, half=half: plgpu.load(
+              vals_smem.at[half, :, pl.ds(c * PACK_CHUNK, PACK_CHUNK)],
+              layout=plgpu.Layout.WGMMA)
+          # After the last load of the second half, the compute warpgroups may overwrite the
+          # hand-over buffer while it is packed (the arrive orders the loads before it).
+          release = (lambda: plgpu.barrier_arrive(vals_free)) if half == 1 else None
+          words, counts = _pack_chunks(load, TILE_N // PACK_CHUNK, cfg, cnt_smem, release)
           rows = pl.ds(m_idx * CTA_M + half * WG_M, WG_M)
           _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem,
                         rows, n_idx)
@@ -475,7 +513,8 @@ def pack_reference(g, compression: int = 8):
   bits = lax.bitcast_convert_type(g.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
   key = jnp.where(pos, (jnp.arange(common.TILE_N) << 16)[None, None, :] | bits,
                   common.EMPTY_WORD)
-  words = jnp.sort(key, axis=-1)[..., :s].reshape(m, t * s)
   cnt = jnp.sum(pos, axis=-1).astype(jnp.int32)
+  words = jnp.where((cnt <= s)[..., None], jnp.sort(key, axis=-1)[..., :s],
+                    common.EMPTY_WORD).reshape(m, t * s)
   counts = jnp.repeat(cnt[..., None], common.COUNT_LANES, -1).reshape(m, -1)
   return words, counts

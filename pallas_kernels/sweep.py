@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [gate_steps] [down] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -10,6 +10,7 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
 * ``down`` also times the sparse_down versions (x placement, split sampled-up + down pair) and
   the whole forward per version against XLA dense.
+* ``gate_chunks``: the library gate kernel per packing chunk width (``PACK_CHUNK``).
 * ``gate_steps``: the whole forward and forward + backward per library gate schedule.
 * ``l2``: XLA's own fused row gather + sum at the fused kernels' access pattern (TB/s): the
   device's gather ceiling, independent of our kernels.
@@ -83,6 +84,7 @@ def sweep_gate(x, wg):
       gp.GateConfig(extract_ways=1),
       gp.GateConfig(pack=False),
       gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1),
+      gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1, pack=False),
       gp.GateConfig(epilogue_wg=True, max_concurrent_steps=3),
       gp.GateConfig(max_concurrent_steps=3),
   ]
@@ -91,6 +93,26 @@ def sweep_gate(x, wg):
   for name, f, same in _variants("gate_pack", fns, (x, wg)):
     print(f"  gate_pack {name}: {kernel_ms(f, x, wg):.4f} ms  equal_to_default={same}",
           flush=True)
+
+
+def sweep_gate_chunks(x, wg, chunks=(256, 128, 64)):
+  """The library gate kernel per packing chunk width (``gate_pack_mgpu.PACK_CHUNK``, swapped
+  in-process): fewer live keys per packer thread against more loops and loads."""
+  xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
+  print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
+  saved = gp.PACK_CHUNK
+  try:
+    fns = []
+    for c in chunks:
+      gp.PACK_CHUNK = c
+      f = jax.jit(functools.partial(gp.gate_pack, config=gp.LIBRARY_CONFIG))
+      jax.block_until_ready(f(x, wg))    # traced and cached with this chunk width
+      fns.append((f"chunk={c}", f))
+    for name, f, same in _variants("gate_pack", fns, (x, wg)):
+      print(f"  gate_pack LIBRARY_CONFIG {name}: {kernel_ms(f, x, wg):.4f} ms  "
+            f"equal_to_first={same}", flush=True)
+  finally:
+    gp.PACK_CHUNK = saved
 
 
 GATE_STEP_CONFIGS = (gp.GateConfig(), gp.LIBRARY_CONFIG)
@@ -281,6 +303,8 @@ def main(argv):
         sweep_down(x, wg, wu, wd)
       elif w == "bwd":
         sweep_bwd()
+      elif w == "gate_chunks":
+        sweep_gate_chunks(x, wg)
       elif w == "gate_steps":
         sweep_gate_steps(x, wg, wu, wd)
       elif w == "l2":
