@@ -24,8 +24,9 @@ Backward (no host synchronization):
     slots get the key H and sort last).
  2. ``train_bwd_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with W_down[j]
     in registers, gathers the dy row of each entry once for both dh (+ the L1 term) -> du, dg
-    and dW_down[j]; then ``csc_weight_grads(x_only=True)``: dW_up, dW_gate from x rows; then
-    du, dg go back to ELL order and ``ell_dx`` gathers W_up^T / W_gate^T rows for dx.
+    and dW_down[j] (du, dg written in both CSC and ELL order); then
+    ``csc_weight_grads(x_only=True)``: dW_up, dW_gate from x rows; then ``ell_dx`` gathers
+    W_up^T / W_gate^T rows for dx.
     (``dh_in_columns=False``: ``ell_bwd_rows`` computes dh row-side, gathering W_down rows,
     then dx; ``csc_weight_grads`` the three weight gradients in 1-3 kernels.) No atomics.
  3. Tail rows: dense XLA products on R rows; capacity exceeded: the VJP of the dense FFN,
@@ -190,9 +191,11 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   (tail_index,) = jnp.nonzero(heavy, size=cfg.tail_rows, fill_value=cfg.mp)
   tail_index = tail_index.astype(jnp.int32)
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+  # Outside the conditional, so that XLA can share it with the backward's (same jit).
+  wu_t = wu.T if gated else None
 
   def sparse(_):
-    y, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu.T if gated else None, wd,
+    y, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
                                                group=cfg.group, x_mode=cfg.x_mode,
                                                interpret=interpret)
     r = cfg.tail_rows
@@ -261,7 +264,7 @@ def _csc(cfg: TrainConfig, cols, n):
 
 
 
-def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
+def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, wu_t, wg_t, interpret):
   x, w_gate, w_up, w_down, cols, p, u, n, tail_index, heavy_rows, pt, ut, _ = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
@@ -279,25 +282,23 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, interpret):
   if cfg.dh_in_columns:
     # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows), then dW_up /
     # dW_gate (x rows); du / dg go back to ELL order for the row-side dx.
-    dwd, du_s, dg_s = train_bwd_mgpu.csc_down_dh(
+    # du / dg come back in CSC order (for the weight gradients) and in ELL order (for dx;
+    # slots past a row's n are not written, ell_dx masks them).
+    dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, flat(p.astype(_F32)), flat(u.astype(_F32)) if gated else None,
-        flat(h_ell), c, group=wgroup, interpret=interpret)
-    # (Zeros in unused slots: ell_dx reads up to a multiple of its group, and du / dg past
-    # col_ptr[H] were never written.)
-    to_ell = lambda a: jnp.where(valid, jnp.zeros((cfg.mp * cfg.wk,), _F32).at[sid].set(a)
-                                 .reshape(cfg.mp, cfg.wk), 0.0)
+        flat(h_ell), c, sid, (cfg.mp, cfg.wk), group=wgroup, interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, flat(h_ell), group=wgroup, kernels=2,
         x_only=True, interpret=interpret)
     dx = train_bwd_mgpu.ell_dx(
-        cols, n, to_ell(du_s) if gated else None, to_ell(dg_s), wu.T, wg.T if gated else None,
+        cols, n, du_e, dg_e, wu_t, wg_t,
         group=cfg.group, dx_dtype=dt, interpret=interpret)
   else:
     # Row side: dh, du, dg on the pattern and dx (kernels). dx comes out in the input dtype:
     # heavy rows have no ELL entries (their dx is 0 here), so adding the tail's f32 products
     # below rounds once, as before.
     dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
-        dyp, cols, p, u if gated else None, n, c, wd, wu.T, wg.T if gated else None,
+        dyp, cols, p, u if gated else None, n, c, wd, wu_t, wg_t,
         group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, interpret=interpret)
     # Column side: weight gradients (kernels) over the CSC of the pattern.
     dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
@@ -363,9 +364,13 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
   """
   dy, dl1 = cotangents[0], cotangents[1]
   exceeded = residuals[-1]
+  # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
+  # can share W_up^T with the forward's when both are in one jit.
+  _, wg, wu, _ = _padded(cfg, *residuals[:4])
+  wu_t, wg_t = wu.T, (None if wg is None else wg.T)
   return lax.cond(exceeded,
                   lambda: _dense_backward(residuals, dy, dl1),
-                  lambda: _sparse_backward(cfg, residuals, dy, dl1, interpret))
+                  lambda: _sparse_backward(cfg, residuals, dy, dl1, wu_t, wg_t, interpret))
 
 
 def residual_bytes(residuals) -> int:

@@ -109,8 +109,10 @@ CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
 # Columns per chunk the packing warpgroup packs at a time (``_pack_chunks``): fewer live keys
 # per thread, fewer spills. H100, paper shape (sweep.py gate_chunks, PERF.md): 256 columns
-# 0.551 ms (216 bytes of spills), 128 0.538 (120), 64 0.534 (60).
+# 0.551 ms (216 bytes of spills), 128 0.538 (120), 64 0.533 (60, 0 with PACKER_ROW_MAX "reduce").
 PACK_CHUNK = 64
+# How the packing warpgroup takes the max count over its 64 rows (``_row_max``).
+PACKER_ROW_MAX = "reduce"   # 0 spills, 0.532 ms ("smem": 60 bytes, 0.533 ms; H100)
 
 
 # A non-positive gate entry is written as bf16 -0.0 (bits 0x8000, negative as int16), while
@@ -138,9 +140,12 @@ def _bits(vals):
 
 
 def _row_max(row_vec, cnt_smem):
-  """max over the 64 rows of a row-layout int32 vector, through the warpgroup's own SMEM
-  scratch and scalar loads (no cross-warp array reduction, whose shared scratch two packing
-  warpgroups would race on)."""
+  """max over the 64 rows of a row-layout int32 vector. With ``cnt_smem`` (the warpgroup's
+  own [64] SMEM scratch): a store and 64 scalar loads, for kernels where two warpgroups pack
+  at once (a cross-warp array reduction uses one shared reduction scratch, which they would
+  race on). Without: that reduction (warp shuffles, then across the 4 warps through SMEM)."""
+  if cnt_smem is None:
+    return jnp.max(row_vec)
   cnt_smem[...] = row_vec
   out = cnt_smem[0]
   for i in range(1, WG_M):
@@ -445,7 +450,9 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
           # After the last load of the second half, the compute warpgroups may overwrite the
           # hand-over buffer while it is packed (the arrive orders the loads before it).
           release = (lambda: plgpu.barrier_arrive(vals_free)) if half == 1 else None
-          words, counts = _pack_chunks(load, TILE_N // PACK_CHUNK, cfg, cnt_smem, release)
+          words, counts = _pack_chunks(load, TILE_N // PACK_CHUNK, cfg,
+                                       cnt_smem if PACKER_ROW_MAX == "smem" else None,
+                                       release)
           rows = pl.ds(m_idx * CTA_M + half * WG_M, WG_M)
           _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem,
                         rows, n_idx)

@@ -10,7 +10,7 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
   much faster, the kernel is bound by its weight-row traffic, else by latency / instructions.
 * ``down`` also times the sparse_down versions (x placement, split sampled-up + down pair) and
   the whole forward per version against XLA dense.
-* ``gate_chunks``: the library gate kernel per packing chunk width (``PACK_CHUNK``).
+* ``gate_chunks``: the library gate kernel per packing chunk width and row-max method.
 * ``gate_steps``: the whole forward and forward + backward per library gate schedule.
 * ``l2``: XLA's own fused row gather + sum at the fused kernels' access pattern (TB/s): the
   device's gather ceiling, independent of our kernels.
@@ -95,24 +95,26 @@ def sweep_gate(x, wg):
           flush=True)
 
 
-def sweep_gate_chunks(x, wg, chunks=(256, 128, 64)):
-  """The library gate kernel per packing chunk width (``gate_pack_mgpu.PACK_CHUNK``, swapped
-  in-process): fewer live keys per packer thread against more loops and loads."""
+def sweep_gate_chunks(x, wg, variants=((256, "smem"), (64, "smem"), (64, "reduce"),
+                                        (128, "reduce"))):
+  """The library gate kernel per packing chunk width and row-max method
+  (``gate_pack_mgpu.PACK_CHUNK`` / ``PACKER_ROW_MAX``, swapped in-process): fewer live keys
+  per packer thread against more loops and loads."""
   xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
   print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
-  saved = gp.PACK_CHUNK
+  saved = gp.PACK_CHUNK, gp.PACKER_ROW_MAX
   try:
     fns = []
-    for c in chunks:
-      gp.PACK_CHUNK = c
+    for chunk, row_max in variants:
+      gp.PACK_CHUNK, gp.PACKER_ROW_MAX = chunk, row_max
       f = jax.jit(functools.partial(gp.gate_pack, config=gp.LIBRARY_CONFIG))
-      jax.block_until_ready(f(x, wg))    # traced and cached with this chunk width
-      fns.append((f"chunk={c}", f))
+      jax.block_until_ready(f(x, wg))    # traced and cached with these settings
+      fns.append((f"chunk={chunk} row_max={row_max}", f))
     for name, f, same in _variants("gate_pack", fns, (x, wg)):
       print(f"  gate_pack LIBRARY_CONFIG {name}: {kernel_ms(f, x, wg):.4f} ms  "
             f"equal_to_first={same}", flush=True)
   finally:
-    gp.PACK_CHUNK = saved
+    gp.PACK_CHUNK, gp.PACKER_ROW_MAX = saved
 
 
 GATE_STEP_CONFIGS = (gp.GateConfig(), gp.LIBRARY_CONFIG)

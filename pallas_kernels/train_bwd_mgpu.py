@@ -124,8 +124,9 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
 
   def load(gi):
     ks = common.group_slots(gi, group, last)
-    return ([cols_gmem[r, k] for k in ks], [dg_gmem[r, k] for k in ks],
-            [du_gmem[r, k] for k in ks] if gated else None)
+    # Slots k >= n may hold anything (csc_down_dh does not write them): masked to 0.
+    coef = lambda ref: [jnp.where(k < n, ref[r, k], 0.0) for k in ks]
+    return [cols_gmem[r, k] for k in ks], coef(dg_gmem), coef(du_gmem) if gated else None
 
   def step(gi, loaded, acc):
     js, dgs, dus = loaded
@@ -267,12 +268,15 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
 
 
 def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, h_gmem,
-                         c_gmem, dwd_gmem, du_gmem, dg_gmem, *, gated: bool, group: int):
+                         c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
+                         dg_ell_gmem, *, gated: bool, group: int):
   """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
   (token m = rows[e]) computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
   writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
   dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
-  side needs no dh pass (which gathers a W_down row per entry)."""
+  side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
+  at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
+  scatter kernel has to put them back."""
   j = lax.axis_index("j")
   start = ptr_gmem[j]
   end = ptr_gmem[j + 1]
@@ -297,11 +301,15 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
       # Slots past the column's end belong to the next column (or to nothing): no store.
       @pl.when(e < end)
       def _():
+        slot = ids_gmem[e]
         if gated:
-          du_gmem[e] = dh * ps[q]
-          dg_gmem[e] = dh * us[q]
+          du, dg = dh * ps[q], dh * us[q]
+          du_gmem[e] = du
+          du_ell_gmem[slot] = du
         else:
-          dg_gmem[e] = dh
+          dg = dh
+        dg_gmem[e] = dg
+        dg_ell_gmem[slot] = dg
       acc = acc + hs[q] * dyq
     return acc
 
@@ -310,42 +318,53 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
   dwd_gmem[j, :] = acc
 
 
-def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, *, group: int = 1, interpret=False):
-  """(dW_down [H, D] f32, du [E] f32 or None (non-gated), dg [E] f32), all per CSC entry.
+def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group: int = 1,
+                interpret=False):
+  """(dW_down [H, D] f32, du [E] f32 or None (non-gated), dg [E] f32, du_ell or None, dg_ell).
 
   dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32; p, u, h [E] f32
-  in CSC order (u None when non-gated); c [1] f32 (the L1 coefficient, as in ``ell_bwd_rows``).
-  Entries e >= col_ptr[H] of du / dg are not written. dh equals ``ell_bwd_rows``'s bit for bit
-  (same products, same reduction).
+  in CSC order (u None when non-gated); c [1] f32 (the L1 coefficient, as in ``ell_bwd_rows``);
+  ids [E] int32: each CSC entry's flat index in the ELL arrays of shape ``ell_shape``
+  (rows * slots >= E). du / dg come in CSC order (entries e >= col_ptr[H] not written) and in
+  ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
+  mask them, as ``ell_dx`` does). dh equals ``ell_bwd_rows``'s bit for bit (same products,
+  same reduction).
   """
   m, d = dy.shape
   hh = col_ptr.shape[0] - 1
   e = rows.shape[0]
   gated = u is not None
-  if w_down.shape != (hh, d) or d % 128 or p.shape != (e,) or h.shape != (e,):
+  n_ell = ell_shape[0] * ell_shape[1]
+  if (w_down.shape != (hh, d) or d % 128 or p.shape != (e,) or h.shape != (e,)
+      or ids.shape != (e,) or n_ell < e):
     raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
                      f"{rows.shape=} {p.shape=} {h.shape=}")
   if not gated:
     u = jnp.zeros((8,), _F32)
   coef_t = jax.ShapeDtypeStruct((e,), _F32)
+  ell_t = jax.ShapeDtypeStruct((n_ell,), _F32)
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=group),
         out_type=(jax.ShapeDtypeStruct((hh, d), _F32),
-                  coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t),
+                  coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
+                  ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
         grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
-    dwd, du, dg = f(dy, w_down, col_ptr, rows, p, u, h, c.astype(_F32).reshape(1))
-  return dwd, (du if gated else None), dg
+    dwd, du, dg, du_ell, dg_ell = f(dy, w_down, col_ptr, rows, p, u, h,
+                                    c.astype(_F32).reshape(1), ids)
+  return (dwd, (du if gated else None), dg,
+          du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
 
 
 def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
            interpret=False):
-  """dx [M, D] = sum_k du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over the ELL entries
-  (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); the second pass of
-  ``ell_bwd_rows``, callable on its own when du / dg come from ``csc_down_dh``."""
+  """dx [M, D] = sum_{k < n[r]} du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over the ELL
+  entries (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); slots
+  k >= n[r] of du / dg are ignored. The second pass of ``ell_bwd_rows``, callable on its own
+  when du / dg come from ``csc_down_dh``."""
   m, wk = cols.shape
   h, d = w_up_t.shape
   gated = w_gate_t is not None

@@ -152,6 +152,25 @@ class TrainInterpretTest(TrainTestBase):
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(dx, dx1, rtol=1e-5, atol=1e-5)
 
+  def test_ell_dx_ignores_unwritten_slots(self):
+    """csc_down_dh leaves ELL slots past a row's count unwritten: ell_dx must not read them
+    into dx (NaN there must not reach the result)."""
+    from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(int(time.time_ns() % 2**31))
+    m, d, h, wk = 8, 128, 256, 6
+    n = rng.integers(0, wk + 1, m).astype(np.int32)
+    n[0], n[1] = 0, wk
+    cols = jnp.asarray(rng.integers(0, h, (m, wk)), jnp.int32)
+    valid = np.arange(wk)[None, :] < n[:, None]
+    du, dg = (rng.normal(size=(m, wk)).astype(F32) for _ in range(2))
+    wut, wgt = (jnp.asarray(rng.normal(size=(h, d)), jnp.bfloat16) for _ in range(2))
+    run = lambda a, b: train_bwd_mgpu.ell_dx(cols, jnp.asarray(n), jnp.asarray(a), jnp.asarray(b),
+                                             wut, wgt, interpret=True)
+    clean = run(np.where(valid, du, 0), np.where(valid, dg, 0))
+    dirty = run(np.where(valid, du, np.nan), np.where(valid, dg, np.nan))
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+    self.assertTrue(np.isfinite(np.asarray(clean)).all())
+
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), the weight gradients in 1-3
     kernels, their group, and dh on the column side change the schedule only: forward and
