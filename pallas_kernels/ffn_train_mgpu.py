@@ -281,9 +281,8 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, wu_t, wg_t, interpret
   wgroup = cfg.wgrads_group or cfg.group
   if cfg.dh_in_columns:
     # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows), then dW_up /
-    # dW_gate (x rows); du / dg go back to ELL order for the row-side dx.
-    # du / dg come back in CSC order (for the weight gradients) and in ELL order (for dx;
-    # slots past a row's n are not written, ell_dx masks them).
+    # dW_gate (x rows). du / dg come back in CSC order (for the weight gradients) and in ELL
+    # order (for the row-side dx; slots past a row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, flat(p.astype(_F32)), flat(u.astype(_F32)) if gated else None,
         flat(h_ell), c, sid, (cfg.mp, cfg.wk), group=wgroup, interpret=interpret)

@@ -28,7 +28,7 @@ kernels, same words bit for bit:
     idle meanwhile: 0.58 ms vs 0.48 ms without the pack, H100, PERF.md).
   * ``_kernel_epilogue_wg`` (``epilogue_wg=True``, the library's ``LIBRARY_CONFIG``): the
     compute warpgroups hand each finished tile to SMEM as bf16 and go on with the next
-    tile; a packing warpgroup packs it meanwhile, in 64-column chunks (0.534 ms).
+    tile; a packing warpgroup packs it meanwhile, in 64-column chunks (0.532 ms).
 M must be a multiple of 128, N of 256, K of tile_k.
 """
 
@@ -94,7 +94,7 @@ class GateConfig:
 
 
 # The schedule the library's forward and training paths use (``library_config``); sweep.py
-# swaps it in-process to time whole steps per schedule. H100, paper shape (PERF.md): 0.534 ms
+# swaps it in-process to time whole steps per schedule. H100, paper shape (PERF.md): 0.532 ms
 # against 0.58 for GateConfig(); 1-way extraction because the packer's three warpgroups
 # share 168 registers and the 2-way queues spill there (0.59-0.64 ms).
 LIBRARY_CONFIG = GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1)
@@ -158,7 +158,8 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
   ``load(c)`` gives chunk c ([64, 256 / n_chunks] bf16, WGMMA layout; called twice per chunk
   when n_chunks > 1, once to count and once to pack, so that only one chunk's keys are live).
   ``after_loads()`` runs after the last load (the packing warpgroup releases its hand-over
-  buffer there).
+  buffer there). ``cnt_smem``: the warpgroup's own [64] int32 scratch for ``_row_max``, or
+  None for the warp reduction (only where a single warpgroup packs at a time).
 
   Every key of a chunk is smaller than every key of the next one (the column is the key's
   high half), so the record is each chunk's sorted positives, one after the other: chunk c's

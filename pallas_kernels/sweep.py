@@ -59,12 +59,17 @@ def _variants(label, fns, args):
                        zip(jax.tree.leaves(out), jax.tree.leaves(base)))
 
 
+def _print_xla_gate(x, wg):
+  """XLA's relu(x @ w_gate) (bf16 out): the gate GEMM without any packing, for scale."""
+  xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
+  print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
+
+
 def sweep_gate(x, wg):
   """gate_pack per GateConfig (the words must equal the default's) against XLA's GEMM and
   jax's own Pallas Hopper matmul (no epilogue work: the pipeline's own speed at this shape);
   ``pack=False`` times our kernel without the extraction loop."""
-  xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
-  print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
+  _print_xla_gate(x, wg)
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # pylint: disable=import-outside-toplevel
   for tm, tn, wgd, cl in ((64, 256, hm.MatmulDimension.M, None),
                           (128, 128, hm.MatmulDimension.N, None),
@@ -100,8 +105,7 @@ def sweep_gate_chunks(x, wg, variants=((256, "smem"), (64, "smem"), (64, "reduce
   """The library gate kernel per packing chunk width and row-max method
   (``gate_pack_mgpu.PACK_CHUNK`` / ``PACKER_ROW_MAX``, swapped in-process): fewer live keys
   per packer thread against more loops and loads."""
-  xla = jax.jit(lambda a, b: jnp.maximum(a @ b, 0))
-  print(f"  XLA relu(x @ w_gate) bf16: {kernel_ms(xla, x, wg):.4f} ms", flush=True)
+  _print_xla_gate(x, wg)
   saved = gp.PACK_CHUNK, gp.PACKER_ROW_MAX
   try:
     fns = []

@@ -112,6 +112,21 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     for a, b in zip(got, base):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+  def test_gate_packer_chunk_widths_agree(self):
+    """The packing warpgroup's chunk width and row-max method (sweep-only module knobs)
+    change the schedule, never the words."""
+    x, wg, _, _ = make_inputs(256, 128, 512, active=12, heavy=0.03)
+    base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
+    saved = gate_pack_mgpu.PACK_CHUNK, gate_pack_mgpu.PACKER_ROW_MAX
+    try:
+      gate_pack_mgpu.PACK_CHUNK, gate_pack_mgpu.PACKER_ROW_MAX = 128, "smem"
+      got = gate_pack_mgpu.gate_pack(x, wg, config=gate_pack_mgpu.LIBRARY_CONFIG,
+                                     interpret=self.INTERPRET)
+    finally:
+      gate_pack_mgpu.PACK_CHUNK, gate_pack_mgpu.PACKER_ROW_MAX = saved
+    for a, b in zip(got, base):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
   def test_gate_config_rejects_unsupported_schedules(self):
     for kw in (dict(epilogue_wg=True), dict(epilogue_wg=True, max_concurrent_steps=3,
                                            cluster_m=True),
