@@ -70,6 +70,13 @@ class GateConfig:
   # next tile's MMAs, so the pack overlaps the tensor-core work instead of following it.
   # Hand-written pipeline (at most 3 SMEM stages: the hand-over buffer takes the 4th's space).
   epilogue_wg: bool = False
+  # (epilogue_wg only) Columns the packing warpgroup packs at a time (``_pack_chunks``): fewer
+  # live keys per thread, fewer spills. H100, paper shape (sweep.py gate_chunks, PERF.md):
+  # 256 columns 0.551 ms (216 bytes of spills), 128 0.538 (120), 64 0.533 (60).
+  pack_chunk: int = 64
+  # (epilogue_wg only) How the packer takes the max count over its 64 rows (``_row_max``):
+  # "reduce" 0 spills, 0.532 ms; "smem" 60 bytes, 0.533 ms (H100, pack_chunk=64).
+  packer_row_max: str = "reduce"
   # Diagnostic only (sweep.py): False skips the extraction loop (counts are still exact, every
   # word is EMPTY), to time the GEMM and the epilogue separately. Never set by the library.
   pack: bool = True
@@ -83,6 +90,10 @@ class GateConfig:
       raise ValueError(f"{self.delay_release=} must be 0 or 1")
     if self.extract_ways not in (1, 2):
       raise ValueError(f"{self.extract_ways=} must be 1 or 2")
+    if self.pack_chunk not in (64, 128, 256):
+      raise ValueError(f"{self.pack_chunk=} must be 64, 128 or 256")
+    if self.packer_row_max not in ("reduce", "smem"):
+      raise ValueError(f"{self.packer_row_max=} must be 'reduce' or 'smem'")
     if self.epilogue_wg and (self.cluster_m or self.delay_release
                              or self.max_concurrent_steps > 3):
       raise ValueError("epilogue_wg supports neither cluster_m nor delay_release, and at "
@@ -107,12 +118,6 @@ def library_config(compression: int) -> GateConfig:
 WG_M = 64          # rows per compute warpgroup
 CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
-# Columns per chunk the packing warpgroup packs at a time (``_pack_chunks``): fewer live keys
-# per thread, fewer spills. H100, paper shape (sweep.py gate_chunks, PERF.md): 256 columns
-# 0.551 ms (216 bytes of spills), 128 0.538 (120), 64 0.533 (60, 0 with PACKER_ROW_MAX "reduce").
-PACK_CHUNK = 64
-# How the packing warpgroup takes the max count over its 64 rows (``_row_max``).
-PACKER_ROW_MAX = "reduce"   # 0 spills, 0.532 ms ("smem": 60 bytes, 0.533 ms; H100)
 
 
 # A non-positive gate entry is written as bf16 -0.0 (bits 0x8000, negative as int16), while
@@ -225,8 +230,7 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
     base = base + cnt
   # Overflowing records: EMPTY (their row is computed elsewhere; a partial record would
   # depend on the loop bounds of the other rows).
-  words = jnp.where(lax.broadcast_in_dim(fits, (WG_M, slots), (0,)) == False,  # noqa: E712
-                    common.EMPTY_WORD, words)
+  words = jnp.where(lax.broadcast_in_dim(fits, (WG_M, slots), (0,)), words, common.EMPTY_WORD)
   return words, counts
 
 
@@ -446,13 +450,13 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
         plgpu.barrier_wait(vals_full)
         for half in range(2):
           load = lambda c, half=half: plgpu.load(
-              vals_smem.at[half, :, pl.ds(c * PACK_CHUNK, PACK_CHUNK)],
+              vals_smem.at[half, :, pl.ds(c * cfg.pack_chunk, cfg.pack_chunk)],
               layout=plgpu.Layout.WGMMA)
           # After the last load of the second half, the compute warpgroups may overwrite the
           # hand-over buffer while it is packed (the arrive orders the loads before it).
           release = (lambda: plgpu.barrier_arrive(vals_free)) if half == 1 else None
-          words, counts = _pack_chunks(load, TILE_N // PACK_CHUNK, cfg,
-                                       cnt_smem if PACKER_ROW_MAX == "smem" else None,
+          words, counts = _pack_chunks(load, TILE_N // cfg.pack_chunk, cfg,
+                                       cnt_smem if cfg.packer_row_max == "smem" else None,
                                        release)
           rows = pl.ds(m_idx * CTA_M + half * WG_M, WG_M)
           _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem,

@@ -102,23 +102,16 @@ def sweep_gate(x, wg):
 
 def sweep_gate_chunks(x, wg, variants=((256, "smem"), (64, "smem"), (64, "reduce"),
                                         (128, "reduce"))):
-  """The library gate kernel per packing chunk width and row-max method
-  (``gate_pack_mgpu.PACK_CHUNK`` / ``PACKER_ROW_MAX``, swapped in-process): fewer live keys
-  per packer thread against more loops and loads."""
+  """The library gate kernel per packing chunk width and row-max method (``pack_chunk`` /
+  ``packer_row_max``): fewer live keys per packer thread against more loops and loads."""
   _print_xla_gate(x, wg)
-  saved = gp.PACK_CHUNK, gp.PACKER_ROW_MAX
-  try:
-    fns = []
-    for chunk, row_max in variants:
-      gp.PACK_CHUNK, gp.PACKER_ROW_MAX = chunk, row_max
-      f = jax.jit(functools.partial(gp.gate_pack, config=gp.LIBRARY_CONFIG))
-      jax.block_until_ready(f(x, wg))    # traced and cached with these settings
-      fns.append((f"chunk={chunk} row_max={row_max}", f))
-    for name, f, same in _variants("gate_pack", fns, (x, wg)):
-      print(f"  gate_pack LIBRARY_CONFIG {name}: {kernel_ms(f, x, wg):.4f} ms  "
-            f"equal_to_first={same}", flush=True)
-  finally:
-    gp.PACK_CHUNK, gp.PACKER_ROW_MAX = saved
+  configs = [dataclasses.replace(gp.LIBRARY_CONFIG, pack_chunk=c, packer_row_max=r)
+             for c, r in variants]
+  fns = [(_short(cfg), jax.jit(functools.partial(gp.gate_pack, config=cfg)))
+         for cfg in configs]
+  for name, f, same in _variants("gate_pack", fns, (x, wg)):
+    print(f"  gate_pack {name}: {kernel_ms(f, x, wg):.4f} ms  equal_to_first={same}",
+          flush=True)
 
 
 GATE_STEP_CONFIGS = (gp.GateConfig(), gp.LIBRARY_CONFIG)

@@ -338,7 +338,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group:
   if (w_down.shape != (hh, d) or d % 128 or p.shape != (e,) or h.shape != (e,)
       or ids.shape != (e,) or n_ell < e):
     raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
-                     f"{rows.shape=} {p.shape=} {h.shape=}")
+                     f"{rows.shape=} {p.shape=} {h.shape=} {ids.shape=} {ell_shape=}")
   if not gated:
     u = jnp.zeros((8,), _F32)
   coef_t = jax.ShapeDtypeStruct((e,), _F32)

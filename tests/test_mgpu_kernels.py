@@ -101,10 +101,12 @@ class MgpuKernelsTestBase(parameterized.TestCase):
                             dict(cluster_m=True, delay_release=1, grid_minor_dim=1),
                             dict(extract_ways=1),
                             dict(epilogue_wg=True, max_concurrent_steps=3),
-                            dict(epilogue_wg=True, max_concurrent_steps=2, extract_ways=1))
+                            dict(epilogue_wg=True, max_concurrent_steps=2, extract_ways=1),
+                            dict(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1,
+                                 pack_chunk=128, packer_row_max="smem"))
   def test_gate_pack_configs_agree(self, **kw):
-    """Pipelining depth, 2-CTA multicast clusters and the extraction loop's queue width
-    change the schedule, never the result."""
+    """Pipelining depth, 2-CTA multicast clusters, the extraction loop's queue width and the
+    packing warpgroup's chunk width / row-max method change the schedule, never the result."""
     x, wg, _, _ = make_inputs(512, 128, 512, active=12, heavy=0.02)
     base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
     got = gate_pack_mgpu.gate_pack(x, wg, config=gate_pack_mgpu.GateConfig(**kw),
@@ -112,25 +114,11 @@ class MgpuKernelsTestBase(parameterized.TestCase):
     for a, b in zip(got, base):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-  def test_gate_packer_chunk_widths_agree(self):
-    """The packing warpgroup's chunk width and row-max method (sweep-only module knobs)
-    change the schedule, never the words."""
-    x, wg, _, _ = make_inputs(256, 128, 512, active=12, heavy=0.03)
-    base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
-    saved = gate_pack_mgpu.PACK_CHUNK, gate_pack_mgpu.PACKER_ROW_MAX
-    try:
-      gate_pack_mgpu.PACK_CHUNK, gate_pack_mgpu.PACKER_ROW_MAX = 128, "smem"
-      got = gate_pack_mgpu.gate_pack(x, wg, config=gate_pack_mgpu.LIBRARY_CONFIG,
-                                     interpret=self.INTERPRET)
-    finally:
-      gate_pack_mgpu.PACK_CHUNK, gate_pack_mgpu.PACKER_ROW_MAX = saved
-    for a, b in zip(got, base):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
   def test_gate_config_rejects_unsupported_schedules(self):
     for kw in (dict(epilogue_wg=True), dict(epilogue_wg=True, max_concurrent_steps=3,
                                            cluster_m=True),
-               dict(extract_ways=3), dict(tile_k=128)):
+               dict(extract_ways=3), dict(tile_k=128), dict(pack_chunk=32),
+               dict(packer_row_max="scan")):
       with self.assertRaises(ValueError):
         gate_pack_mgpu.GateConfig(**kw)
 
