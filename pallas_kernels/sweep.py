@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -14,6 +14,8 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
 * ``gate_steps``: the whole forward and forward + backward per library gate schedule.
 * ``l2``: XLA's own fused row gather + sum at the fused kernels' access pattern (TB/s): the
   device's gather ceiling, independent of our kernels.
+* ``down_dh``: the column-side dh + dW_down kernel per group, and timing diagnostics without
+  its reduction / its stores (``csc_down_dh(diagnostic=...)``).
 * ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
   then forward + backward per TrainConfig variant against XLA dense.
 """
@@ -216,7 +218,8 @@ def sweep_down(x, wg, wu, wd, fold=True):
           flush=True)
 
 
-def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False):
+def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
+              down_dh_only=False):
   """Training kernels: where x / dy rows live (``x_mode``, with ``variants_rows``), the weight
   gradients in 1-3 kernels and ``group``; the weight gradients must keep the default's bits. Then forward + backward per
   TrainConfig variant against XLA dense forward + backward in the same process."""
@@ -250,6 +253,8 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False):
   flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
   if train_only:
     return sweep_train(spec, x, wg, wu, wd)
+  if down_dh_only:
+    return sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c)
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
            [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
@@ -260,6 +265,36 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False):
            [dict(group=2, dx_dtype=jnp.bfloat16), dict(group=1, dx_dtype=jnp.bfloat16)])
 
   sweep_train(spec, x, wg, wu, wd)
+
+
+def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
+  """The column-side dh + dW_down kernel (``csc_down_dh``) per ``group`` and, as timing
+  diagnostics, without the per-entry dot (its cross-warp reduction), without the ELL-order
+  stores, without any du / dg stores: which part of its time each one costs."""
+  f32 = jnp.float32
+  flat = lambda a: a.reshape(-1)[sid].astype(f32)
+  h_ell = (p.astype(f32) * u.astype(f32)).astype(jnp.bfloat16).astype(f32)
+  args = (dy, wd, col_ptr, sid // cfg.wk, flat(p), flat(u), flat(h_ell), c, sid)
+  fn = functools.partial(train_bwd_mgpu.csc_down_dh, ell_shape=(cfg.mp, cfg.wk))
+  kws = [dict(group=1), dict(group=2), dict(group=4),
+         dict(group=1, diagnostic="no_reduce"), dict(group=1, diagnostic="no_ell"),
+         dict(group=1, diagnostic="no_stores"),
+         dict(group=1, diagnostic="no_stores+no_reduce")]
+  base = None
+  for kw in kws:
+    f = jax.jit(functools.partial(fn, **kw))
+    try:
+      out = jax.block_until_ready(f(*args))
+    except Exception as e:  # keep going
+      print(f"  csc_down_dh {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    base = out if base is None else base
+    # dW_down, du, dg in CSC order (the ELL-order copies hold garbage in unused slots).
+    n_valid = int(col_ptr[-1])  # CSC entries past it are not written
+    same = ("diagnostic" not in kw and bool(jnp.array_equal(out[0], base[0]))
+            and all(bool(jnp.array_equal(a[:n_valid], b[:n_valid]))
+                    for a, b in zip(out[1:3], base[1:3])))
+    print(f"  csc_down_dh {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
 
 
 TRAIN_VARIANTS = (dict(), dict(dh_in_columns=True), dict(dh_in_columns=True, wgrads_group=2),
@@ -310,6 +345,8 @@ def main(argv):
         sweep_l2(wu, wd)
       elif w == "train":
         sweep_bwd(train_only=True)
+      elif w == "down_dh":
+        sweep_bwd(down_dh_only=True)
     except Exception as e:  # keep going
       print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
 

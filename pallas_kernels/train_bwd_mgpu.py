@@ -269,7 +269,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
 
 def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, h_gmem,
                          c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
-                         dg_ell_gmem, *, gated: bool, group: int):
+                         dg_ell_gmem, *, gated: bool, group: int, diagnostic: str = ""):
   """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
   (token m = rows[e]) computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
   writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
@@ -277,6 +277,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
   side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
   at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
   scatter kernel has to put them back."""
+  diag = set(diagnostic.split("+")) - {""}
   j = lax.axis_index("j")
   start = ptr_gmem[j]
   end = ptr_gmem[j + 1]
@@ -292,24 +293,32 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
 
   def step(gi, loaded, acc):
     ms, ps, hs, us = loaded
-    dys = [dy_gmem[mm, :] for mm in ms]
+    dys = [dy_gmem[mm, :].astype(_F32) for mm in ms]
+    if "no_reduce" in diag:  # timing only: dh without the dot (wrong values)
+      dots = [0.0] * group
+    else:
+      dots = [jnp.sum(dyq * wdj) for dyq in dys]
     for q in range(group):
       e = start + gi * group + q
-      dyq = dys[q].astype(_F32)
-      dh = jnp.sum(dyq * wdj) + c * _sign(hs[q])
+      dyq = dys[q]
+      dh = dots[q] + c * _sign(hs[q])
       dh = jnp.where(ps[q] > 0, dh, 0.0)
       # Slots past the column's end belong to the next column (or to nothing): no store.
       @pl.when(e < end)
       def _():
+        if "no_stores" in diag:  # timing only: nothing but dW_down
+          return
         slot = ids_gmem[e]
         if gated:
           du, dg = dh * ps[q], dh * us[q]
           du_gmem[e] = du
-          du_ell_gmem[slot] = du
+          if "no_ell" not in diag:  # timing only: no ELL-order copies
+            du_ell_gmem[slot] = du
         else:
           dg = dh
         dg_gmem[e] = dg
-        dg_ell_gmem[slot] = dg
+        if "no_ell" not in diag:
+          dg_ell_gmem[slot] = dg
       acc = acc + hs[q] * dyq
     return acc
 
@@ -319,7 +328,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
 
 
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group: int = 1,
-                interpret=False):
+                interpret=False, diagnostic: str = ""):
   """(dW_down [H, D] f32, du [E] f32 or None (non-gated), dg [E] f32, du_ell or None, dg_ell).
 
   dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32; p, u, h [E] f32
@@ -329,7 +338,13 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group:
   ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
   mask them, as ``ell_dx`` does). dh equals ``ell_bwd_rows``'s bit for bit (same products,
   same reduction).
+
+  ``diagnostic`` (timing experiments of ``sweep.py`` only; the outputs are then wrong):
+  "no_reduce" drops the dot of dh, "no_ell" the ELL-order stores, "no_stores" all du / dg
+  stores; "+" joins them.
   """
+  if not set(diagnostic.split("+")) <= {"", "no_reduce", "no_ell", "no_stores"}:
+    raise ValueError(f"csc_down_dh: unknown {diagnostic=}")
   m, d = dy.shape
   hh = col_ptr.shape[0] - 1
   e = rows.shape[0]
@@ -345,7 +360,8 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group:
   ell_t = jax.ShapeDtypeStruct((n_ell,), _F32)
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_cols_down_dh_kernel, gated=gated, group=group),
+        functools.partial(_cols_down_dh_kernel, gated=gated, group=group,
+                          diagnostic=diagnostic),
         out_type=(jax.ShapeDtypeStruct((hh, d), _F32),
                   coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
                   ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),

@@ -222,6 +222,16 @@ class MgpuKernelsInterpretTest(MgpuKernelsTestBase):
     for a, b in zip(got, base):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+  @parameterized.parameters("random", "sequential")
+  def test_l2_probe_reads_the_rows_it_counts(self, order):
+    """The L2 ceiling probe (PERF.md) sums exactly the rows whose bytes it reports."""
+    from pallas_kernels import l2_probe
+    table = jax.random.normal(jax.random.key(time.time_ns() % 2**31), (96, 256)).astype(
+        jnp.bfloat16)
+    got = l2_probe.probe(table, n_ctas=3, steps=5, unroll=2, order=order, interpret=True)
+    want = l2_probe.probe_reference(table, n_ctas=3, steps=5, unroll=2, order=order)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
 
 class MgpuLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules for CUDA on any host (no GPU needed)."""

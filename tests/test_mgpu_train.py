@@ -171,6 +171,15 @@ class TrainInterpretTest(TrainTestBase):
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
     self.assertTrue(np.isfinite(np.asarray(clean)).all())
 
+  def test_csc_down_dh_rejects_unknown_diagnostic(self):
+    from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
+    z = jnp.zeros((8,), F32)
+    with self.assertRaisesRegex(ValueError, "diagnostic"):
+      train_bwd_mgpu.csc_down_dh(jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((4, 128), jnp.bfloat16),
+                                 jnp.zeros((5,), jnp.int32), jnp.zeros((8,), jnp.int32), z, z, z,
+                                 jnp.zeros((1,), F32), jnp.zeros((8,), jnp.int32), (8, 1),
+                                 diagnostic="no_dots", interpret=True)
+
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), the weight gradients in 1-3
     kernels, their group, and dh on the column side change the schedule only: forward and

@@ -1,0 +1,136 @@
+"""How fast can an H100 stream random D-long weight rows out of its L2? (the gathers' ceiling)
+
+Every sparse kernel of this package is a row gather: per active entry it reads one or two
+contiguous D-long bf16 rows (4 KiB at D=2048) of a weight table that fits in the L2 (W_up^T +
+W_down at the paper shape: 46 MB), with 16-byte vector loads from GMEM into registers. This
+probe measures the ceiling of that access pattern with nothing else in the kernel: no index
+loads (the row numbers are a hash of the step), no reductions, no stores but one row per CTA.
+
+    probe kernel: CTA c, step i, row u of `unroll`:  j = hash(c, i, u) mod R
+                  acc += table[j, :]            (f32, 16-byte loads, D/128 values per thread)
+    bytes read = n_ctas * steps * unroll * D * 2;  rate = bytes / CUPTI kernel time
+
+Also a "sequential" variant (rows in order, each CTA its own contiguous range, wrapping) to
+tell random-row costs from L2 bandwidth. Run on the GPU machine:
+
+    python -m pallas_kernels.l2_probe            (prints a table; --out writes JSON)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from absl import app
+from absl import flags
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+from pallas_kernels import common
+
+_OUT = flags.DEFINE_string("out", "", "write the table as JSON here")
+_TOTAL_GB = flags.DEFINE_float("total_gb", 4.0, "bytes each probe reads (GB), the forward "
+                               "fused kernel's 4.03 GB by default")
+
+_HASH = np.int32(np.uint32(2654435761).view(np.int32))  # Knuth's multiplicative hash, as int32
+
+
+def _row_index(c, i, u, *, steps: int, unroll: int, n_rows: int, order: str):
+  lin = (c * steps + i) * unroll + u
+  if order == "sequential":
+    return lax.rem(lin, n_rows)
+  return lax.rem((lin * _HASH) & 0x7FFFFFFF, n_rows)
+
+
+def _probe_kernel(table_gmem, out_gmem, *, steps: int, unroll: int, order: str):
+  n_rows = table_gmem.shape[0]
+  c = lax.axis_index("c")
+  acc0 = common.zeros_like_row(table_gmem[0, :])
+
+  def body(i, acc):
+    rows = [table_gmem[_row_index(c, i, u, steps=steps, unroll=unroll, n_rows=n_rows,
+                                  order=order), :] for u in range(unroll)]
+    for row in rows:
+      acc = acc + row.astype(jnp.float32)
+    return acc
+
+  out_gmem[c, :] = lax.fori_loop(0, steps, body, acc0)
+
+
+def probe(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random",
+          interpret=False):
+  """[n_ctas, D] f32: each CTA's sum of the rows it read (see the module docstring)."""
+  d = table.shape[1]
+  with common.interpret_context(bool(interpret)):
+    return plgpu.kernel(
+        functools.partial(_probe_kernel, steps=steps, unroll=unroll, order=order),
+        out_type=jax.ShapeDtypeStruct((n_ctas, d), jnp.float32),
+        grid=(n_ctas,),
+        grid_names=("c",),
+        compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="l2_probe",
+    )(table)
+
+
+def probe_reference(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random"):
+  """NumPy value of ``probe`` (for the test)."""
+  t = np.asarray(table, np.float32)
+  n_rows = t.shape[0]
+  out = np.zeros((n_ctas, t.shape[1]), np.float32)
+  for c in range(n_ctas):
+    lin = (c * steps + np.arange(steps)[:, None]) * unroll + np.arange(unroll)[None, :]
+    lin = lin.astype(np.int32)
+    if order == "sequential":
+      idx = lin % n_rows
+    else:
+      idx = ((lin * _HASH) & 0x7FFFFFFF) % n_rows
+    out[c] = t[idx.reshape(-1)].sum(axis=0)
+  return out
+
+
+def main(argv):
+  del argv
+  d = 2048
+  sms = common.num_sms()
+  print(f"device: {jax.devices()[0].device_kind}, {sms} SMs, jax {jax.__version__}")
+  rows_total = int(_TOTAL_GB.value * 1e9 / (d * 2))
+  results = []
+  # Tables: 4 MB (L2 surely), 23 MB (one paper-shape weight), 46 MB (the forward's two).
+  for n_rows in (1024, 5632, 11264):
+    table = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(
+        jnp.bfloat16)
+    for order in ("random", "sequential"):
+      for unroll in (1, 2, 4, 8):
+        for ctas_per_sm in (4, 8, 16):
+          n_ctas = sms * ctas_per_sm
+          steps = max(1, rows_total // (n_ctas * unroll))
+          f = jax.jit(functools.partial(probe, n_ctas=n_ctas, steps=steps, unroll=unroll,
+                                        order=order))
+          jax.block_until_ready(f(table))
+          ms = common.device_ms(f, table, iterations=5)
+          gbytes = n_ctas * steps * unroll * d * 2 / 1e9
+          tbps = gbytes / ms if ms else float("nan")
+          results.append(dict(table_mb=n_rows * d * 2 / 1e6, order=order, unroll=unroll,
+                              ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
+          print(f"  table {n_rows * d * 2 / 1e6:5.1f} MB {order:10s} unroll {unroll} "
+                f"ctas {n_ctas:5d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
+  best = {}
+  for r in results:
+    k = (r["table_mb"], r["order"])
+    if r["tbps"] == r["tbps"] and r["tbps"] > best.get(k, {}).get("tbps", 0):
+      best[k] = r
+  print("\nbest per table / order:")
+  for (mb, order), r in sorted(best.items()):
+    print(f"  {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll {r['unroll']}, "
+          f"{r['ctas']} CTAs)")
+  if _OUT.value:
+    with open(_OUT.value, "w") as fh:
+      json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
