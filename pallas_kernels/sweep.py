@@ -46,13 +46,14 @@ def kernel_ms(f, *args, iterations=10):
   return float("nan") if ms is None else ms
 
 
-def _variants(label, fns, args):
+def _variants(label, fns, args, compared=lambda out: out):
   """Runs each (name, jitted f) of ``fns`` on ``args``; yields (name, f, same) for those that
-  run, ``same`` = bit-equal to the first one that ran (failures are printed and skipped)."""
+  run, ``same`` = ``compared(output)`` bit-equal to the first one that ran (failures are
+  printed and skipped)."""
   base = None
   for name, f in fns:
     try:
-      out = jax.block_until_ready(f(*args))
+      out = compared(jax.block_until_ready(f(*args)))
     except Exception as e:
       print(f"  {label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
@@ -254,7 +255,7 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
   if train_only:
     return sweep_train(spec, x, wg, wu, wd)
   if down_dh_only:
-    return sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c)
+    return sweep_down_dh(cfg, dy, wd, col_ptr, sid, flat, p, u, c)
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
            [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
@@ -267,33 +268,22 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
   sweep_train(spec, x, wg, wu, wd)
 
 
-def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
+def sweep_down_dh(cfg, dy, wd, col_ptr, sid, flat, p, u, c):
   """The column-side dh + dW_down kernel (``csc_down_dh``) per ``group`` and, as timing
-  diagnostics, without the per-entry dot (its cross-warp reduction), without the ELL-order
-  stores, without any du / dg stores: which part of its time each one costs."""
+  diagnostics (wrong outputs: same_bits=False), without the per-entry dot (its cross-warp
+  reduction), without the ELL-order stores, without any du / dg stores."""
   f32 = jnp.float32
-  flat = lambda a: a.reshape(-1)[sid].astype(f32)
   h_ell = (p.astype(f32) * u.astype(f32)).astype(jnp.bfloat16).astype(f32)
   args = (dy, wd, col_ptr, sid // cfg.wk, flat(p), flat(u), flat(h_ell), c, sid)
-  fn = functools.partial(train_bwd_mgpu.csc_down_dh, ell_shape=(cfg.mp, cfg.wk))
   kws = [dict(group=1), dict(group=2), dict(group=4),
          dict(group=1, diagnostic="no_reduce"), dict(group=1, diagnostic="no_ell"),
          dict(group=1, diagnostic="no_stores"),
          dict(group=1, diagnostic="no_stores+no_reduce")]
-  base = None
-  for kw in kws:
-    f = jax.jit(functools.partial(fn, **kw))
-    try:
-      out = jax.block_until_ready(f(*args))
-    except Exception as e:  # keep going
-      print(f"  csc_down_dh {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
-    base = out if base is None else base
-    # dW_down, du, dg in CSC order (the ELL-order copies hold garbage in unused slots).
-    n_valid = int(col_ptr[-1])  # CSC entries past it are not written
-    same = ("diagnostic" not in kw and bool(jnp.array_equal(out[0], base[0]))
-            and all(bool(jnp.array_equal(a[:n_valid], b[:n_valid]))
-                    for a, b in zip(out[1:3], base[1:3])))
+  fns = [(kw, jax.jit(functools.partial(train_bwd_mgpu.csc_down_dh,
+                                        ell_shape=(cfg.mp, cfg.wk), **kw))) for kw in kws]
+  n_valid = int(col_ptr[-1])  # CSC entries past it, and unused ELL slots, are not written
+  for kw, f, same in _variants("csc_down_dh", fns, args,
+                               compared=lambda out: (out[0], out[1][:n_valid], out[2][:n_valid])):
     print(f"  csc_down_dh {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
 
 
