@@ -270,8 +270,10 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
 
 def sweep_down_dh(cfg, dy, wd, col_ptr, sid, flat, p, u, c):
   """The column-side dh + dW_down kernel (``csc_down_dh``) per ``group`` and, as timing
-  diagnostics (wrong outputs: same_bits=False), without the per-entry dot (its cross-warp
-  reduction), without the ELL-order stores, without any du / dg stores."""
+  diagnostics, without the per-entry dot (its cross-warp reduction), without the ELL-order
+  stores, without any du / dg stores. same_bits compares dW_down and the CSC-order du / dg
+  only; a diagnostic that skips the stores leaves its outputs unwritten (they may hold a
+  previous call's values, so same_bits means nothing there)."""
   f32 = jnp.float32
   h_ell = (p.astype(f32) * u.astype(f32)).astype(jnp.bfloat16).astype(f32)
   args = (dy, wd, col_ptr, sid // cfg.wk, flat(p), flat(u), flat(h_ell), c, sid)
