@@ -264,11 +264,13 @@ def _csc(cfg: TrainConfig, cols, n):
 
 
 
-def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, wu_t, wg_t, interpret):
-  x, w_gate, w_up, w_down, cols, p, u, n, tail_index, heavy_rows, pt, ut, _ = residuals
+def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, interpret):
+  """``padded``: ``_padded`` of the residuals' x and weights; ``wu_t`` / ``wg_t`` their
+  transposes (both taken by ``backward``, outside its conditional)."""
+  x, w_gate, _, _, cols, p, u, n, tail_index, heavy_rows, pt, ut, _ = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
-  xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
+  xp, wg, wu, wd = padded
   dyp = _pad(dy.astype(dt), (cfg.mp, cfg.dp))
   c = (dl1.astype(_F32) / m).reshape(1)
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
@@ -365,11 +367,13 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
   exceeded = residuals[-1]
   # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
   # can share W_up^T with the forward's when both are in one jit.
-  _, wg, wu, _ = _padded(cfg, *residuals[:4])
+  padded = _padded(cfg, *residuals[:4])
+  _, wg, wu, _ = padded
   wu_t, wg_t = wu.T, (None if wg is None else wg.T)
   return lax.cond(exceeded,
                   lambda: _dense_backward(residuals, dy, dl1),
-                  lambda: _sparse_backward(cfg, residuals, dy, dl1, wu_t, wg_t, interpret))
+                  lambda: _sparse_backward(cfg, residuals, dy, dl1, padded, wu_t, wg_t,
+                                           interpret))
 
 
 def residual_bytes(residuals) -> int:
