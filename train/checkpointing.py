@@ -18,6 +18,7 @@ a warning and the next older one is tried; if none is usable a
 without a traceback).
 """
 
+import logging as logging_std
 import os
 import shutil
 import time
@@ -81,16 +82,49 @@ def _quarantine(workdir: str, step: int) -> str:
   return dst
 
 
-def _silence_closed_loop_callbacks():
-  """Drops orbax/tensorstore's "Event loop is closed" callback noise.
+# Directories of steps this process found unreadable (see _mark_damaged).
+_DAMAGED_STEP_DIRS: set[str] = set()
 
-  When a restore fails, tensorstore keeps completing reads and calls back
-  into orbax's already closed asyncio loop; Python reports each of those as
-  an unraisable RuntimeError with a traceback. They are harmless, and the
-  user already gets one clear warning per damaged step, so only these are
-  filtered; every other unraisable exception still reaches the old hook.
+
+def _mark_damaged(workdir: str, step: int) -> None:
+  """Remembers a damaged step so the read noise it leaves behind is dropped."""
+  path = os.path.join(checkpoint_dir(workdir), str(step)) + os.sep
+  _DAMAGED_STEP_DIRS.update({path, os.path.realpath(path) + os.sep})
+
+
+class _DamagedStepNoise(logging_std.Filter):
+  """Drops asyncio's reports about reads of a step already reported damaged.
+
+  When one array of a damaged step fails, orbax abandons the restore while
+  tensorstore is still finishing the reads of its sibling arrays. Those fail
+  too, and when the abandoned futures are garbage-collected asyncio logs
+  "Future/Task exception was never retrieved" with a full traceback, once
+  per array, at a moment that depends on thread timing (so a run may or may
+  not print them). The user already has one clear warning per damaged step;
+  only records that name a damaged step's directory are dropped.
+  """
+
+  def filter(self, record):
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+      text += str(record.exc_info[1])
+    return not any(path in text for path in _DAMAGED_STEP_DIRS)
+
+
+def _silence_damaged_read_noise():
+  """Installs (once) the filters for the noise a failed restore leaves.
+
+  * asyncio's "exception was never retrieved" records about damaged steps
+    (`_DamagedStepNoise`);
+  * "Event loop is closed": tensorstore keeps completing reads and calls
+    back into orbax's already closed asyncio loop; Python reports each as an
+    unraisable RuntimeError with a traceback. Only these are filtered; every
+    other unraisable exception still reaches the old hook.
   """
   import sys  # pylint: disable=g-import-not-at-top
+  asyncio_logger = logging_std.getLogger("asyncio")
+  if not any(isinstance(f, _DamagedStepNoise) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_DamagedStepNoise())
   previous = sys.unraisablehook
   if getattr(previous, "_twell_filter", False):
     return
@@ -117,7 +151,7 @@ def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
   dict with keys step, state, data, meta. Unreadable steps are quarantined
   (see module docstring) and the manager is re-opened without them.
   """
-  _silence_closed_loop_callbacks()
+  _silence_damaged_read_noise()
   mngr = make_manager(workdir, **manager_kwargs)
   steps = sorted(mngr.all_steps(), reverse=True)
   errors = []
@@ -131,6 +165,7 @@ def restore_latest(workdir: str, abstract_state: Any, **manager_kwargs):
       # Orbax raises many types (ValueError, FileNotFoundError, tensorstore
       # errors...) for a damaged step; all mean "not usable".
       msg = _short(e)
+      _mark_damaged(workdir, step)
       errors.append(f"step {step}: {msg}")
       mngr.close()
       moved = _quarantine(workdir, step)
@@ -162,6 +197,7 @@ def _pick_step(mngr, workdir: str, step: int | None) -> int:
 
 
 def _unreadable(workdir, step, e) -> CheckpointError:
+  _mark_damaged(workdir, step)
   return CheckpointError(f"checkpoint step {step} in {checkpoint_dir(workdir)}"
                          f" is unreadable ({_short(e)})")
 
@@ -186,7 +222,7 @@ def restore_params(workdir: str, abstract_params: Any, step: int):
 
   Raises CheckpointError with a plain message if it cannot be read.
   """
-  _silence_closed_loop_callbacks()
+  _silence_damaged_read_noise()
   mngr = make_manager(workdir, read_only=True)
   try:
     step = _pick_step(mngr, workdir, step)
