@@ -287,10 +287,10 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
     # order (for the row-side dx; slots past a row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, flat(p.astype(_F32)), flat(u.astype(_F32)) if gated else None,
-        flat(h_ell), c, sid, (cfg.mp, cfg.wk), group=wgroup, interpret=interpret)
+        flat(h_ell), c, sid, (cfg.mp, cfg.wk), group=wgroup, out_dtype=dt, interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, flat(h_ell), group=wgroup, kernels=2,
-        x_only=True, interpret=interpret)
+        x_only=True, out_dtype=dt, interpret=interpret)
     dx = train_bwd_mgpu.ell_dx(
         cols, n, du_e, dg_e, wu_t, wg_t,
         group=cfg.group, dx_dtype=dt, interpret=interpret)
@@ -304,9 +304,13 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
     # Column side: weight gradients (kernels) over the CSC of the pattern.
     dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, flat(du) if gated else None, flat(dg), flat(h_ell),
-        group=wgroup, kernels=cfg.wgrads_kernels, interpret=interpret)
+        group=wgroup, kernels=cfg.wgrads_kernels, out_dtype=dt, interpret=interpret)
 
-  # Dense tail rows (heavy rows, at most R; the smallest static bucket that holds them).
+  # The kernels write the weight gradients in the parameters' dtype (rounded once from their
+  # f32 sums): no f32 [H, D] round trip through memory and no convert kernels. Dense tail rows
+  # (heavy rows, at most R; the smallest static bucket that holds them) add their f32 products
+  # to those rounded sums and round again: batches with heavy rows round their columns' sums
+  # twice (within one ulp of the once-rounded value), batches without round once, as dense.
   w_in = wg if gated else wu
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
   crop_x = lambda a: a[:m, :d].astype(dt)

@@ -15,7 +15,8 @@ entry arrays ``rows`` / ``du`` / ``dg`` / ``h``, built by a sort of the ELL patt
     dW_up^T[j]   = sum_e du_e x[rows_e]      (gated)
     dW_gate^T[j] = sum_e dg_e x[rows_e]      (non-gated: this is dW_up^T)
     dW_down[j]   = sum_e h_e dy[rows_e]
-  Outputs [H, D] f32 each; no atomics, every output row written once by its CTA.
+  Outputs [H, D] each, f32 or bf16 (``out_dtype``: the f32 sums rounded once, as they are
+  written); no atomics, every output row written once by its CTA.
 
 Both: one CTA (one warpgroup, 128 threads) per row / column, D-long f32 accumulators in registers
 (D/128 per thread), scalar GMEM reads for indices and coefficients, D-long contiguous row reads
@@ -232,9 +233,9 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   n_groups = (end - start + (group - 1)) // group
   acc_u, acc_g, acc_d = common.prefetched_fori_loop(n_groups, load, step, (zero, zero, zero))
   if gated:
-    dwu_gmem[j, :] = acc_u
-  dwg_gmem[j, :] = acc_g
-  dwd_gmem[j, :] = acc_d
+    dwu_gmem[j, :] = acc_u.astype(dwu_gmem.dtype)
+  dwg_gmem[j, :] = acc_g.astype(dwg_gmem.dtype)
+  dwd_gmem[j, :] = acc_d.astype(dwd_gmem.dtype)
 
 
 def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int):
@@ -264,7 +265,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
   n_groups = (end - start + (group - 1)) // group
   accs = common.prefetched_fori_loop(n_groups, load, step, acc0)
   for out, acc in zip(outs, accs):
-    out[j, :] = acc
+    out[j, :] = acc.astype(out.dtype)
 
 
 def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, h_gmem,
@@ -324,12 +325,13 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
 
   n_groups = (end - start + (group - 1)) // group
   acc = common.prefetched_fori_loop(n_groups, load, step, acc0)
-  dwd_gmem[j, :] = acc
+  dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
 
 
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group: int = 1,
-                interpret=False, diagnostic: str = ""):
-  """(dW_down [H, D] f32, du [E] f32 or None (non-gated), dg [E] f32, du_ell or None, dg_ell).
+                out_dtype=_F32, interpret=False, diagnostic: str = ""):
+  """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
+  None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
 
   dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32; p, u, h [E] f32
   in CSC order (u None when non-gated); c [1] f32 (the L1 coefficient, as in ``ell_bwd_rows``);
@@ -362,7 +364,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group:
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=group,
                           diagnostic=diagnostic),
-        out_type=(jax.ShapeDtypeStruct((hh, d), _F32),
+        out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
                   coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
                   ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
         grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
@@ -400,8 +402,9 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
 
 
 def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels: int = 1,
-                     x_only: bool = False, interpret=False):
-  """(dW_up^T, dW_gate^T, dW_down), each [H, D] f32; dW_up^T is None when ``du`` is None.
+                     x_only: bool = False, out_dtype=_F32, interpret=False):
+  """(dW_up^T, dW_gate^T, dW_down), each [H, D] ``out_dtype`` (summed in f32, rounded once
+  as written); dW_up^T is None when ``du`` is None.
 
   x, dy [M, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each entry, sorted by
   column); du, dg, h [E] f32 coefficients in the same order (non-gated: du None, dg = dh).
@@ -429,7 +432,7 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
     def one(a, coefs, name):
       return plgpu.kernel(
           functools.partial(_cols_one_kernel, n_out=len(coefs), group=group),
-          out_type=tuple(jax.ShapeDtypeStruct((hh, d), _F32) for _ in coefs),
+          out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
           grid=(hh,), grid_names=("j",), compiler_params=params,
           interpret=common.interpret_params(interpret), kernel_name=name,
       )(a, col_ptr, rows, *coefs)
@@ -449,9 +452,9 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_kernel, gated=gated, group=group),
-        out_type=(jax.ShapeDtypeStruct((hh, d) if gated else (1, 128), _F32),
-                  jax.ShapeDtypeStruct((hh, d), _F32),
-                  jax.ShapeDtypeStruct((hh, d), _F32)),
+        out_type=(jax.ShapeDtypeStruct((hh, d) if gated else (1, 128), out_dtype),
+                  jax.ShapeDtypeStruct((hh, d), out_dtype),
+                  jax.ShapeDtypeStruct((hh, d), out_dtype)),
         grid=(hh,),
         grid_names=("j",),
         compiler_params=params,

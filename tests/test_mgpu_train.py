@@ -171,6 +171,43 @@ class TrainInterpretTest(TrainTestBase):
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
     self.assertTrue(np.isfinite(np.asarray(clean)).all())
 
+  def test_weight_grads_round_once_to_out_dtype(self):
+    """The column-side kernels sum in f32 and round once as they write: their bf16 outputs are
+    the f32 outputs rounded, and the f32 outputs match a numpy reference."""
+    from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(int(time.time_ns() % 2**31))
+    m, d, h, e = 8, 128, 6, 20
+    rows = jnp.asarray(rng.integers(0, m, e), jnp.int32)
+    counts = rng.multinomial(e, np.ones(h) / h)
+    counts[0] = 0                                      # an empty column
+    counts[1] += e - counts.sum()
+    col_ptr = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+    x, dy, wd = (jnp.asarray(rng.normal(size=s_), jnp.bfloat16) for s_ in ((m, d), (m, d), (h, d)))
+    du, dg, hh = (jnp.asarray(rng.normal(size=e), F32) for _ in range(3))
+    p = jnp.abs(dg) + 0.1
+    seg = np.repeat(np.arange(h), counts)
+    ref = lambda coef, a: np.stack([
+        (np.asarray(coef)[seg == j, None] * np.asarray(a, F32)[np.asarray(rows)[seg == j]]).sum(0)
+        for j in range(h)])
+    runs = {
+        "cols": lambda dt: train_bwd_mgpu.csc_weight_grads(
+            x, dy, col_ptr, rows, du, dg, hh, group=2, out_dtype=dt, interpret=True),
+        "cols_one": lambda dt: train_bwd_mgpu.csc_weight_grads(
+            x, dy, col_ptr, rows, du, dg, hh, group=2, kernels=2, out_dtype=dt, interpret=True),
+        "down_dh": lambda dt: train_bwd_mgpu.csc_down_dh(
+            dy, wd, col_ptr, rows, p, dg, hh, jnp.zeros((1,), F32), jnp.arange(e, dtype=jnp.int32),
+            (e, 1), out_dtype=dt, interpret=True)[:1],
+    }
+    refs = {"cols": (ref(du, x), ref(dg, x), ref(hh, dy)), "down_dh": (ref(hh, dy),)}
+    refs["cols_one"] = refs["cols"]
+    for name, run in runs.items():
+      full, rounded = run(F32), run(jnp.bfloat16)
+      for a, b, r in zip(full, rounded, refs[name], strict=True):
+        self.assertEqual(b.dtype, jnp.bfloat16, name)
+        np.testing.assert_allclose(np.asarray(a), r, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)),
+                                      err_msg=name)
+
   def test_csc_down_dh_rejects_unknown_diagnostic(self):
     from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
     z = jnp.zeros((8,), F32)
