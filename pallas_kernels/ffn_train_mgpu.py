@@ -273,28 +273,29 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
   xp, wg, wu, wd = padded
   dyp = _pad(dy.astype(dt), (cfg.mp, cfg.dp))
   c = (dl1.astype(_F32) / m).reshape(1)
-  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
 
   col_ptr, sid = _csc(cfg, cols, n)
-  flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]
   rows_s = sid // cfg.wk
-  h_ell = ((p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32) if gated
-           else p.astype(_F32))
   wgroup = cfg.wgrads_group or cfg.group
   if cfg.dh_in_columns:
-    # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows), then dW_up /
-    # dW_gate (x rows). du / dg come back in CSC order (for the weight gradients) and in ELL
-    # order (for the row-side dx; slots past a row's n are not written, ell_dx masks them).
+    # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows; p / u read from the
+    # ELL residuals through sid), then dW_up / dW_gate (x rows). du / dg come back in CSC
+    # order (for the weight gradients) and in ELL order (for the row-side dx; slots past a
+    # row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
-        dyp, wd, col_ptr, rows_s, flat(p.astype(_F32)), flat(u.astype(_F32)) if gated else None,
-        flat(h_ell), c, sid, (cfg.mp, cfg.wk), group=wgroup, out_dtype=dt, interpret=interpret)
+        dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
+        group=wgroup, out_dtype=dt, interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
-        xp, dyp, col_ptr, rows_s, du_s, dg_s, flat(h_ell), group=wgroup, kernels=2,
+        xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
         x_only=True, out_dtype=dt, interpret=interpret)
     dx = train_bwd_mgpu.ell_dx(
         cols, n, du_e, dg_e, wu_t, wg_t,
         group=cfg.group, dx_dtype=dt, interpret=interpret)
   else:
+    valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+    flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]
+    h_ell = ((p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32) if gated
+             else p.astype(_F32))
     # Row side: dh, du, dg on the pattern and dx (kernels). dx comes out in the input dtype:
     # heavy rows have no ELL entries (their dx is 0 here), so adding the tail's f32 products
     # below rounds once, as before.

@@ -255,7 +255,7 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
   if train_only:
     return sweep_train(spec, x, wg, wu, wd)
   if down_dh_only:
-    return sweep_down_dh(cfg, dy, wd, col_ptr, sid, flat, p, u, c)
+    return sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c)
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
            [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
@@ -268,15 +268,13 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
   sweep_train(spec, x, wg, wu, wd)
 
 
-def sweep_down_dh(cfg, dy, wd, col_ptr, sid, flat, p, u, c):
+def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
   """The column-side dh + dW_down kernel (``csc_down_dh``) per ``group`` and, as timing
   diagnostics, without the per-entry dot (its cross-warp reduction), without the ELL-order
   stores, without any du / dg stores. same_bits compares dW_down and the CSC-order du / dg
   only; a diagnostic that skips the stores leaves its outputs unwritten (they may hold a
   previous call's values, so same_bits means nothing there)."""
-  f32 = jnp.float32
-  h_ell = (p.astype(f32) * u.astype(f32)).astype(jnp.bfloat16).astype(f32)
-  args = (dy, wd, col_ptr, sid // cfg.wk, flat(p), flat(u), flat(h_ell), c, sid)
+  args = (dy, wd, col_ptr, sid // cfg.wk, p, u, c, sid)
   kws = [dict(group=1), dict(group=2), dict(group=4),
          dict(group=1, diagnostic="no_reduce"), dict(group=1, diagnostic="no_ell"),
          dict(group=1, diagnostic="no_stores"),

@@ -268,11 +268,13 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
     out[j, :] = acc.astype(out.dtype)
 
 
-def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, h_gmem,
+def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
                          c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
                          dg_ell_gmem, *, gated: bool, group: int, diagnostic: str = ""):
   """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
-  (token m = rows[e]) computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
+  (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
+  the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
+  computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
   writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
   dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
   side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
@@ -288,12 +290,20 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
   acc0 = common.zeros_like_row(wd_gmem[j, :])
 
   def load(gi):
-    ms, (ps, hs, us) = _column_loads(rows_gmem, (p_gmem, h_gmem, u_gmem if gated else None),
-                                     start, end, gi, group, last)
-    return ms, ps, hs, us
+    # The ELL slots first (one step ahead, like every scalar here), then the values there:
+    # no XLA gather has to lay p / u out in CSC order.
+    es, valid = common.column_slots(start, end, gi, group, last)
+    slots = [ids_gmem[e] for e in es]
+    value = lambda ref, q: jnp.where(valid[q], ref[slots[q]].astype(_F32), 0.0)
+    ps = [value(p_gmem, q) for q in range(group)]
+    us = [value(u_gmem, q) for q in range(group)] if gated else None
+    return [rows_gmem[e] for e in es], slots, ps, us
 
   def step(gi, loaded, acc):
-    ms, ps, hs, us = loaded
+    ms, slots, ps, us = loaded
+    # h as the forward rounded it (train_fwd_mgpu: bf16(p u) in the residuals' dtype).
+    hs = ([(ps[q] * us[q]).astype(p_gmem.dtype).astype(_F32) for q in range(group)]
+          if gated else ps)
     dys = [dy_gmem[mm, :].astype(_F32) for mm in ms]
     if "no_reduce" in diag:  # timing only: dh without the dot (wrong values)
       dots = [0.0] * group
@@ -309,7 +319,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
       def _():
         if "no_stores" in diag:  # timing only: nothing but dW_down
           return
-        slot = ids_gmem[e]
+        slot = slots[q]
         if gated:
           du, dg = dh * ps[q], dh * us[q]
           du_gmem[e] = du
@@ -328,15 +338,18 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem, 
   dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
 
 
-def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group: int = 1,
+def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: int = 1,
                 out_dtype=_F32, interpret=False, diagnostic: str = ""):
   """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
   None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
 
-  dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32; p, u, h [E] f32
-  in CSC order (u None when non-gated); c [1] f32 (the L1 coefficient, as in ``ell_bwd_rows``);
-  ids [E] int32: each CSC entry's flat index in the ELL arrays of shape ``ell_shape``
-  (rows * slots >= E). du / dg come in CSC order (entries e >= col_ptr[H] not written) and in
+  dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each
+  CSC entry); ids [E] int32: each CSC entry's flat index in the ELL arrays of shape
+  ``ell_shape`` (rows * slots >= E); p, u [``ell_shape``] the gate and up values in ELL order
+  (bf16, as the forward saved them; u None when non-gated; h = p u is rounded to their dtype,
+  as the forward rounded it; only slots that some CSC entry e < col_ptr[H] names are read);
+  c [1] f32 (the L1 coefficient, as in ``ell_bwd_rows``).
+  du / dg come in CSC order (entries e >= col_ptr[H] not written) and in
   ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
   mask them, as ``ell_dx`` does). dh equals ``ell_bwd_rows``'s bit for bit (same products,
   same reduction).
@@ -352,12 +365,13 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group:
   e = rows.shape[0]
   gated = u is not None
   n_ell = ell_shape[0] * ell_shape[1]
-  if (w_down.shape != (hh, d) or d % 128 or p.shape != (e,) or h.shape != (e,)
-      or ids.shape != (e,) or n_ell < e):
+  if (w_down.shape != (hh, d) or d % 128 or tuple(p.shape) != tuple(ell_shape)
+      or (gated and u.shape != p.shape) or ids.shape != (e,) or n_ell < e):
     raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
-                     f"{rows.shape=} {p.shape=} {h.shape=} {ids.shape=} {ell_shape=}")
-  if not gated:
-    u = jnp.zeros((8,), _F32)
+                     f"{rows.shape=} {p.shape=} {None if u is None else u.shape=} "
+                     f"{ids.shape=} {ell_shape=}")
+  p = p.reshape(n_ell)
+  u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
   coef_t = jax.ShapeDtypeStruct((e,), _F32)
   ell_t = jax.ShapeDtypeStruct((n_ell,), _F32)
   with common.interpret_context(bool(interpret)):
@@ -371,7 +385,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, h, c, ids, ell_shape, *, group:
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
-    dwd, du, dg, du_ell, dg_ell = f(dy, w_down, col_ptr, rows, p, u, h,
+    dwd, du, dg, du_ell, dg_ell = f(dy, w_down, col_ptr, rows, p, u,
                                     c.astype(_F32).reshape(1), ids)
   return (dwd, (du if gated else None), dg,
           du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
@@ -407,7 +421,8 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
   as written); dW_up^T is None when ``du`` is None.
 
   x, dy [M, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each entry, sorted by
-  column); du, dg, h [E] f32 coefficients in the same order (non-gated: du None, dg = dh).
+  column); du, dg, h [E] f32 coefficients in the same order (non-gated: du None, dg = dh;
+  h may be None with ``x_only``).
 
   ``kernels``: 1, one kernel gathers an x row and a dy row per entry into three accumulators;
   2, dW_down from dy rows, then dW_up^T / dW_gate^T from x rows; 3, one kernel per weight
@@ -420,9 +435,10 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
   hh = col_ptr.shape[0] - 1
   e = rows.shape[0]
   gated = du is not None
-  if dy.shape != (m, d) or d % 128 or dg.shape != (e,) or h.shape != (e,):
+  if (dy.shape != (m, d) or d % 128 or dg.shape != (e,)
+      or (h is None and not x_only) or (h is not None and h.shape != (e,))):
     raise ValueError(f"csc_weight_grads: bad shapes {x.shape=} {dy.shape=} {rows.shape=} "
-                     f"{dg.shape=} {h.shape=}")
+                     f"{dg.shape=} {None if h is None else h.shape=}")
   if kernels not in (1, 2, 3):
     raise ValueError(f"csc_weight_grads: {kernels=} must be 1, 2 or 3")
   if not gated:
