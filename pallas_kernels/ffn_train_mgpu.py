@@ -74,6 +74,7 @@ class TrainConfig:
   dh_in_columns: bool = True  # dh computed by the dW_down column pass (csc_down_dh), not
                               # by a row pass: one W_down-row gather per entry less (H100:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
+  dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
 
   @property
   def mp(self) -> int:
@@ -284,7 +285,7 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
     # row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
-        group=wgroup, out_dtype=dt, interpret=interpret)
+        group=cfg.dh_group or wgroup, out_dtype=dt, interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
         x_only=True, out_dtype=dt, interpret=interpret)

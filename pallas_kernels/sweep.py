@@ -287,8 +287,7 @@ def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
     print(f"  csc_down_dh {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
 
 
-TRAIN_VARIANTS = (dict(), dict(dh_in_columns=True), dict(dh_in_columns=True, wgrads_group=2),
-                  dict(wgrads_kernels=1, wgrads_group=2))
+TRAIN_VARIANTS = (dict(), dict(dh_group=2), dict(wgrads_group=2), dict(dh_in_columns=False))
 
 
 def sweep_train(spec, x, wg, wu, wd):

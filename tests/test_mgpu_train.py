@@ -257,7 +257,7 @@ class TrainInterpretTest(TrainTestBase):
                                                            interpret=True)))
 
     base = run()
-    for kw in (dict(x_mode="bf16"), dict(wgrads_group=2),
+    for kw in (dict(x_mode="bf16"), dict(wgrads_group=2), dict(dh_group=2),
                dict(dh_in_columns=False), dict(dh_in_columns=False, x_mode="reload",
                                                 wgrads_kernels=1),
                dict(dh_in_columns=False, wgrads_kernels=3, wgrads_group=2)):
