@@ -14,12 +14,13 @@ Forward:
     "heavy" and go to a dense tail of static capacity R.
  3. ``train_fwd_mgpu.ell_up_down``: sampled up projection (u on the pattern, saved), h = p * u,
     sparse down projection y, per-row L1.
- 4. Tail rows (<= R): small dense XLA products on those rows. More than R heavy rows: a
-    ``lax.cond`` runs the dense FFN instead (exact; reported in ``heavy_rows``).
+ 4. Tail rows (<= R): small dense XLA products on those rows, in the smallest static bucket
+    that holds them. More than R heavy rows: the dense FFN instead (exact; reported in
+    ``heavy_rows``). Bucket and fallback are one ``lax.switch``, after the sparse kernels.
 Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, the tail index
 and tail gate / up rows ([R, H]); never a dense [M, H] tensor.
 
-Backward (no host synchronization):
+Backward:
  1. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
     slots get the key H and sort last).
  2. ``train_bwd_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with W_down[j]
@@ -29,8 +30,13 @@ Backward (no host synchronization):
     W_up^T / W_gate^T rows for dx.
     (``dh_in_columns=False``: ``ell_bwd_rows`` computes dh row-side, gathering W_down rows,
     then dx; ``csc_weight_grads`` the three weight gradients in 1-3 kernels.) No atomics.
- 3. Tail rows: dense XLA products on R rows; capacity exceeded: the VJP of the dense FFN,
-    recomputed from x (``lax.cond``).
+ 3. Tail rows: dense XLA products on the forward's bucket of rows; capacity exceeded: the VJP
+    of the dense FFN, recomputed from x. Again one ``lax.switch``, after the sparse kernels.
+Static shapes throughout, no value leaves the device for the program's sake. XLA's GPU runtime
+still evaluates each conditional's branch index on the host (a small device -> host copy that
+waits for the work before it), so each direction has exactly one conditional: the sparse
+kernels run unconditionally and, in the rare batch that exceeds R, their results are dropped
+(``python -m pallas_kernels.cond_probe`` shows the placement and the wall time).
 Shapes: any M, D, H (padded internally: M to 128, D to 128, H to 256 with zeros, which is exact).
 """
 
@@ -195,48 +201,51 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # Outside the conditional, so that XLA can share it with the backward's (same jit).
   wu_t = wu.T if gated else None
 
-  def sparse(_):
-    y, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
-                                               group=cfg.group, x_mode=cfg.x_mode,
-                                               interpret=interpret)
-    r = cfg.tail_rows
+  # The sparse part runs unconditionally (in a batch that exceeds the tail capacity its
+  # results are dropped): one conditional per step direction instead of two, because XLA runs
+  # every conditional from the host (the branch index is copied to it: a device -> host
+  # synchronization per conditional; ``python -m pallas_kernels.cond_probe``).
+  y_ell, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
+                                                 group=cfg.group, x_mode=cfg.x_mode,
+                                                 interpret=interpret)
+  u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
+  l1_ell = jnp.sum(l1_rows)
+  fired_ell = jnp.zeros((cfg.hp,), bool).at[jnp.where(valid, cols, cfg.hp)].set(True, mode="drop")
+  r = cfg.tail_rows
+  zf = jnp.zeros((r, cfg.hp if gated else 0), dt)
 
-    def tail(rb):
-      def f():
-        zf = jnp.zeros((r, cfg.hp if gated else 0), dt)
-        if rb == 0:
-          return (jnp.zeros((r, cfg.dp), dt), jnp.float32(0.0), jnp.zeros((cfg.hp,), bool),
-                  jnp.zeros((r, cfg.hp), dt), zf)
-        xt = _rows(xp, tail_index[:rb])
-        gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
-        pt = jnp.maximum(gt, 0).astype(dt)                               # [rb, Hp]
-        if gated:
-          ut = jnp.dot(xt, wu, preferred_element_type=_F32).astype(dt)
-          ht = (pt.astype(_F32) * ut.astype(_F32)).astype(dt)
-        else:
-          ut, ht = None, pt
-        yt = jnp.dot(ht, wd, preferred_element_type=_F32).astype(dt)
-        pad_r = lambda a: jnp.pad(a, ((0, r - rb), (0, 0)))
-        return (pad_r(yt), jnp.sum(jnp.abs(ht.astype(_F32))), jnp.any(gt > 0, axis=0),
-                pad_r(pt), pad_r(ut) if gated else zf)
-      return f
+  def tail(rb):
+    def f(y, u):
+      if rb == 0:
+        zt = jnp.zeros((r, cfg.hp), dt)
+        return y[:m, :cfg.d], l1_ell / m, fired_ell[:cfg.h], (u, zt, zt if gated else zf)
+      idx = tail_index[:rb]
+      xt = _rows(xp, idx)
+      gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
+      pt = jnp.maximum(gt, 0).astype(dt)                                 # [rb, Hp]
+      if gated:
+        ut = jnp.dot(xt, wu, preferred_element_type=_F32).astype(dt)
+        ht = (pt.astype(_F32) * ut.astype(_F32)).astype(dt)
+      else:
+        ut, ht = None, pt
+      yt = jnp.dot(ht, wd, preferred_element_type=_F32).astype(dt)
+      y = y.at[idx].set(yt, mode="drop")
+      l1 = (l1_ell + jnp.sum(jnp.abs(ht.astype(_F32)))) / m
+      fired = fired_ell | jnp.any(gt > 0, axis=0)
+      pad_r = lambda a: jnp.pad(a, ((0, r - rb), (0, 0)))
+      return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pad_r(pt), pad_r(ut) if gated else zf)
+    return f
 
-    yt, l1t, fired_t, pt, ut = lax.switch(_bucket(cfg, heavy_rows),
-                                          [tail(rb) for rb in tail_buckets(cfg)])
-    y = y.at[tail_index].set(yt, mode="drop")
-    u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
-    l1 = (jnp.sum(l1_rows) + l1t) / m
-    fired = jnp.zeros((cfg.hp,), bool).at[jnp.where(valid, cols, cfg.hp)].set(True, mode="drop")
-    fired = fired | fired_t
-    return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pt, ut)
-
-  def dense(_):
+  def dense(y, u):
+    del y
     y, l1, fired = _dense_ffn(x, w_gate, w_up, w_down)
-    res_shapes = jax.eval_shape(sparse, None)[3]
-    zeros = jax.tree.map(lambda s_: jnp.zeros(s_.shape, s_.dtype), res_shapes)
-    return y.astype(dt), l1, fired, zeros
+    zt = jnp.zeros((r, cfg.hp), dt)
+    return y.astype(dt), l1, fired, (u, zt, zt if gated else zf)
 
-  y, l1, fired, (u, pt, ut) = lax.cond(exceeded, dense, sparse, None)
+  buckets = tail_buckets(cfg)
+  branch = jnp.where(exceeded, len(buckets), _bucket(cfg, heavy_rows))
+  y, l1, fired, (u, pt, ut) = lax.switch(branch, [tail(rb) for rb in buckets] + [dense],
+                                         y_ell, u)
   valid_rows = (jnp.arange(cfg.mp) < m)[:, None]
   cnt = jnp.where(valid_rows, cnt, 0)
   nnz = jnp.sum(cnt, dtype=_F32) / m
@@ -268,7 +277,7 @@ def _csc(cfg: TrainConfig, cols, n):
 def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, interpret):
   """``padded``: ``_padded`` of the residuals' x and weights; ``wu_t`` / ``wg_t`` their
   transposes (both taken by ``backward``, outside its conditional)."""
-  x, w_gate, _, _, cols, p, u, n, tail_index, heavy_rows, pt, ut, _ = residuals
+  x, w_gate, _, _, cols, p, u, n, tail_index, heavy_rows, pt, ut, exceeded = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = padded
@@ -344,8 +353,15 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
               dw_down[:h, :d].astype(dt))
     return f
 
-  dx, dw_in, dw_up, dw_down = lax.switch(_bucket(cfg, heavy_rows),
-                                         [tail(rb) for rb in tail_buckets(cfg)],
+  def dense(*_):
+    # More heavy rows than the tail holds: the forward took its dense path, and so does this
+    # (the sparse kernels above ran on that batch's residuals; their results are dropped).
+    dx, dwg, dwu, dwd = _dense_backward(residuals, dy, dl1)
+    return (dx, dwg, dwu, dwd) if gated else (dx, dwu, None, dwd)
+
+  buckets = tail_buckets(cfg)
+  branch = jnp.where(exceeded, len(buckets), _bucket(cfg, heavy_rows))
+  dx, dw_in, dw_up, dw_down = lax.switch(branch, [tail(rb) for rb in buckets] + [dense],
                                          dx, dwg_t, dwu_t, dwd)
   if gated:
     return dx, dw_in, dw_up, dw_down
@@ -370,16 +386,13 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
   ``cotangents`` = (dy, dl1, ...): the statistics other than l1 have no gradient.
   """
   dy, dl1 = cotangents[0], cotangents[1]
-  exceeded = residuals[-1]
-  # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
+  # The weights' transposes (rows for the dx gathers) outside any conditional, so that XLA
   # can share W_up^T with the forward's when both are in one jit.
   padded = _padded(cfg, *residuals[:4])
   _, wg, wu, _ = padded
   wu_t, wg_t = wu.T, (None if wg is None else wg.T)
-  return lax.cond(exceeded,
-                  lambda: _dense_backward(residuals, dy, dl1),
-                  lambda: _sparse_backward(cfg, residuals, dy, dl1, padded, wu_t, wg_t,
-                                           interpret))
+  # One conditional (tail bucket or dense fallback), inside _sparse_backward; see forward.
+  return _sparse_backward(cfg, residuals, dy, dl1, padded, wu_t, wg_t, interpret)
 
 
 def residual_bytes(residuals) -> int:
