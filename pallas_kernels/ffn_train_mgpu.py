@@ -275,8 +275,10 @@ def _csc(cfg: TrainConfig, cols, n):
 
 
 def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, interpret):
-  """``padded``: ``_padded`` of the residuals' x and weights; ``wu_t`` / ``wg_t`` their
-  transposes (both taken by ``backward``, outside its conditional)."""
+  """The backward: sparse kernels, then one ``lax.switch`` adding the tail bucket's products
+  or, when the forward exceeded the tail capacity, replacing everything by the dense VJP.
+  ``padded``: ``_padded`` of the residuals' x and weights; ``wu_t`` / ``wg_t`` their
+  transposes (both taken by ``backward``)."""
   x, w_gate, _, _, cols, p, u, n, tail_index, heavy_rows, pt, ut, exceeded = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
