@@ -212,12 +212,12 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   l1_ell = jnp.sum(l1_rows)
   fired_ell = jnp.zeros((cfg.hp,), bool).at[jnp.where(valid, cols, cfg.hp)].set(True, mode="drop")
   r = cfg.tail_rows
+  zt = jnp.zeros((r, cfg.hp), dt)                     # tail residuals of a branch with none
   zf = jnp.zeros((r, cfg.hp if gated else 0), dt)
 
   def tail(rb):
     def f(y, u):
       if rb == 0:
-        zt = jnp.zeros((r, cfg.hp), dt)
         return y[:m, :cfg.d], l1_ell / m, fired_ell[:cfg.h], (u, zt, zt if gated else zf)
       idx = tail_index[:rb]
       xt = _rows(xp, idx)
@@ -239,7 +239,6 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   def dense(y, u):
     del y
     y, l1, fired = _dense_ffn(x, w_gate, w_up, w_down)
-    zt = jnp.zeros((r, cfg.hp), dt)
     return y.astype(dt), l1, fired, (u, zt, zt if gated else zf)
 
   buckets = tail_buckets(cfg)

@@ -194,14 +194,17 @@ def ell_bwd_rows(dy, cols, p, u, n, c, w_down, w_up_t, w_gate_t, *, group: int =
   return dx, du, dg
 
 
-def _column_loads(rows_gmem, coef_refs, start, end, gi, group: int, last):
+def _column_loads(rows_gmem, coef_refs, start, end, gi, group: int, last, via_gmem=None):
   """Scalar loads of CSC entry group ``gi`` of a column: (token rows [group], per ref of
-  ``coef_refs`` its coefficients [group], 0 past the column's end; None for a None ref)."""
+  ``coef_refs`` its coefficients [group] as f32, 0 past the column's end, None for a None ref;
+  the indices they were read at [group]). Coefficients are read at the entry e itself, or at
+  ``via_gmem[e]`` (e.g. the entry's ELL slot) when given."""
   es, valid = common.column_slots(start, end, gi, group, last)
+  at = es if via_gmem is None else [via_gmem[e] for e in es]
   rows = [rows_gmem[e] for e in es]
   return rows, [None if ref is None else
-                [jnp.where(valid[q], ref[es[q]], 0.0) for q in range(group)]
-                for ref in coef_refs]
+                [jnp.where(valid[q], ref[at[q]].astype(_F32), 0.0) for q in range(group)]
+                for ref in coef_refs], at
 
 
 def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
@@ -213,8 +216,8 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   zero = common.zeros_like_row(x_gmem[0, :])
 
   def load(gi):
-    ms, (gs, hs, us) = _column_loads(rows_gmem, (dg_gmem, h_gmem, du_gmem if gated else None),
-                                     start, end, gi, group, last)
+    ms, (gs, hs, us), _ = _column_loads(
+        rows_gmem, (dg_gmem, h_gmem, du_gmem if gated else None), start, end, gi, group, last)
     return ms, gs, hs, us
 
   def step(gi, loaded, carry):
@@ -250,7 +253,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
   acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
 
   def load(gi):
-    return _column_loads(rows_gmem, coefs, start, end, gi, group, last)
+    return _column_loads(rows_gmem, coefs, start, end, gi, group, last)[:2]
 
   def step(gi, loaded, accs):
     ms, cs = loaded
@@ -290,14 +293,11 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   acc0 = common.zeros_like_row(wd_gmem[j, :])
 
   def load(gi):
-    # The ELL slots first (one step ahead, like every scalar here), then the values there:
-    # no XLA gather has to lay p / u out in CSC order.
-    es, valid = common.column_slots(start, end, gi, group, last)
-    slots = [ids_gmem[e] for e in es]
-    value = lambda ref, q: jnp.where(valid[q], ref[slots[q]].astype(_F32), 0.0)
-    ps = [value(p_gmem, q) for q in range(group)]
-    us = [value(u_gmem, q) for q in range(group)] if gated else None
-    return [rows_gmem[e] for e in es], slots, ps, us
+    # p / u read at each entry's ELL slot (one step ahead, like every scalar here): no XLA
+    # gather has to lay them out in CSC order. The slots are kept for the ELL-order stores.
+    ms, (ps, us), slots = _column_loads(rows_gmem, (p_gmem, u_gmem if gated else None),
+                                        start, end, gi, group, last, via_gmem=ids_gmem)
+    return ms, slots, ps, us
 
   def step(gi, loaded, acc):
     ms, slots, ps, us = loaded
