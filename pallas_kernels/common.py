@@ -145,7 +145,7 @@ def print_breakdown(label: str, table) -> dict:
   return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}
 
 
-def prefetched_fori_loop(n_steps, load, step, init):
+def prefetched_fori_loop(n_steps, load, step, init, *, fetch=None, fetch_ahead=False):
   """``fori_loop`` over steps whose scalar index loads run one step ahead.
 
   ``load(i)`` issues the (cheap, scalar) GMEM loads step i needs, e.g. the column indices and
@@ -153,13 +153,36 @@ def prefetched_fori_loop(n_steps, load, step, init):
   is a harmless in-bounds read; ``step(i, loaded, state)`` does the dependent work (weight-row
   loads, math). Loading step i + 1's indices before step i's weight rows takes one L2 round
   trip off each step's dependency chain.
-  """
-  def body(i, carry):
-    state, cur = carry
-    nxt = load(i + 1)
-    return step(i, cur, state), nxt
 
-  state, _ = lax.fori_loop(0, n_steps, body, (init, load(0)))
+  With ``fetch``, ``fetch(loaded)`` issues the row loads of a step from its scalars and
+  ``step(i, loaded, fetched, state)`` gets them: at the start of step i by default, or, with
+  ``fetch_ahead``, one step ahead: step i + 1's rows are issued before step i's work and step
+  i + 2's scalars before that (``load`` must then be harmless at n_steps + 1 too), so one
+  step's rows are in flight while the step before computes and stores. Why: a warp issues in
+  order, and the compiler does not move a row load above a GMEM store of the step before it
+  (it cannot prove that they do not alias), so a kernel that stores per entry otherwise has
+  only one step's rows in flight at a time. The price: a second step's rows in registers.
+  """
+  if fetch is not None and not fetch_ahead:
+    inner = step
+    step = lambda i, cur, state: inner(i, cur, fetch(cur), state)
+  if fetch is None or not fetch_ahead:
+    def body(i, carry):
+      state, cur = carry
+      nxt = load(i + 1)
+      return step(i, cur, state), nxt
+
+    state, _ = lax.fori_loop(0, n_steps, body, (init, load(0)))
+    return state
+
+  def body_ahead(i, carry):
+    state, cur, cur_rows, nxt = carry
+    nxt_rows = fetch(nxt)
+    nxt2 = load(i + 2)
+    return step(i, cur, cur_rows, state), nxt, nxt_rows, nxt2
+
+  first = load(0)
+  state, *_ = lax.fori_loop(0, n_steps, body_ahead, (init, first, fetch(first), load(1)))
   return state
 
 

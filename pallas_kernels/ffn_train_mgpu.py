@@ -61,6 +61,10 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+# The gather kernels that can load their rows one step ahead (TrainConfig.rows_ahead).
+ROWS_AHEAD_KERNELS = ("up_down", "down_dh", "wgrads", "dx")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Static configuration of one training FFN call (hashable: a custom_vjp nondiff arg)."""
@@ -81,6 +85,16 @@ class TrainConfig:
                               # by a row pass: one W_down-row gather per entry less (H100:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
+  rows_ahead: tuple[str, ...] = ()  # kernels whose gathered rows load one step ahead
+                                    # (``common.prefetched_fori_loop``), of ROWS_AHEAD_KERNELS
+
+  def __post_init__(self):
+    if not set(self.rows_ahead) <= set(ROWS_AHEAD_KERNELS):
+      raise ValueError(f"TrainConfig.rows_ahead={self.rows_ahead!r}: names must be among "
+                       f"{ROWS_AHEAD_KERNELS}")
+
+  def ahead(self, kernel: str) -> bool:
+    return kernel in self.rows_ahead
 
   @property
   def mp(self) -> int:
@@ -207,6 +221,7 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # synchronization per conditional; ``python -m pallas_kernels.cond_probe``).
   y_ell, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
                                                  group=cfg.group, x_mode=cfg.x_mode,
+                                                 rows_ahead=cfg.ahead("up_down"),
                                                  interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
   l1_ell = jnp.sum(l1_rows)
@@ -295,13 +310,14 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
     # row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
-        group=cfg.dh_group or wgroup, out_dtype=dt, interpret=interpret)
+        group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"), out_dtype=dt,
+        interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
-        x_only=True, out_dtype=dt, interpret=interpret)
+        x_only=True, rows_ahead=cfg.ahead("wgrads"), out_dtype=dt, interpret=interpret)
     dx = train_bwd_mgpu.ell_dx(
         cols, n, du_e, dg_e, wu_t, wg_t,
-        group=cfg.group, dx_dtype=dt, interpret=interpret)
+        group=cfg.group, dx_dtype=dt, rows_ahead=cfg.ahead("dx"), interpret=interpret)
   else:
     valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
     flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]

@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -16,6 +16,8 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
   device's gather ceiling, independent of our kernels.
 * ``down_dh``: the column-side dh + dW_down kernel per group, and timing diagnostics without
   its reduction / its stores (``csc_down_dh(diagnostic=...)``).
+* ``ahead``: each gather kernel of the training step with its rows loaded one step ahead or
+  not (``rows_ahead``), then the step per ``TrainConfig.rows_ahead``.
 * ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
   then forward + backward per TrainConfig variant against XLA dense.
 """
@@ -220,7 +222,7 @@ def sweep_down(x, wg, wu, wd, fold=True):
 
 
 def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
-              down_dh_only=False):
+              down_dh_only=False, ahead_only=False):
   """Training kernels: where x / dy rows live (``x_mode``, with ``variants_rows``), the weight
   gradients in 1-3 kernels and ``group``; the weight gradients must keep the default's bits. Then forward + backward per
   TrainConfig variant against XLA dense forward + backward in the same process."""
@@ -256,6 +258,8 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
     return sweep_train(spec, x, wg, wu, wd)
   if down_dh_only:
     return sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c)
+  if ahead_only:
+    return sweep_ahead(spec, cfg, (x, wg, wu, wd, dy, cols, p, u, n, c, col_ptr, sid))
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
            [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
@@ -290,13 +294,55 @@ def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
 TRAIN_VARIANTS = (dict(), dict(dh_group=2), dict(wgrads_group=2), dict(dh_in_columns=False))
 
 
-def sweep_train(spec, x, wg, wu, wd):
+def sweep_ahead(spec, cfg, arrays):
+  """Each gather kernel of the training step with its rows loaded at the start of each step
+  (``rows_ahead=False``) or one step ahead (``True``), per group; then the whole step per
+  ``TrainConfig.rows_ahead``. same_bits: the kernel's outputs against its first variant
+  (ELL-order / past-the-end slots excluded where they are not written)."""
+  x, wg, wu, wd, dy, cols, p, u, n, c, col_ptr, sid = arrays
+  wut, wgt = jnp.asarray(wu.T), jnp.asarray(wg.T)
+  rows = sid // cfg.wk
+  ell = (cfg.mp, cfg.wk)
+  n_valid = int(col_ptr[-1])
+  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+  dwd, du_s, dg_s, du_e, dg_e = jax.jit(functools.partial(
+      train_bwd_mgpu.csc_down_dh, ell_shape=ell))(dy, wd, col_ptr, rows, p, u, c, sid)
+  du_e, dg_e = jnp.where(valid, du_e, 0), jnp.where(valid, dg_e, 0)
+  cases = [
+      ("ell_up_down", train_fwd_mgpu.ell_up_down, (x, cols, p, n, wut, wd),
+       [dict(group=2), dict(group=2, rows_ahead=True), dict(group=1, rows_ahead=True)],
+       lambda out: (jnp.where(n[:, None] > 0, out[0], 0), jnp.where(valid, out[1], 0))),
+      ("csc_down_dh", functools.partial(train_bwd_mgpu.csc_down_dh, ell_shape=ell),
+       (dy, wd, col_ptr, rows, p, u, c, sid),
+       [dict(group=1), dict(group=1, rows_ahead=True), dict(group=2, rows_ahead=True)],
+       lambda out: (out[0], out[1][:n_valid], out[2][:n_valid])),
+      ("csc_weight_grads", functools.partial(train_bwd_mgpu.csc_weight_grads, kernels=2,
+                                             x_only=True, out_dtype=jnp.bfloat16),
+       (x, dy, col_ptr, rows, du_s, dg_s, None),
+       [dict(group=1), dict(group=1, rows_ahead=True), dict(group=2, rows_ahead=True)],
+       lambda out: out[:2]),
+      ("ell_dx", functools.partial(train_bwd_mgpu.ell_dx, dx_dtype=jnp.bfloat16),
+       (cols, n, du_e, dg_e, wut, wgt),
+       [dict(group=2), dict(group=2, rows_ahead=True), dict(group=1, rows_ahead=True)],
+       lambda out: out),
+  ]
+  for label, fn, args, kws, compared in cases:
+    fns = [(kw, jax.jit(functools.partial(fn, **kw))) for kw in kws]
+    for name, f, same in _variants(label, fns, args, compared=compared):
+      print(f"  {label} {name}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
+  everything = ffn_train_mgpu.ROWS_AHEAD_KERNELS
+  sweep_train(spec, x, wg, wu, wd, variants=(
+      dict(rows_ahead=()), dict(rows_ahead=everything),
+      dict(rows_ahead=("up_down", "down_dh")), dict(rows_ahead=("down_dh",))))
+
+
+def sweep_train(spec, x, wg, wu, wd, variants=TRAIN_VARIANTS):
   """Forward + backward per TrainConfig variant against XLA dense, same process."""
   ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   dense = jax.jit(jax.grad(bench_train._loss_fn("dense", spec, ct), argnums=(0, 1, 2, 3)))  # pylint: disable=protected-access
   dense_ms, _, _ = common.time_fn(dense, x, wg, wu, wd, iters=20, kernel_time=False)
   print(f"  fwd+bwd: XLA dense {dense_ms:.3f} ms (wall, median of 20)", flush=True)
-  for kw in TRAIN_VARIANTS:
+  for kw in variants:
     tc = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
                                     **kw)
 
@@ -336,6 +382,8 @@ def main(argv):
         sweep_bwd(train_only=True)
       elif w == "down_dh":
         sweep_bwd(down_dh_only=True)
+      elif w == "ahead":
+        sweep_bwd(ahead_only=True)
     except Exception as e:  # keep going
       print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
 

@@ -116,7 +116,7 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
 
 
 def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, *,
-               gated: bool, group: int):
+               gated: bool, group: int, rows_ahead: bool = False):
   """Split pass 2: dx = sum_k du_k W_up^T[j_k] + dg_k W_gate^T[j_k] (reads W_up^T, W_gate^T)."""
   r = lax.axis_index("r")
   n = n_gmem[r]
@@ -129,10 +129,13 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
     coef = lambda ref: [jnp.where(k < n, ref[r, k], 0.0) for k in ks]
     return [cols_gmem[r, k] for k in ks], coef(dg_gmem), coef(du_gmem) if gated else None
 
-  def step(gi, loaded, acc):
-    js, dgs, dus = loaded
-    wus = [wup_gmem[j, :] for j in js]
-    wgs = [wg_gmem[j, :] for j in js] if gated else None
+  def fetch(loaded):
+    js = loaded[0]
+    return [wup_gmem[j, :] for j in js], ([wg_gmem[j, :] for j in js] if gated else None)
+
+  def step(gi, loaded, rows, acc):
+    _, dgs, dus = loaded
+    wus, wgs = rows
     for q in range(group):
       if gated:
         acc = acc + dus[q] * wus[q].astype(_F32) + dgs[q] * wgs[q].astype(_F32)
@@ -140,7 +143,8 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, 
         acc = acc + dgs[q] * wus[q].astype(_F32)
     return acc
 
-  acc = common.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0)
+  acc = common.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0,
+                                    fetch=fetch, fetch_ahead=rows_ahead)
   dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
 
 
@@ -241,7 +245,8 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
   dwd_gmem[j, :] = acc_d.astype(dwd_gmem.dtype)
 
 
-def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int):
+def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
+                     rows_ahead: bool = False):
   """Split weight gradients: out_i[j] = sum_{ptr[j] <= e < ptr[j + 1]} coef_i[e] a[rows_e] for
   ``n_out`` coefficient arrays sharing one gathered operand ``a`` (x for dW_up^T / dW_gate^T,
   dy for dW_down)."""
@@ -255,9 +260,8 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
   def load(gi):
     return _column_loads(rows_gmem, coefs, start, end, gi, group, last)[:2]
 
-  def step(gi, loaded, accs):
-    ms, cs = loaded
-    rows = [a_gmem[mm, :] for mm in ms]
+  def step(gi, loaded, rows, accs):
+    _, cs = loaded
     accs = list(accs)
     for q in range(group):
       aq = rows[q].astype(_F32)
@@ -266,14 +270,17 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int)
     return tuple(accs)
 
   n_groups = (end - start + (group - 1)) // group
-  accs = common.prefetched_fori_loop(n_groups, load, step, acc0)
+  accs = common.prefetched_fori_loop(n_groups, load, step, acc0,
+                                     fetch=lambda loaded: [a_gmem[mm, :] for mm in loaded[0]],
+                                     fetch_ahead=rows_ahead)
   for out, acc in zip(outs, accs):
     out[j, :] = acc.astype(out.dtype)
 
 
 def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
                          c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
-                         dg_ell_gmem, *, gated: bool, group: int, diagnostic: str = ""):
+                         dg_ell_gmem, *, gated: bool, group: int, rows_ahead: bool = False,
+                         diagnostic: str = ""):
   """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
   (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
   the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
@@ -299,12 +306,12 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
                                         start, end, gi, group, last, via_gmem=ids_gmem)
     return ms, slots, ps, us
 
-  def step(gi, loaded, acc):
-    ms, slots, ps, us = loaded
+  def step(gi, loaded, dy_rows, acc):
+    _, slots, ps, us = loaded
     # h as the forward rounded it (train_fwd_mgpu: bf16(p u) in the residuals' dtype).
     hs = ([(ps[q] * us[q]).astype(p_gmem.dtype).astype(_F32) for q in range(group)]
           if gated else ps)
-    dys = [dy_gmem[mm, :].astype(_F32) for mm in ms]
+    dys = [row.astype(_F32) for row in dy_rows]
     if "no_reduce" in diag:  # timing only: dh without the dot (wrong values)
       dots = [0.0] * group
     else:
@@ -334,12 +341,15 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
     return acc
 
   n_groups = (end - start + (group - 1)) // group
-  acc = common.prefetched_fori_loop(n_groups, load, step, acc0)
+  acc = common.prefetched_fori_loop(n_groups, load, step, acc0,
+                                    fetch=lambda loaded: [dy_gmem[mm, :] for mm in loaded[0]],
+                                    fetch_ahead=rows_ahead)
   dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
 
 
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: int = 1,
-                out_dtype=_F32, interpret=False, diagnostic: str = ""):
+                rows_ahead: bool = False, out_dtype=_F32, interpret=False,
+                diagnostic: str = ""):
   """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
   None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
 
@@ -352,7 +362,8 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
   du / dg come in CSC order (entries e >= col_ptr[H] not written) and in
   ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
   mask them, as ``ell_dx`` does). dh equals ``ell_bwd_rows``'s bit for bit (same products,
-  same reduction).
+  same reduction). ``rows_ahead``: each step's dy rows are loaded one step ahead
+  (``common.prefetched_fori_loop(fetch_ahead=True)``); same results.
 
   ``diagnostic`` (timing experiments of ``sweep.py`` only; the outputs are then wrong):
   "no_reduce" drops the dot of dh, "no_ell" the ELL-order stores, "no_stores" all du / dg
@@ -377,7 +388,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=group,
-                          diagnostic=diagnostic),
+                          rows_ahead=rows_ahead, diagnostic=diagnostic),
         out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
                   coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
                   ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
@@ -392,11 +403,12 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
 
 
 def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
-           interpret=False):
+           rows_ahead: bool = False, interpret=False):
   """dx [M, D] = sum_{k < n[r]} du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over the ELL
   entries (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); slots
   k >= n[r] of du / dg are ignored. The second pass of ``ell_bwd_rows``, callable on its own
-  when du / dg come from ``csc_down_dh``."""
+  when du / dg come from ``csc_down_dh``. ``rows_ahead``: weight rows loaded one step ahead
+  (``common.prefetched_fori_loop(fetch_ahead=True)``); same results."""
   m, wk = cols.shape
   h, d = w_up_t.shape
   gated = w_gate_t is not None
@@ -407,7 +419,7 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
     w_gate_t = jnp.zeros((8, 128), w_up_t.dtype)
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_dx_kernel, gated=gated, group=group),
+        functools.partial(_dx_kernel, gated=gated, group=group, rows_ahead=rows_ahead),
         out_type=jax.ShapeDtypeStruct((m, d), dx_dtype), grid=(m,), grid_names=("r",),
         compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
@@ -416,7 +428,8 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
 
 
 def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels: int = 1,
-                     x_only: bool = False, out_dtype=_F32, interpret=False):
+                     x_only: bool = False, rows_ahead: bool = False, out_dtype=_F32,
+                     interpret=False):
   """(dW_up^T, dW_gate^T, dW_down), each [H, D] ``out_dtype`` (summed in f32, rounded once
   as written); dW_up^T is None when ``du`` is None.
 
@@ -429,7 +442,8 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
   gradient (x rows gathered twice). Fewer accumulators per kernel means fewer registers per
   CTA and more columns in flight per SM (PERF.md). Same results in every mode (same order).
   ``x_only`` (kernels 2 or 3): skip dW_down (it comes from ``csc_down_dh``); returns
-  (dW_up^T, dW_gate^T, None).
+  (dW_up^T, dW_gate^T, None). ``rows_ahead`` (kernels 2 or 3): the gathered rows are loaded
+  one step ahead (``common.prefetched_fori_loop(fetch_ahead=True)``); same results.
   """
   m, d = x.shape
   hh = col_ptr.shape[0] - 1
@@ -441,13 +455,16 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
                      f"{dg.shape=} {None if h is None else h.shape=}")
   if kernels not in (1, 2, 3):
     raise ValueError(f"csc_weight_grads: {kernels=} must be 1, 2 or 3")
+  if rows_ahead and kernels == 1:
+    raise ValueError("csc_weight_grads: rows_ahead needs kernels 2 or 3")
   if not gated:
     du = jnp.zeros((8,), _F32)
   params = common.gather_kernel_params()
   if kernels > 1:
     def one(a, coefs, name):
       return plgpu.kernel(
-          functools.partial(_cols_one_kernel, n_out=len(coefs), group=group),
+          functools.partial(_cols_one_kernel, n_out=len(coefs), group=group,
+                            rows_ahead=rows_ahead),
           out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
           grid=(hh,), grid_names=("j",), compiler_params=params,
           interpret=common.interpret_params(interpret), kernel_name=name,

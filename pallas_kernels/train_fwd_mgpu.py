@@ -35,7 +35,8 @@ _F32 = jnp.float32
 
 
 def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
-            y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str):
+            y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str,
+            rows_ahead: bool = False):
   r = lax.axis_index("r")
   n = n_gmem[r]
   x = common.hold_row(x_gmem, r, x_mode) if gated else None
@@ -47,13 +48,15 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
     ks = common.group_slots(gi, group, last)
     return [cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks]
 
-  def step(gi, loaded, carry):
+  def fetch(loaded):
+    js = loaded[0]
+    return [wd_gmem[j, :] for j in js], ([wup_gmem[j, :] for j in js] if gated else None)
+
+  def step(gi, loaded, rows, carry):
     acc, l1 = carry
-    js, ps = loaded
+    _, ps = loaded
+    wds, wus = rows
     ks = [gi * group + q for q in range(group)]
-    wds = [wd_gmem[j, :] for j in js]
-    if gated:
-      wus = [wup_gmem[j, :] for j in js]
     for q in range(group):
       if gated:
         u = jnp.sum(common.row_at(x, x_gmem, r) * wus[q].astype(_F32))
@@ -67,18 +70,22 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
     return acc, l1
 
   n_groups = (n + (group - 1)) // group
-  acc, l1 = common.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)))
+  acc, l1 = common.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)),
+                                        fetch=fetch, fetch_ahead=rows_ahead)
   y_gmem[r, :] = acc.astype(y_gmem.dtype)
   l1_gmem[r] = l1
 
 
 def ell_up_down(x, cols, p, n, w_up_t, w_down, *, group: int = 4, x_mode: str = "f32",
-                interpret=False):
+                rows_ahead: bool = False, interpret=False):
   """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks.
 
   x [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p [M, Wk] bf16 (0 in unused slots);
   n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % group == 0, D % 128 == 0.
   ``x_mode``: where x_r lives during its row (``common.hold_row``); same results in every mode.
+  ``rows_ahead``: the weight rows are loaded one step ahead, so they are in flight while the
+  step before stores its u values (``common.prefetched_fori_loop(fetch_ahead=True)``); same
+  results.
   """
   m, d = x.shape
   h, d2 = w_down.shape
@@ -94,7 +101,8 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, group: int = 4, x_mode: str = 
   params = common.gather_kernel_params()
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_kernel, gated=gated, group=group, x_mode=x_mode),
+        functools.partial(_kernel, gated=gated, group=group, x_mode=x_mode,
+                          rows_ahead=rows_ahead),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m, wk if gated else 1), _F32),
                   jax.ShapeDtypeStruct((m,), _F32)),

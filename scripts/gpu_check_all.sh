@@ -10,7 +10,7 @@ F="grep -v ^\s*File\|^\s\s\s\s[a-z_]\|xla_bridge"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 # SWEEP="gate l2 ..." runs pallas_kernels.sweep first (ptxas register counts in sweep_ptxas.txt).
 if [ -n "$SWEEP" ]; then
-  MOSAIC_GPU_DUMP_PTXAS=1 timeout 240 python3 -m pallas_kernels.sweep $SWEEP 2> "$OUT/sweep.err" | tee "$OUT/sweep.log"
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout ${SWEEP_TIMEOUT:-240} python3 -m pallas_kernels.sweep $SWEEP 2> "$OUT/sweep.err" | tee "$OUT/sweep.log"
   grep -E "Compiling entry|Used [0-9]+ registers" "$OUT/sweep.err" \
     | sed -E 's/.*entry function .([a-z_0-9]+).*/\1/; s/ptxas info *: //' | paste - - | sort | uniq -c > "$OUT/sweep_ptxas.txt"
   grep -iE "error|Traceback" "$OUT/sweep.err" | head -5

@@ -211,12 +211,18 @@ class TrainInterpretTest(TrainTestBase):
         "cols_one": (lambda dt: train_bwd_mgpu.csc_weight_grads(
             *cols_args, group=2, kernels=2, out_dtype=dt, interpret=True),
                      (ref(du, x), ref(dg, x), ref(hh, dy))),
-        "down_dh": (lambda dt: train_bwd_mgpu.csc_down_dh(
-            b16(dy), b16(wd), col_ptr, jnp.asarray(rows), b16(p_ell).reshape(ell_shape),
-            b16(u_ell).reshape(ell_shape), jnp.full((1,), c, F32), jnp.asarray(ids), ell_shape,
-            group=2, out_dtype=dt, interpret=True),
-                    (ref(hh, dy), dh * p_csc, dh * u_csc)),
+        # Rows loaded one step ahead (group 1: every column's loop runs past its end).
+        "cols_one_ahead": (lambda dt: train_bwd_mgpu.csc_weight_grads(
+            *cols_args, group=1, kernels=2, rows_ahead=True, out_dtype=dt, interpret=True),
+                           (ref(du, x), ref(dg, x), ref(hh, dy))),
     }
+    for name, group, ahead in (("down_dh", 2, False), ("down_dh_ahead", 1, True)):
+      runs[name] = (functools.partial(
+          lambda dt, group, ahead: train_bwd_mgpu.csc_down_dh(
+              b16(dy), b16(wd), col_ptr, jnp.asarray(rows), b16(p_ell).reshape(ell_shape),
+              b16(u_ell).reshape(ell_shape), jnp.full((1,), c, F32), jnp.asarray(ids),
+              ell_shape, group=group, rows_ahead=ahead, out_dtype=dt, interpret=True),
+          group=group, ahead=ahead), (ref(hh, dy), dh * p_csc, dh * u_csc))
     for name, (run, refs) in runs.items():
       full, rounded = run(F32), run(jnp.bfloat16)
       for i, (a, r) in enumerate(zip(full, refs)):
@@ -224,12 +230,16 @@ class TrainInterpretTest(TrainTestBase):
       self.assertEqual(rounded[0].dtype, jnp.bfloat16, name)
       np.testing.assert_array_equal(np.asarray(rounded[0]),
                                     np.asarray(full[0].astype(jnp.bfloat16)), err_msg=name)
-      if name == "down_dh":   # du, dg also in ELL order, at ids
+      if name.startswith("down_dh"):   # du, dg also in ELL order, at ids
         for a_ell, a_csc in ((full[3], full[1]), (full[4], full[2])):
           np.testing.assert_array_equal(np.asarray(a_ell).reshape(-1)[ids], np.asarray(a_csc))
       else:
         for a, b in zip(full[1:], rounded[1:]):
           np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
+
+  def test_config_rejects_unknown_rows_ahead_kernel(self):
+    with self.assertRaisesRegex(ValueError, "rows_ahead"):
+      ffn_train_mgpu.make_config(64, 64, 256, rows_ahead=("down",))
 
   def test_csc_down_dh_rejects_unknown_diagnostic(self):
     from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
@@ -243,8 +253,8 @@ class TrainInterpretTest(TrainTestBase):
 
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), the weight gradients in 1-3
-    kernels, their group, and dh on the column side change the schedule only: forward and
-    backward give the default's bits."""
+    kernels, their group, dh on the column side and rows loaded a step ahead (or not) change
+    the schedule only: forward and backward give the default's bits."""
     m, d, h = 64, 128, 256
     x, wg, wu, wd = ffn_inputs(jax.random.key(int(time.time_ns() % 2**31)), m, d, h,
                                active_fraction=0.04, heavy_fraction=0.03)
@@ -258,6 +268,10 @@ class TrainInterpretTest(TrainTestBase):
 
     base = run()
     for kw in (dict(x_mode="bf16"), dict(wgrads_group=2), dict(dh_group=2),
+               # Rows a step ahead in every gather kernel, or in none: whichever is not
+               # the default.
+               dict(rows_ahead=() if ffn_train_mgpu.TrainConfig.rows_ahead
+                    else ffn_train_mgpu.ROWS_AHEAD_KERNELS),
                dict(dh_in_columns=False), dict(dh_in_columns=False, x_mode="reload",
                                                 wgrads_kernels=1),
                dict(dh_in_columns=False, wgrads_kernels=3, wgrads_group=2)):
