@@ -17,12 +17,13 @@ Forward:
  4. Tail rows (<= R): small dense XLA products on those rows, in the smallest static bucket
     that holds them. More than R heavy rows: the dense FFN instead (exact; reported in
     ``heavy_rows``). Bucket and fallback are one ``lax.switch``, after the sparse kernels.
-Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, the tail index
-and tail gate / up rows ([R, H]); never a dense [M, H] tensor.
+Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, entries per
+hidden column ([H], from the scatter that also gives ``fired``), the tail index and tail gate /
+up rows ([R, H]); never a dense [M, H] tensor.
 
 Backward:
  1. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
-    slots get the key H and sort last).
+    slots get the key H and sort last); column pointers from the forward's column counts.
  2. ``train_bwd_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with W_down[j]
     in registers, gathers the dy row of each entry once for both dh (+ the L1 term) -> du, dg
     and dW_down[j] (du, dg written in both CSC and ELL order); then
@@ -74,8 +75,9 @@ class TrainConfig:
   ell_width: int          # W (ELL slots per row); rows with more actives are heavy
   tail_rows: int          # R, static capacity of the dense tail
   compression: int = 8    # TwELL compression of the gate GEMM epilogue (S = 256 / C slots/tile)
-  group: int = 2          # entries processed side by side in the row / column kernels
-                          # (2 measured 2-5% faster than 4 on an H200, run 3 of 2026-11-21)
+  group: int = 1          # entries processed side by side in the row kernels (1 with rows
+                          # ahead beat 2 without by 0.027 ms on an H100, 2026-11-22 run 6;
+                          # 2 had beaten 4 by 2-5% on an H200, 2026-11-21 run 3)
   x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row;
                           # "reload" measured slower here, "bf16" the same: PERF.md)
   wgrads_kernels: int = 2  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads):
@@ -85,8 +87,11 @@ class TrainConfig:
                               # by a row pass: one W_down-row gather per entry less (H100:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
-  rows_ahead: tuple[str, ...] = ()  # kernels whose gathered rows load one step ahead
-                                    # (``common.prefetched_fori_loop``), of ROWS_AHEAD_KERNELS
+  # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
+  # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100,
+  # 2026-11-22 runs 1 and 6: up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within
+  # noise, the weight gradients +0.04 (more registers, fewer CTAs per SM).
+  rows_ahead: tuple[str, ...] = ("up_down", "dx")
 
   def __post_init__(self):
     if not set(self.rows_ahead) <= set(ROWS_AHEAD_KERNELS):
@@ -175,6 +180,17 @@ def _dense_ffn(x, w_gate, w_up, w_down):
 # Forward
 # ----------------------------------------------------------------------------
 
+def _first_true(mask, size: int, fill: int):
+  """Indices of the first ``size`` True entries of the 1-D ``mask`` (int32), ``fill`` after
+  them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
+  True entries write (each to its own slot). jnp.nonzero's scatter-add sends every False
+  entry to one counter, and those colliding atomics took 0.013 ms at M = 16384 (H100)."""
+  rank = jnp.cumsum(mask, dtype=jnp.int32) - 1
+  at = jnp.where(mask, rank, size)                      # False entries (and overflow) drop
+  return jnp.full((size,), fill, jnp.int32).at[at].set(
+      jnp.arange(mask.shape[0], dtype=jnp.int32), mode="drop", unique_indices=True)
+
+
 def _hybrid_from_twell(cfg: TrainConfig, words, counts):
   """TwELL words/counts -> (cols [Mp, Wk], p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
   mp, t = cfg.mp, cfg.hp // common.TILE_N
@@ -209,8 +225,7 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
   exceeded = heavy_rows > cfg.tail_rows
-  (tail_index,) = jnp.nonzero(heavy, size=cfg.tail_rows, fill_value=cfg.mp)
-  tail_index = tail_index.astype(jnp.int32)
+  tail_index = _first_true(heavy, cfg.tail_rows, fill=cfg.mp)
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
   # Outside the conditional, so that XLA can share it with the backward's (same jit).
   wu_t = wu.T if gated else None
@@ -225,7 +240,10 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
                                                  interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
   l1_ell = jnp.sum(l1_rows)
-  fired_ell = jnp.zeros((cfg.hp,), bool).at[jnp.where(valid, cols, cfg.hp)].set(True, mode="drop")
+  # Entries per hidden column: the forward's `fired` (> 0) and the backward's CSC column
+  # pointers from one scatter (saved: Hp int32).
+  col_count = _column_counts(cfg, cols, valid)
+  fired_ell = col_count > 0
   r = cfg.tail_rows
   zt = jnp.zeros((r, cfg.hp), dt)                     # tail residuals of a branch with none
   zf = jnp.zeros((r, cfg.hp if gated else 0), dt)
@@ -265,7 +283,8 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   nnz = jnp.sum(cnt, dtype=_F32) / m
   max_tile = jnp.max(cnt).astype(jnp.int32)
   outputs = (y, l1, nnz, max_tile, heavy_rows, fired)
-  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, tail_index, heavy_rows, pt, ut, exceeded)
+  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
+               exceeded)
   return outputs, residuals
 
 
@@ -273,8 +292,14 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
 # Backward
 # ----------------------------------------------------------------------------
 
-def _csc(cfg: TrainConfig, cols, n):
-  """Sort the ELL entries by column: (col_ptr [Hp + 1], entry ids [Mp * Wk] in column order)."""
+def _column_counts(cfg: TrainConfig, cols, valid):
+  """ELL entries per hidden column [Hp] int32 (``valid``: the slots k < n of each row)."""
+  return jnp.zeros((cfg.hp,), jnp.int32).at[jnp.where(valid, cols, cfg.hp)].add(1, mode="drop")
+
+
+def _csc(cfg: TrainConfig, cols, n, col_count=None):
+  """Sort the ELL entries by column: (col_ptr [Hp + 1], entry ids [Mp * Wk] in column order).
+  ``col_count``: the forward's ``_column_counts`` (recounted when None)."""
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
   key = jnp.where(valid, cols, cfg.hp).reshape(-1)
   ids = jnp.arange(key.shape[0], dtype=jnp.int32)
@@ -282,8 +307,9 @@ def _csc(cfg: TrainConfig, cols, n):
   # weight gradients). 16-bit keys where H allows: a radix sort then makes 2 passes, not 4.
   sort_key = key.astype(jnp.uint16) if cfg.hp < 2**16 else key
   _, sid = lax.sort((sort_key, ids), num_keys=1, is_stable=True)
-  hist = jnp.zeros((cfg.hp,), jnp.int32).at[key].add(1, mode="drop")
-  col_ptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(hist, dtype=jnp.int32)])
+  if col_count is None:
+    col_count = _column_counts(cfg, cols, valid)
+  col_ptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(col_count, dtype=jnp.int32)])
   return col_ptr, sid
 
 
@@ -293,14 +319,14 @@ def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, i
   or, when the forward exceeded the tail capacity, replacing everything by the dense VJP.
   ``padded``: ``_padded`` of the residuals' x and weights; ``wu_t`` / ``wg_t`` their
   transposes (both taken by ``backward``)."""
-  x, w_gate, _, _, cols, p, u, n, tail_index, heavy_rows, pt, ut, exceeded = residuals
+  x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut, exceeded = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = padded
   dyp = _pad(dy.astype(dt), (cfg.mp, cfg.dp))
   c = (dl1.astype(_F32) / m).reshape(1)
 
-  col_ptr, sid = _csc(cfg, cols, n)
+  col_ptr, sid = _csc(cfg, cols, n, col_count)
   rows_s = sid // cfg.wk
   wgroup = cfg.wgrads_group or cfg.group
   if cfg.dh_in_columns:

@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [train_ahead] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -17,7 +17,8 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
 * ``down_dh``: the column-side dh + dW_down kernel per group, and timing diagnostics without
   its reduction / its stores (``csc_down_dh(diagnostic=...)``).
 * ``ahead``: each gather kernel of the training step with its rows loaded one step ahead or
-  not (``rows_ahead``), then the step per ``TrainConfig.rows_ahead``.
+  not (``rows_ahead``), then the step per ``TrainConfig.rows_ahead`` (``train_ahead``: only
+  the step).
 * ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
   then forward + backward per TrainConfig variant against XLA dense.
 """
@@ -222,7 +223,7 @@ def sweep_down(x, wg, wu, wd, fold=True):
 
 
 def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
-              down_dh_only=False, ahead_only=False):
+              down_dh_only=False, ahead_only=False, train_variants=None):
   """Training kernels: where x / dy rows live (``x_mode``, with ``variants_rows``), the weight
   gradients in 1-3 kernels and ``group``; the weight gradients must keep the default's bits. Then forward + backward per
   TrainConfig variant against XLA dense forward + backward in the same process."""
@@ -255,7 +256,7 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
   col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
   flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
   if train_only:
-    return sweep_train(spec, x, wg, wu, wd)
+    return sweep_train(spec, x, wg, wu, wd, variants=train_variants or TRAIN_VARIANTS)
   if down_dh_only:
     return sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c)
   if ahead_only:
@@ -330,10 +331,14 @@ def sweep_ahead(spec, cfg, arrays):
     fns = [(kw, jax.jit(functools.partial(fn, **kw))) for kw in kws]
     for name, f, same in _variants(label, fns, args, compared=compared):
       print(f"  {label} {name}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
-  everything = ffn_train_mgpu.ROWS_AHEAD_KERNELS
-  sweep_train(spec, x, wg, wu, wd, variants=(
-      dict(rows_ahead=()), dict(rows_ahead=everything),
-      dict(rows_ahead=("up_down", "down_dh")), dict(rows_ahead=("down_dh",))))
+  sweep_train(spec, x, wg, wu, wd, variants=AHEAD_VARIANTS)
+
+
+# Run 1 of 2026-11-22 (eighth session): rows ahead helped csc_down_dh a little, ell_up_down and
+# ell_dx only at group 1, and slowed the weight gradients.
+AHEAD_VARIANTS = (dict(), dict(rows_ahead=("down_dh",)), dict(group=1),
+                  dict(group=1, rows_ahead=("up_down", "dx")),
+                  dict(group=1, rows_ahead=("up_down", "down_dh", "dx")))
 
 
 def sweep_train(spec, x, wg, wu, wd, variants=TRAIN_VARIANTS):
@@ -384,6 +389,8 @@ def main(argv):
         sweep_bwd(down_dh_only=True)
       elif w == "ahead":
         sweep_bwd(ahead_only=True)
+      elif w == "train_ahead":
+        sweep_bwd(train_only=True, train_variants=AHEAD_VARIANTS)
     except Exception as e:  # keep going
       print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
 

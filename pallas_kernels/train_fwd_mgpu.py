@@ -14,10 +14,11 @@ dense tail) get y = 0 and l1 = 0.
 Mapping (like ``sparse_down_mgpu``): one CTA (one warpgroup, 128 threads) per row; x_r and the
 f32 accumulator live in registers (D/128 values per thread), ELL columns/values are scalar GMEM
 reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long
-contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and
-``w_down`` [H, D]. ``group`` entries are processed side by side per step so that 2 * group row
-loads are in flight; slots past n_r hold column 0 and p = 0 (the caller pads the ELL arrays to a
-multiple of ``group`` slots). No tensor cores. Requires D % 128 == 0.
+contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and ``w_down`` [H, D]. ``group`` entries are
+processed side by side per step, so 2 * group row loads are in flight (twice that with
+``rows_ahead``, which issues the next step's rows before this step's work); slots past n_r hold
+column 0 and p = 0 (the caller pads the ELL arrays to a multiple of ``group`` slots).
+No tensor cores. Requires D % 128 == 0.
 """
 
 from __future__ import annotations

@@ -361,6 +361,17 @@ class CscTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(col_ptr), np.concatenate([[0], np.cumsum(hist)]))
 
 
+  def test_first_true_is_nonzero(self):
+    """The tail index (heavy rows in order, padded with M) equals jnp.nonzero's, with fewer,
+    as many and more True entries than slots."""
+    rng = np.random.default_rng(int(time.time_ns() % 2**31))
+    for n, size, frac in ((100, 8, 0.05), (100, 8, 0.5), (50, 4, 0.0), (30, 30, 1.0)):
+      mask = rng.random(n) < frac
+      got = ffn_train_mgpu._first_true(jnp.asarray(mask), size, fill=n)  # pylint: disable=protected-access
+      (want,) = jnp.nonzero(mask, size=size, fill_value=n)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(mask))
+
+
 class TrainLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules of forward + backward for CUDA on any host (no GPU needed)."""
 
