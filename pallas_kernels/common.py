@@ -158,10 +158,11 @@ def prefetched_fori_loop(n_steps, load, step, init, *, fetch=None, fetch_ahead=F
   ``step(i, loaded, fetched, state)`` gets them: at the start of step i by default, or, with
   ``fetch_ahead``, one step ahead: step i + 1's rows are issued before step i's work and step
   i + 2's scalars before that (``load`` must then be harmless at n_steps + 1 too), so one
-  step's rows are in flight while the step before computes and stores. Why: a warp issues in
-  order, and the compiler does not move a row load above a GMEM store of the step before it
-  (it cannot prove that they do not alias), so a kernel that stores per entry otherwise has
-  only one step's rows in flight at a time. The price: a second step's rows in registers.
+  step's rows are in flight while the step before computes and stores. The reasoning: a warp
+  issues in order, and the compiler does not move a row load above a GMEM store of the step
+  before it (it cannot prove that they do not alias). The price: a second step's rows in
+  registers. Measured (PERF.md, eighth session): a few percent on the row kernels at group 1,
+  nothing on the column dh kernel, slower weight gradients.
   """
   if fetch is not None and not fetch_ahead:
     inner = step

@@ -76,8 +76,8 @@ class TrainConfig:
   tail_rows: int          # R, static capacity of the dense tail
   compression: int = 8    # TwELL compression of the gate GEMM epilogue (S = 256 / C slots/tile)
   group: int = 1          # entries processed side by side in the row kernels (1 with rows
-                          # ahead beat 2 without by 0.027 ms on an H100, 2026-11-22 run 6;
-                          # 2 had beaten 4 by 2-5% on an H200, 2026-11-21 run 3)
+                          # ahead beat 2 without by 0.027 ms on an H100: PERF.md, eighth
+                          # session; 2 had beaten 4 by 2-5% on an H200, 2026-11-21 run 3)
   x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row;
                           # "reload" measured slower here, "bf16" the same: PERF.md)
   wgrads_kernels: int = 2  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads):
@@ -88,9 +88,9 @@ class TrainConfig:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
   # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
-  # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100,
-  # 2026-11-22 runs 1 and 6: up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within
-  # noise, the weight gradients +0.04 (more registers, fewer CTAs per SM).
+  # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100 (PERF.md,
+  # eighth session): up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within noise, the
+  # weight gradients +0.04 (more registers, fewer CTAs per SM).
   rows_ahead: tuple[str, ...] = ("up_down", "dx")
 
   def __post_init__(self):
@@ -185,10 +185,13 @@ def _first_true(mask, size: int, fill: int):
   them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
   True entries write (each to its own slot). jnp.nonzero's scatter-add sends every False
   entry to one counter, and those colliding atomics took 0.013 ms at M = 16384 (H100)."""
-  rank = jnp.cumsum(mask, dtype=jnp.int32) - 1
-  at = jnp.where(mask, rank, size)                      # False entries (and overflow) drop
-  return jnp.full((size,), fill, jnp.int32).at[at].set(
-      jnp.arange(mask.shape[0], dtype=jnp.int32), mode="drop", unique_indices=True)
+  n = mask.shape[0]
+  pos = jnp.arange(n, dtype=jnp.int32)
+  rank = jnp.cumsum(mask, dtype=jnp.int32) - 1          # in [0, n): distinct for True entries
+  # True entries past `size`, and every False entry (sent to its own index >= n), are out of
+  # bounds and dropped; all indices stay distinct, as unique_indices promises.
+  at = jnp.where(mask, rank, n + pos)
+  return jnp.full((size,), fill, jnp.int32).at[at].set(pos, mode="drop", unique_indices=True)
 
 
 def _hybrid_from_twell(cfg: TrainConfig, words, counts):
