@@ -248,13 +248,14 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   col_count = _column_counts(cfg, cols, valid)
   fired_ell = col_count > 0
   r = cfg.tail_rows
-  zt = jnp.zeros((r, cfg.hp), dt)                     # tail residuals of a branch with none
-  zf = jnp.zeros((r, cfg.hp if gated else 0), dt)
+  # Tail residuals (gate rows, up rows) of a branch that has none; non-gated: no up rows.
+  zp = jnp.zeros((r, cfg.hp), dt)
+  zu = jnp.zeros((r, cfg.hp if gated else 0), dt)
 
   def tail(rb):
     def f(y, u):
       if rb == 0:
-        return y[:m, :cfg.d], l1_ell / m, fired_ell[:cfg.h], (u, zt, zt if gated else zf)
+        return y[:m, :cfg.d], l1_ell / m, fired_ell[:cfg.h], (u, zp, zu)
       idx = tail_index[:rb]
       xt = _rows(xp, idx)
       gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
@@ -269,13 +270,13 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
       l1 = (l1_ell + jnp.sum(jnp.abs(ht.astype(_F32)))) / m
       fired = fired_ell | jnp.any(gt > 0, axis=0)
       pad_r = lambda a: jnp.pad(a, ((0, r - rb), (0, 0)))
-      return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pad_r(pt), pad_r(ut) if gated else zf)
+      return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pad_r(pt), pad_r(ut) if gated else zu)
     return f
 
   def dense(y, u):
     del y
     y, l1, fired = _dense_ffn(x, w_gate, w_up, w_down)
-    return y.astype(dt), l1, fired, (u, zt, zt if gated else zf)
+    return y.astype(dt), l1, fired, (u, zp, zu)
 
   buckets = tail_buckets(cfg)
   branch = jnp.where(exceeded, len(buckets), _bucket(cfg, heavy_rows))
@@ -316,16 +317,22 @@ def _csc(cfg: TrainConfig, cols, n, col_count=None):
   return col_ptr, sid
 
 
+def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
+  """Gradients (dx, dw_gate or None, dw_up, dw_down) from the residuals of ``forward``.
 
-def _sparse_backward(cfg: TrainConfig, residuals, dy, dl1, padded, wu_t, wg_t, interpret):
-  """The backward: sparse kernels, then one ``lax.switch`` adding the tail bucket's products
-  or, when the forward exceeded the tail capacity, replacing everything by the dense VJP.
-  ``padded``: ``_padded`` of the residuals' x and weights; ``wu_t`` / ``wg_t`` their
-  transposes (both taken by ``backward``)."""
+  ``cotangents`` = (dy, dl1, ...): the statistics other than l1 have no gradient.
+  The sparse kernels run unconditionally; then one ``lax.switch`` adds the tail bucket's
+  products or, when the forward exceeded the tail capacity, replaces everything by the dense
+  VJP (see ``forward`` for why there is one conditional per direction).
+  """
+  dy, dl1 = cotangents[0], cotangents[1]
   x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut, exceeded = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
-  xp, wg, wu, wd = padded
+  xp, wg, wu, wd = _padded(cfg, *residuals[:4])
+  # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
+  # can share W_up^T with the forward's when both are in one jit.
+  wu_t, wg_t = wu.T, (None if wg is None else wg.T)
   dyp = _pad(dy.astype(dt), (cfg.mp, cfg.dp))
   c = (dl1.astype(_F32) / m).reshape(1)
 
@@ -424,21 +431,6 @@ def _dense_backward(residuals, dy, dl1):
     return dx.astype(dt), None, dwu.astype(dt), dwd.astype(dt)
   _, vjp = jax.vjp(fn, x, w_gate, w_up, w_down)
   return tuple(g.astype(dt) for g in vjp((dy.astype(_F32), dl1.astype(_F32))))
-
-
-def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
-  """Gradients (dx, dw_gate or None, dw_up, dw_down) from the residuals of ``forward``.
-
-  ``cotangents`` = (dy, dl1, ...): the statistics other than l1 have no gradient.
-  """
-  dy, dl1 = cotangents[0], cotangents[1]
-  # The weights' transposes (rows for the dx gathers) outside any conditional, so that XLA
-  # can share W_up^T with the forward's when both are in one jit.
-  padded = _padded(cfg, *residuals[:4])
-  _, wg, wu, _ = padded
-  wu_t, wg_t = wu.T, (None if wg is None else wg.T)
-  # One conditional (tail bucket or dense fallback), inside _sparse_backward; see forward.
-  return _sparse_backward(cfg, residuals, dy, dl1, padded, wu_t, wg_t, interpret)
 
 
 def residual_bytes(residuals) -> int:

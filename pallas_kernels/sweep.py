@@ -231,6 +231,8 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
   from twell_jax.testing import ffn_inputs  # pylint: disable=import-outside-toplevel
   x, wg, wu, wd = ffn_inputs(jax.random.key(0), spec.m, spec.d, spec.h,
                              active_fraction=spec.active / spec.h)
+  if train_only:  # the whole step only: none of the kernel inputs below
+    return sweep_train(spec, x, wg, wu, wd, variants=train_variants or TRAIN_VARIANTS)
   cfg = ffn_train_mgpu.make_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows)
   _, resid = jax.jit(lambda *a: ffn_train_mgpu.forward(cfg, *a))(x, wg, wu, wd)
   _, _, _, _, cols, p, u, n = resid[:8]
@@ -252,15 +254,13 @@ def sweep_bwd(spec_name="paper_16k", variants_rows=False, train_only=False,
     variants("ell_bwd_rows", train_bwd_mgpu.ell_bwd_rows, (dy, cols, p, u, n, c, wd, wut, wgt),
              [dict(group=2), dict(group=2, dy_mode="bf16"), dict(group=2, dy_mode="reload"),
               dict(group=4, dy_mode="reload")])
-  _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
   col_ptr, sid = jax.jit(lambda c_, n_: ffn_train_mgpu._csc(cfg, c_, n_))(cols, n)  # pylint: disable=protected-access
-  flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
-  if train_only:
-    return sweep_train(spec, x, wg, wu, wd, variants=train_variants or TRAIN_VARIANTS)
   if down_dh_only:
     return sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c)
   if ahead_only:
     return sweep_ahead(spec, cfg, (x, wg, wu, wd, dy, cols, p, u, n, c, col_ptr, sid))
+  _, du, dg = train_bwd_mgpu.ell_bwd_rows(dy, cols, p, u, n, c, wd, wut, wgt)
+  flat = lambda a: a.reshape(-1)[sid].astype(jnp.float32)
   variants("csc_weight_grads", train_bwd_mgpu.csc_weight_grads,
            (x, dy, col_ptr, sid // cfg.wk, flat(du), flat(dg), flat(p)),
            [dict(group=2), dict(group=2, kernels=2), dict(group=1, kernels=2),
