@@ -26,8 +26,7 @@ writes the half call i read, and every thread passes call i + 1's barrier only a
 threads have finished call i's reads.
 
 The code is raw Mosaic GPU (``plgpu.inline_mgpu``), which has no interpreter rule: kernels
-that run in interpret mode sum with ``jnp.sum`` there instead (``csc_down_dh``). Supported: G a power of two with 1 <= G <= 32 (G = 1: one barrier per sum instead of
-jnp.sum's two), vectors [D] f32 in a warpgroup-strided layout
+that run in interpret mode sum with ``jnp.sum`` there instead (``csc_down_dh``). Supported: G a power of two with 2 <= G <= 32, vectors [D] f32 in a warpgroup-strided layout
 (D % 128 == 0).
 """
 
@@ -51,7 +50,7 @@ def scratch_shape(group: int):
 
 
 def supported(group: int) -> bool:
-  return 1 <= group <= _WARP and group & (group - 1) == 0
+  return 2 <= group <= _WARP and group & (group - 1) == 0
 
 
 def strided_layout(d: int, dtype_bits: int = 16):
@@ -72,7 +71,7 @@ def batched_sums(vectors, scratch, parity):
   """
   group = len(vectors)
   if not supported(group):
-    raise ValueError(f"batched_sums: {group=} must be a power of two in [1, {_WARP}]")
+    raise ValueError(f"batched_sums: {group=} must be a power of two in [2, {_WARP}]")
   (d,) = vectors[0].shape
   layout = strided_layout(d)
   vectors = [plgpu.layout_cast(v, layout) for v in vectors]

@@ -89,7 +89,7 @@ class TrainConfig:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
   dh_batched: bool = False  # csc_down_dh sums its group's dots together (batched_sums;
-                            # needs a power-of-two group in [1, 32]; GPU only, the
+                            # needs a power-of-two group in [2, 32]; GPU only, the
                             # interpreter sums one by one)
   # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
   # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100 (PERF.md,
@@ -99,7 +99,7 @@ class TrainConfig:
 
   def __post_init__(self):
     if self.dh_batched and not batched_sums.supported(self.dh_group_resolved):
-      raise ValueError(f"TrainConfig.dh_batched needs a power-of-two dh group in [1, 32], "
+      raise ValueError(f"TrainConfig.dh_batched needs a power-of-two dh group in [2, 32], "
                        f"got {self.dh_group_resolved}")
     if not set(self.rows_ahead) <= set(ROWS_AHEAD_KERNELS):
       raise ValueError(f"TrainConfig.rows_ahead={self.rows_ahead!r}: names must be among "

@@ -285,8 +285,9 @@ def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
   only; a diagnostic that skips the stores leaves its outputs unwritten (they may hold a
   previous call's values, so same_bits means nothing there)."""
   args = (dy, wd, col_ptr, sid // cfg.wk, p, u, c, sid)
-  kws = [dict(group=1), dict(group=1, batched=True), dict(group=2, batched=True),
-         dict(group=1, batched=True, rows_ahead=True), dict(group=2),
+  kws = [dict(group=1), dict(group=4, batched=True), dict(group=8, batched=True),
+         dict(group=16, batched=True), dict(group=8, batched=True, rows_ahead=True),
+         dict(group=8, batched=True, diagnostic="no_reduce"),
          dict(group=1, diagnostic="no_reduce"), dict(group=1, diagnostic="no_ell"),
          dict(group=1, diagnostic="no_stores"),
          dict(group=1, diagnostic="no_stores+no_reduce")]
@@ -341,8 +342,8 @@ def sweep_ahead(spec, cfg, arrays):
 
 
 # Ninth session: the column dh kernel's dots summed G at a time (batched_sums).
-BATCHED_VARIANTS = (dict(), dict(dh_group=1, dh_batched=True),
-                    dict(dh_group=2, dh_batched=True))
+BATCHED_VARIANTS = (dict(), dict(dh_group=8, dh_batched=True), dict(dh_group=4, dh_batched=True),
+                    dict(dh_group=16, dh_batched=True))
 
 
 # Run 1 of 2026-11-22 (eighth session): rows ahead helped csc_down_dh a little, ell_up_down and

@@ -368,7 +368,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
   same reduction). ``rows_ahead``: each step's dy rows are loaded one step ahead
   (``common.prefetched_fori_loop(fetch_ahead=True)``); same results. ``batched``: the
   ``group`` dots of a step are summed together by ``batched_sums`` (group a power of two,
-  1..32; one barrier per step instead of two per dot); the same sums in another order, so dh
+  2..32; one barrier per step instead of two per dot); the same sums in another order, so dh
   then differs from ``ell_bwd_rows``'s in the last bits. ``batched_sums`` is raw Mosaic GPU
   without an interpreter rule: under ``interpret`` the dots are summed one by one.
 
@@ -389,7 +389,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
                      f"{rows.shape=} {p.shape=} {None if u is None else u.shape=} "
                      f"{ids.shape=} {ell_shape=}")
   if batched and not batched_sums.supported(group):
-    raise ValueError(f"csc_down_dh: batched sums need a power-of-two group in [1, 32]: {group=}")
+    raise ValueError(f"csc_down_dh: batched sums need a power-of-two group in [2, 32]: {group=}")
   batched = batched and not interpret
   p = p.reshape(n_ell)
   u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
