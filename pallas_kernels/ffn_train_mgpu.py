@@ -50,7 +50,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import batched_sums
 from pallas_kernels import common
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import train_bwd_mgpu
@@ -88,9 +87,6 @@ class TrainConfig:
                               # by a row pass: one W_down-row gather per entry less (H100:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
-  dh_batched: bool = False  # csc_down_dh sums its group's dots together (batched_sums;
-                            # needs a power-of-two group in [2, 32]; GPU only, the
-                            # interpreter sums one by one)
   # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
   # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100 (PERF.md,
   # eighth session): up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within noise, the
@@ -98,16 +94,9 @@ class TrainConfig:
   rows_ahead: tuple[str, ...] = ("up_down", "dx")
 
   def __post_init__(self):
-    if self.dh_batched and not batched_sums.supported(self.dh_group_resolved):
-      raise ValueError(f"TrainConfig.dh_batched needs a power-of-two dh group in [2, 32], "
-                       f"got {self.dh_group_resolved}")
     if not set(self.rows_ahead) <= set(ROWS_AHEAD_KERNELS):
       raise ValueError(f"TrainConfig.rows_ahead={self.rows_ahead!r}: names must be among "
                        f"{ROWS_AHEAD_KERNELS}")
-
-  @property
-  def dh_group_resolved(self) -> int:
-    return self.dh_group or self.wgrads_group or self.group
 
   def ahead(self, kernel: str) -> bool:
     return kernel in self.rows_ahead
@@ -357,8 +346,8 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
     # row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
-        group=cfg.dh_group_resolved, rows_ahead=cfg.ahead("down_dh"),
-        batched=cfg.dh_batched, out_dtype=dt, interpret=interpret)
+        group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"), out_dtype=dt,
+        interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
         x_only=True, rows_ahead=cfg.ahead("wgrads"), out_dtype=dt, interpret=interpret)

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import batched_sums
 from pallas_kernels import common
 
 _F32 = jnp.float32
@@ -280,8 +279,8 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
 
 def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
                          c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
-                         dg_ell_gmem, *scratch, gated: bool, group: int,
-                         rows_ahead: bool = False, batched: bool = False, diagnostic: str = ""):
+                         dg_ell_gmem, *, gated: bool, group: int, rows_ahead: bool = False,
+                         diagnostic: str = ""):
   """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
   (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
   the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
@@ -290,8 +289,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
   side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
   at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
-  scatter kernel has to put them back. With ``batched``, the group's dots are summed by one
-  ``batched_sums`` call (``scratch``: its SMEM ref)."""
+  scatter kernel has to put them back."""
   diag = set(diagnostic.split("+")) - {""}
   j = lax.axis_index("j")
   start = ptr_gmem[j]
@@ -317,8 +315,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
     if "no_reduce" in diag:  # timing only: dh without the dot (wrong values)
       dots = [0.0] * group
     else:
-      dots = (batched_sums.batched_sums([dyq * wdj for dyq in dys], scratch[0], gi % 2)
-              if batched else [jnp.sum(dyq * wdj) for dyq in dys])
+      dots = [jnp.sum(dyq * wdj) for dyq in dys]
     for q in range(group):
       e = start + gi * group + q
       dyq = dys[q]
@@ -351,8 +348,8 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
 
 
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: int = 1,
-                rows_ahead: bool = False, batched: bool = False, out_dtype=_F32,
-                interpret=False, diagnostic: str = ""):
+                rows_ahead: bool = False, out_dtype=_F32, interpret=False,
+                diagnostic: str = ""):
   """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
   None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
 
@@ -366,11 +363,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
   ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
   mask them, as ``ell_dx`` does). dh equals ``ell_bwd_rows``'s bit for bit (same products,
   same reduction). ``rows_ahead``: each step's dy rows are loaded one step ahead
-  (``common.prefetched_fori_loop(fetch_ahead=True)``); same results. ``batched``: the
-  ``group`` dots of a step are summed together by ``batched_sums`` (group a power of two,
-  2..32; one barrier per step instead of two per dot); the same sums in another order, so dh
-  then differs from ``ell_bwd_rows``'s in the last bits. ``batched_sums`` is raw Mosaic GPU
-  without an interpreter rule: under ``interpret`` the dots are summed one by one.
+  (``common.prefetched_fori_loop(fetch_ahead=True)``); same results.
 
   ``diagnostic`` (timing experiments of ``sweep.py`` only; the outputs are then wrong):
   "no_reduce" drops the dot of dh, "no_ell" the ELL-order stores, "no_stores" all du / dg
@@ -388,9 +381,6 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
     raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
                      f"{rows.shape=} {p.shape=} {None if u is None else u.shape=} "
                      f"{ids.shape=} {ell_shape=}")
-  if batched and not batched_sums.supported(group):
-    raise ValueError(f"csc_down_dh: batched sums need a power-of-two group in [2, 32]: {group=}")
-  batched = batched and not interpret
   p = p.reshape(n_ell)
   u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
   coef_t = jax.ShapeDtypeStruct((e,), _F32)
@@ -398,12 +388,11 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=group,
-                          rows_ahead=rows_ahead, batched=batched, diagnostic=diagnostic),
+                          rows_ahead=rows_ahead, diagnostic=diagnostic),
         out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
                   coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
                   ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
         grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
-        scratch_types=[batched_sums.scratch_shape(group)] if batched else [],
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
