@@ -11,9 +11,16 @@ loads (the row numbers are a hash of the step), no reductions, no stores but one
     bytes read = n_ctas * steps * unroll * D * 2;  rate = bytes / CUPTI kernel time
 
 Also a "sequential" variant (rows in order, each CTA its own contiguous range, wrapping) to
-tell random-row costs from L2 bandwidth. Run on the GPU machine:
+tell random-row costs from L2 bandwidth.
+
+``probe_tma`` reads the same rows (same sums) through TMA instead: per step, ``unroll`` rows
+copied into SMEM (each as D / ``chunk`` copies of [1, chunk]), two slots so that step i + 1's
+copies are in flight while step i's rows are added from SMEM. It measures what a tensor-core
+design would pay to gather rows one TMA copy each (the SDDMM of PERF.md, ninth session), with
+nothing else in the kernel. Run on the GPU machine:
 
     python -m pallas_kernels.l2_probe            (prints a table; --out writes JSON)
+    python -m pallas_kernels.l2_probe --variants=tma     (the TMA gathers only)
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from absl import app
 from absl import flags
 import jax
 from jax import lax
+from jax.experimental import pallas as pl
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
@@ -32,6 +40,8 @@ import numpy as np
 from pallas_kernels import common
 
 _OUT = flags.DEFINE_string("out", "", "write the table as JSON here")
+_VARIANTS = flags.DEFINE_list("variants", ["registers"], "registers (GMEM loads into "
+                               "registers, ``probe``) and / or tma (``probe_tma``)")
 _TOTAL_GB = flags.DEFINE_float("total_gb", 4.0, "bytes each probe reads (GB), the forward "
                                "fused kernel's 4.03 GB by default")
 
@@ -76,6 +86,59 @@ def probe(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random",
     )(table)
 
 
+def _tma_probe_kernel(table_gmem, out_gmem, rows_smem, ready, *, steps: int, unroll: int,
+                      order: str, chunk: int):
+  n_rows, d = table_gmem.shape
+  c = lax.axis_index("c")
+
+  def issue(i, slot):
+    for u in range(unroll):
+      j = _row_index(c, i, u, steps=steps, unroll=unroll, n_rows=n_rows, order=order)
+      for k in range(d // chunk):
+        plgpu.copy_gmem_to_smem(table_gmem.at[pl.ds(j, 1), pl.ds(k * chunk, chunk)],
+                                rows_smem.at[slot, pl.ds(u, 1), pl.ds(k * chunk, chunk)],
+                                ready.at[slot])
+
+  def body(i, acc):
+    slot = lax.rem(i, 2)
+    # Every thread is past its reads of the other slot (step i - 1) before it is refilled.
+    plgpu.commit_smem()
+
+    @pl.when(i + 1 < steps)
+    def _():
+      issue(i + 1, 1 - slot)
+
+    plgpu.barrier_wait(ready.at[slot])
+    for u in range(unroll):
+      acc = acc + rows_smem[slot, u, :].astype(jnp.float32)
+    return acc
+
+  issue(0, 0)
+  # (zeros in the layout of a row read from SMEM: the loop carry must keep one layout)
+  out_gmem[c, :] = lax.fori_loop(0, steps, body, common.zeros_like_row(rows_smem[0, 0, :]))
+
+
+def probe_tma(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random",
+              chunk: int = 256, interpret=False):
+  """``probe``'s sums, the rows gathered into SMEM by TMA copies (module docstring)."""
+  d = table.shape[1]
+  if d % chunk:
+    raise ValueError(f"probe_tma: {chunk=} must divide D={d}")
+  with common.interpret_context(bool(interpret)):
+    return plgpu.kernel(
+        functools.partial(_tma_probe_kernel, steps=steps, unroll=unroll, order=order,
+                          chunk=chunk),
+        out_type=jax.ShapeDtypeStruct((n_ctas, d), jnp.float32),
+        scratch_types=[plgpu.SMEM((2, unroll, d), table.dtype),
+                       plgpu.Barrier(num_arrivals=unroll * (d // chunk), num_barriers=2)],
+        grid=(n_ctas,),
+        grid_names=("c",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=common.interpret_params(interpret),
+        kernel_name="l2_probe_tma",
+    )(table)
+
+
 def probe_reference(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random"):
   """NumPy value of ``probe`` (for the test)."""
   t = np.asarray(table, np.float32)
@@ -99,6 +162,11 @@ def main(argv):
   print(f"device: {jax.devices()[0].device_kind}, {sms} SMs, jax {jax.__version__}")
   rows_total = int(_TOTAL_GB.value * 1e9 / (d * 2))
   results = []
+  if "tma" in _VARIANTS.value:
+    results += _main_tma(d, sms, rows_total)
+  if "registers" not in _VARIANTS.value:
+    _write(results)
+    return
   # Tables: 4 MB (L2 surely), 23 MB (one paper-shape weight), 46 MB (the forward's two).
   for n_rows in (1024, 5632, 11264):
     table = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(
@@ -127,9 +195,45 @@ def main(argv):
   for (mb, order), r in sorted(best.items()):
     print(f"  {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll {r['unroll']}, "
           f"{r['ctas']} CTAs)")
+  _write(results)
+
+
+def _write(results):
   if _OUT.value:
     with open(_OUT.value, "w") as fh:
       json.dump(results, fh, indent=1)
+
+
+def _main_tma(d, sms, rows_total):
+  """``probe_tma`` on one paper-shape weight (23 MB), random rows, per rows per step, copy
+  width and CTAs per SM (SMEM: 2 slots x unroll rows x 4 KB per CTA)."""
+  n_rows = 5632
+  table = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(
+      jnp.bfloat16)
+  results = []
+  for chunk in (256, 2048):
+    for unroll in (2, 4, 8):
+      for ctas_per_sm in (1, 2, 3, 6):
+        if ctas_per_sm * 2 * unroll * d * 2 > 220_000:
+          continue
+        n_ctas = sms * ctas_per_sm
+        steps = max(1, rows_total // (n_ctas * unroll))
+        f = jax.jit(functools.partial(probe_tma, n_ctas=n_ctas, steps=steps, unroll=unroll,
+                                      chunk=chunk))
+        try:
+          jax.block_until_ready(f(table))
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"  tma chunk {chunk} unroll {unroll} ctas {n_ctas}: FAILED "
+                f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+          continue
+        ms = common.device_ms(f, table, iterations=5)
+        gbytes = n_ctas * steps * unroll * d * 2 / 1e9
+        tbps = gbytes / ms if ms else float("nan")
+        results.append(dict(variant="tma", table_mb=n_rows * d * 2 / 1e6, chunk=chunk,
+                            unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
+        print(f"  tma table {n_rows * d * 2 / 1e6:5.1f} MB chunk {chunk:4d} unroll {unroll} "
+              f"ctas {n_ctas:4d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
+  return results
 
 
 if __name__ == "__main__":

@@ -228,8 +228,12 @@ class MgpuKernelsInterpretTest(MgpuKernelsTestBase):
     from pallas_kernels import l2_probe
     table = jax.random.normal(jax.random.key(time.time_ns() % 2**31), (96, 256)).astype(
         jnp.bfloat16)
-    got = l2_probe.probe(table, n_ctas=3, steps=5, unroll=2, order=order, interpret=True)
     want = l2_probe.probe_reference(table, n_ctas=3, steps=5, unroll=2, order=order)
+    got = l2_probe.probe(table, n_ctas=3, steps=5, unroll=2, order=order, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    # The TMA variant (rows into SMEM, two slots; 128-column copies: two per row).
+    got = l2_probe.probe_tma(table, n_ctas=3, steps=5, unroll=2, order=order, chunk=128,
+                             interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
