@@ -122,13 +122,15 @@ def probe_tma(table, *, n_ctas: int, steps: int, unroll: int, order: str = "rand
               chunk: int = 256, interpret=False):
   """``probe``'s sums, the rows gathered into SMEM by TMA copies (module docstring)."""
   d = table.shape[1]
-  if d % chunk:
-    raise ValueError(f"probe_tma: {chunk=} must divide D={d}")
+  # Mosaic GPU's async copies take at most 256 elements per dimension.
+  if d % chunk or not 0 < chunk <= 256:
+    raise ValueError(f"probe_tma: {chunk=} must divide D={d} and be at most 256")
   with common.interpret_context(bool(interpret)):
     return plgpu.kernel(
         functools.partial(_tma_probe_kernel, steps=steps, unroll=unroll, order=order,
                           chunk=chunk),
         out_type=jax.ShapeDtypeStruct((n_ctas, d), jnp.float32),
+        # One barrier per slot; every copy into the slot arrives on it once.
         scratch_types=[plgpu.SMEM((2, unroll, d), table.dtype),
                        plgpu.Barrier(num_arrivals=unroll * (d // chunk), num_barriers=2)],
         grid=(n_ctas,),
@@ -161,6 +163,8 @@ def main(argv):
   sms = common.num_sms()
   print(f"device: {jax.devices()[0].device_kind}, {sms} SMs, jax {jax.__version__}")
   rows_total = int(_TOTAL_GB.value * 1e9 / (d * 2))
+  if unknown := set(_VARIANTS.value) - {"registers", "tma"}:
+    raise app.UsageError(f"--variants: unknown {sorted(unknown)} (registers, tma)")
   results = []
   if "tma" in _VARIANTS.value:
     results += _main_tma(d, sms, rows_total)
@@ -205,36 +209,29 @@ def _write(results):
 
 
 def _main_tma(d, sms, rows_total):
-  """``probe_tma`` on one paper-shape weight (23 MB), random rows, per rows per step, copy
-  width and CTAs per SM (SMEM: 2 slots x unroll rows x 4 KB per CTA)."""
+  """``probe_tma`` on one paper-shape weight (23 MB), random rows, per rows per step and CTAs
+  per SM (SMEM: 2 slots x unroll rows x 4 KB per CTA)."""
   n_rows = 5632
   table = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(
       jnp.bfloat16)
   results = []
-  # (256 columns is the widest copy: Mosaic GPU's async copies take <= 256 elements per
-  # dimension, so a 2048-column row is 8 copies.)
-  for chunk in (256,):
-    for unroll in (2, 4, 8):
-      for ctas_per_sm in (1, 2, 3, 6):
-        if ctas_per_sm * 2 * unroll * d * 2 > 220_000:
-          continue
-        n_ctas = sms * ctas_per_sm
-        steps = max(1, rows_total // (n_ctas * unroll))
-        f = jax.jit(functools.partial(probe_tma, n_ctas=n_ctas, steps=steps, unroll=unroll,
-                                      chunk=chunk))
-        try:
-          jax.block_until_ready(f(table))
-        except Exception as e:  # pylint: disable=broad-except
-          print(f"  tma chunk {chunk} unroll {unroll} ctas {n_ctas}: FAILED "
-                f"{type(e).__name__}: {str(e)[:200]}", flush=True)
-          continue
-        ms = common.device_ms(f, table, iterations=5)
-        gbytes = n_ctas * steps * unroll * d * 2 / 1e9
-        tbps = gbytes / ms if ms else float("nan")
-        results.append(dict(variant="tma", table_mb=n_rows * d * 2 / 1e6, chunk=chunk,
-                            unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
-        print(f"  tma table {n_rows * d * 2 / 1e6:5.1f} MB chunk {chunk:4d} unroll {unroll} "
-              f"ctas {n_ctas:4d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
+  chunk = 256  # the widest copy (probe_tma): a 2048-column row is 8 copies
+  for unroll in (2, 4, 8):
+    for ctas_per_sm in (1, 2, 3, 6):
+      if ctas_per_sm * 2 * unroll * d * 2 > 220_000:  # SMEM per SM
+        continue
+      n_ctas = sms * ctas_per_sm
+      steps = max(1, rows_total // (n_ctas * unroll))
+      f = jax.jit(functools.partial(probe_tma, n_ctas=n_ctas, steps=steps, unroll=unroll,
+                                    chunk=chunk))
+      jax.block_until_ready(f(table))
+      ms = common.device_ms(f, table, iterations=5)
+      gbytes = n_ctas * steps * unroll * d * 2 / 1e9
+      tbps = gbytes / ms if ms else float("nan")
+      results.append(dict(variant="tma", table_mb=n_rows * d * 2 / 1e6, chunk=chunk,
+                          unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
+      print(f"  tma table {n_rows * d * 2 / 1e6:5.1f} MB chunk {chunk} unroll {unroll} "
+            f"ctas {n_ctas:4d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
   return results
 
 
