@@ -168,9 +168,23 @@ def main(argv):
   results = []
   if "tma" in _VARIANTS.value:
     results += _main_tma(d, sms, rows_total)
-  if "registers" not in _VARIANTS.value:
-    _write(results)
-    return
+  if "registers" in _VARIANTS.value:
+    results += _main_registers(d, sms, rows_total)
+  best = {}
+  for r in results:
+    k = (r["variant"], r["table_mb"], r["order"])
+    if r["tbps"] == r["tbps"] and r["tbps"] > best.get(k, {}).get("tbps", 0):
+      best[k] = r
+  print("\nbest per variant / table / order:")
+  for (variant, mb, order), r in sorted(best.items()):
+    print(f"  {variant:9s} {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll "
+          f"{r['unroll']}, {r['ctas']} CTAs)")
+  _write(results)
+
+
+def _main_registers(d, sms, rows_total):
+  """``probe`` per table size, row order, rows per step and CTAs per SM."""
+  results = []
   # Tables: 4 MB (L2 surely), 23 MB (one paper-shape weight), 46 MB (the forward's two).
   for n_rows in (1024, 5632, 11264):
     table = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(
@@ -186,20 +200,11 @@ def main(argv):
           ms = common.device_ms(f, table, iterations=5)
           gbytes = n_ctas * steps * unroll * d * 2 / 1e9
           tbps = gbytes / ms if ms else float("nan")
-          results.append(dict(table_mb=n_rows * d * 2 / 1e6, order=order, unroll=unroll,
-                              ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
+          results.append(dict(variant="registers", table_mb=n_rows * d * 2 / 1e6, order=order,
+                              unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
           print(f"  table {n_rows * d * 2 / 1e6:5.1f} MB {order:10s} unroll {unroll} "
                 f"ctas {n_ctas:5d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
-  best = {}
-  for r in results:
-    k = (r["table_mb"], r["order"])
-    if r["tbps"] == r["tbps"] and r["tbps"] > best.get(k, {}).get("tbps", 0):
-      best[k] = r
-  print("\nbest per table / order:")
-  for (mb, order), r in sorted(best.items()):
-    print(f"  {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll {r['unroll']}, "
-          f"{r['ctas']} CTAs)")
-  _write(results)
+  return results
 
 
 def _write(results):
@@ -228,8 +233,8 @@ def _main_tma(d, sms, rows_total):
       ms = common.device_ms(f, table, iterations=5)
       gbytes = n_ctas * steps * unroll * d * 2 / 1e9
       tbps = gbytes / ms if ms else float("nan")
-      results.append(dict(variant="tma", table_mb=n_rows * d * 2 / 1e6, chunk=chunk,
-                          unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
+      results.append(dict(variant="tma", table_mb=n_rows * d * 2 / 1e6, order="random",
+                          chunk=chunk, unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
       print(f"  tma table {n_rows * d * 2 / 1e6:5.1f} MB chunk {chunk} unroll {unroll} "
             f"ctas {n_ctas:4d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
   return results
