@@ -192,19 +192,28 @@ def _main_registers(d, sms, rows_total):
     for order in ("random", "sequential"):
       for unroll in (1, 2, 4, 8):
         for ctas_per_sm in (4, 8, 16):
-          n_ctas = sms * ctas_per_sm
-          steps = max(1, rows_total // (n_ctas * unroll))
-          f = jax.jit(functools.partial(probe, n_ctas=n_ctas, steps=steps, unroll=unroll,
-                                        order=order))
-          jax.block_until_ready(f(table))
-          ms = common.device_ms(f, table, iterations=5)
-          gbytes = n_ctas * steps * unroll * d * 2 / 1e9
-          tbps = gbytes / ms if ms else float("nan")
-          results.append(dict(variant="registers", table_mb=n_rows * d * 2 / 1e6, order=order,
-                              unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
-          print(f"  table {n_rows * d * 2 / 1e6:5.1f} MB {order:10s} unroll {unroll} "
-                f"ctas {n_ctas:5d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
+          results.append(_measure(probe, table, sms * ctas_per_sm, unroll, rows_total,
+                                  variant="registers", order=order))
   return results
+
+
+def _measure(probe_fn, table, n_ctas, unroll, rows_total, **labels):
+  """One probe configuration: CUPTI time of ``probe_fn`` reading ~``rows_total`` rows of
+  ``table`` in ``labels["order"]``; prints and returns a result row (``labels`` included)."""
+  n_rows, d = table.shape
+  steps = max(1, rows_total // (n_ctas * unroll))
+  f = jax.jit(functools.partial(probe_fn, n_ctas=n_ctas, steps=steps, unroll=unroll,
+                                order=labels["order"]))
+  jax.block_until_ready(f(table))
+  ms = common.device_ms(f, table, iterations=5)
+  gbytes = n_ctas * steps * unroll * d * 2 / 1e9
+  tbps = gbytes / ms if ms else float("nan")
+  row = dict(labels, table_mb=n_rows * d * 2 / 1e6, unroll=unroll, ctas=n_ctas, gb=gbytes,
+             ms=ms, tbps=tbps)
+  print(f"  {' '.join(f'{v}' for v in labels.values())} table {row['table_mb']:5.1f} MB "
+        f"unroll {unroll} ctas {n_ctas:5d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s",
+        flush=True)
+  return row
 
 
 def _write(results):
@@ -225,18 +234,9 @@ def _main_tma(d, sms, rows_total):
     for ctas_per_sm in (1, 2, 3, 6):
       if ctas_per_sm * 2 * unroll * d * 2 > 220_000:  # SMEM per SM
         continue
-      n_ctas = sms * ctas_per_sm
-      steps = max(1, rows_total // (n_ctas * unroll))
-      f = jax.jit(functools.partial(probe_tma, n_ctas=n_ctas, steps=steps, unroll=unroll,
-                                    chunk=chunk))
-      jax.block_until_ready(f(table))
-      ms = common.device_ms(f, table, iterations=5)
-      gbytes = n_ctas * steps * unroll * d * 2 / 1e9
-      tbps = gbytes / ms if ms else float("nan")
-      results.append(dict(variant="tma", table_mb=n_rows * d * 2 / 1e6, order="random",
-                          chunk=chunk, unroll=unroll, ctas=n_ctas, gb=gbytes, ms=ms, tbps=tbps))
-      print(f"  tma table {n_rows * d * 2 / 1e6:5.1f} MB chunk {chunk} unroll {unroll} "
-            f"ctas {n_ctas:4d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s", flush=True)
+      results.append(_measure(functools.partial(probe_tma, chunk=chunk), table,
+                              sms * ctas_per_sm, unroll, rows_total, variant="tma",
+                              order="random", chunk=chunk))
   return results
 
 
