@@ -156,15 +156,10 @@ def _body(ctx, j_fa, dy, wd, ptr, rows, p, u, c_ref, ids, dwd, du, dg, du_ell, d
     # The row stays bf16 in registers; each 8-element piece is widened where it is used.
     row_bf = [vector.load(v8bf16, dy, [idx(r), col]) for col in cols]
     new_acc, part = [], None
-    # The W_down[j] addresses depend on e (through a select that never picks its other
-    # side: e >= 0), so that LLVM does not hoist the loop-invariant SMEM loads out of the
-    # loop, which would put W_down[j] back into registers as f32.
-    e_neg = arith.cmpi(arith.CmpIPredicate.slt, e, _c(0, i32))
     for rb, a, col in zip(row_bf, acc, cols):
       rv = arith.extf(v8f32, rb)
       new_acc.append(vector.fma(hvec, rv, a))
-      w_col = arith.select(e_neg, _c(0, index), col)
-      wv = arith.extf(v8f32, vector.load(v8bf16, w_smem, [w_col]))
+      wv = arith.extf(v8f32, vector.load(v8bf16, w_smem, [col]))
       part = arith.mulf(rv, wv) if part is None else vector.fma(rv, wv, part)
     elems = [vector.extract(part, dynamic_position=[],
                             static_position=ir.DenseI64ArrayAttr.get([k])) for k in range(_VEC)]
