@@ -9,10 +9,8 @@ is who does what inside the CTA (one CTA, one warpgroup, per column j):
   spread over 128 threads, so it ends in 5 shuffles and a cross-warp SMEM exchange between two
   warpgroup barriers, and each entry's du / dg stores wait for that.
 * here: warp w takes entries start + w, start + w + 4, ... on its own. Each lane holds 64 of
-  the D = 2048 elements (8-element vectors at lane * 8 + 256 v) of the entry's dy row (bf16)
-  and of its own f32 partial of dW_down[j] in registers, and reads the same elements of
-  W_down[j] from SMEM (copied there once per column); a dot ends in 5 shuffles within the
-  warp and nothing
+  the D = 2048 elements (8-element vectors at lane * 8 + 256 v), W_down[j] and its own f32
+  partial of dW_down[j] in registers; a dot ends in 5 shuffles within the warp and nothing
   else, so the four warps never wait for each other until the column's end, where the four
   dW_down partials are added through SMEM (one barrier per column).
 
@@ -77,7 +75,7 @@ def csc_down_dh_warps(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, out
       functools.partial(_kernel, gated=gated),
       out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype), coef_t if gated else dummy, coef_t,
                 ell_t if gated else dummy, ell_t),
-      scratch_types=[plgpu.SMEM((_WARPS, d), _F32), plgpu.SMEM((d,), w_down.dtype)],
+      scratch_types=[plgpu.SMEM((_WARPS, d), _F32)],
       grid=(hh,), grid_names=("j",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       kernel_name="twell_train_wgrad_down_dh_warps",
@@ -90,7 +88,7 @@ def csc_down_dh_warps(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, out
 
 def _kernel(*refs, gated: bool):
   j = lax.axis_index("j")
-  fn = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT(()),) + (plgpu.RefType(),) * 15)(
+  fn = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT(()),) + (plgpu.RefType(),) * 14)(
       functools.partial(_body, gated=gated))
   fn(j, *refs)
 
@@ -100,7 +98,7 @@ def _c(v, ty):
 
 
 def _body(ctx, j_fa, dy, wd, ptr, rows, p, u, c_ref, ids, dwd, du, dg, du_ell, dg_ell,
-          scratch, w_smem, *, gated: bool):
+          scratch, *, gated: bool):
   """The per-column program (module docstring); all values are per thread."""
   del ctx
   f32, bf16 = ir.F32Type.get(), ir.BF16Type.get()
@@ -122,14 +120,7 @@ def _body(ctx, j_fa, dy, wd, ptr, rows, p, u, c_ref, ids, dwd, du, dg, du_ell, d
   start = memref.load(ptr, [idx(j)])
   end = memref.load(ptr, [idx(arith.addi(j, _c(1, i32)))])
   c = memref.load(c_ref, [_c(0, index)])
-  # W_down[j] in SMEM (bf16), not in registers: registers decide how many CTAs fit on an SM
-  # (233 with it in registers as f32: 2 CTAs per SM).
-  t = arith.remui(tid, _c(_WARP * _WARPS, i32))
-  per_thread = d // (_WARP * _WARPS)
-  base = idx(arith.muli(t, _c(per_thread, i32)))
-  vt_bf = ir.VectorType.get((per_thread,), bf16)
-  vector.store(vector.load(vt_bf, wd, [idx(j), base]), w_smem, [base])
-  mgpu_utils.warpgroup_barrier()
+  w = [arith.extf(v8f32, vector.load(v8bf16, wd, [idx(j), col])) for col in cols]
   zero = arith.constant(v8f32, ir.DenseElementsAttr.get_splat(v8f32, ir.FloatAttr.get(f32, 0.0)))
 
   # Entries start + warp + 4 i for i < trips.
@@ -153,14 +144,13 @@ def _body(ctx, j_fa, dy, wd, ptr, rows, p, u, c_ref, ids, dwd, du, dg, du_ell, d
     else:
       uv, hv = None, pv
     hvec = vector.broadcast(v8f32, hv)
-    # The row stays bf16 in registers; each 8-element piece is widened where it is used.
-    row_bf = [vector.load(v8bf16, dy, [idx(r), col]) for col in cols]
-    new_acc, part = [], None
-    for rb, a, col in zip(row_bf, acc, cols):
-      rv = arith.extf(v8f32, rb)
-      new_acc.append(vector.fma(hvec, rv, a))
-      wv = arith.extf(v8f32, vector.load(v8bf16, w_smem, [col]))
-      part = arith.mulf(rv, wv) if part is None else vector.fma(rv, wv, part)
+    row = [arith.extf(v8f32, vector.load(v8bf16, dy, [idx(r), col])) for col in cols]
+    new_acc = [vector.fma(hvec, rv, a) for rv, a in zip(row, acc)]
+    prods = [arith.mulf(rv, wv) for rv, wv in zip(row, w)]
+    while len(prods) > 1:
+      prods = ([arith.addf(a, b) for a, b in zip(prods[::2], prods[1::2])]
+               + prods[len(prods) - len(prods) % 2:])
+    part = prods[0]
     elems = [vector.extract(part, dynamic_position=[],
                             static_position=ir.DenseI64ArrayAttr.get([k])) for k in range(_VEC)]
     while len(elems) > 1:
@@ -193,7 +183,10 @@ def _body(ctx, j_fa, dy, wd, ptr, rows, p, u, c_ref, ids, dwd, du, dg, du_ell, d
   for v, col in enumerate(cols):
     vector.store(acc.results[v], scratch, [idx(warp), col])
   mgpu_utils.warpgroup_barrier()
+  per_thread = d // (_WARP * _WARPS)
   vt = ir.VectorType.get((per_thread,), f32)
+  t = arith.remui(tid, _c(_WARP * _WARPS, i32))
+  base = idx(arith.muli(t, _c(per_thread, i32)))
   parts = [vector.load(vt, scratch, [_c(k, index), base]) for k in range(_WARPS)]
   total = arith.addf(arith.addf(parts[0], parts[1]), arith.addf(parts[2], parts[3]))
   out_ty = ir.MemRefType(dwd.type).element_type
