@@ -54,7 +54,6 @@ from pallas_kernels import common
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import train_bwd_mgpu
 from pallas_kernels import train_fwd_mgpu
-from pallas_kernels import warp_down_dh
 
 _F32 = jnp.float32
 
@@ -88,9 +87,6 @@ class TrainConfig:
                               # by a row pass: one W_down-row gather per entry less (H100:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
-  dh_warps: bool = False  # the column dh pass with one entry per warp (warp_down_dh: raw
-                          # Mosaic GPU, GPU only; used where it supports the shape and
-                          # dtypes and not under interpret, else csc_down_dh)
   # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
   # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100 (PERF.md,
   # eighth session): up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within noise, the
@@ -348,14 +344,10 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
     # ELL residuals through sid), then dW_up / dW_gate (x rows). du / dg come back in CSC
     # order (for the weight gradients) and in ELL order (for the row-side dx; slots past a
     # row's n are not written, ell_dx masks them).
-    dh_args = (dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk))
-    if cfg.dh_warps and not interpret and warp_down_dh.supported(
-        cfg.dp, dt, *(a.dtype for a in (wd, p, u) if a is not None)):
-      dwd, du_s, dg_s, du_e, dg_e = warp_down_dh.csc_down_dh_warps(*dh_args, out_dtype=dt)
-    else:
-      dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
-          *dh_args, group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"),
-          out_dtype=dt, interpret=interpret)
+    dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
+        dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
+        group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"), out_dtype=dt,
+        interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
         x_only=True, rows_ahead=cfg.ahead("wgrads"), out_dtype=dt, interpret=interpret)

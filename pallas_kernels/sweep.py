@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [train_ahead] [train_warps] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [train_ahead] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -41,7 +41,6 @@ from pallas_kernels import gate_pack_mgpu as gp
 from pallas_kernels import sparse_down_mgpu
 from pallas_kernels import train_bwd_mgpu
 from pallas_kernels import train_fwd_mgpu
-from pallas_kernels import warp_down_dh
 
 
 def kernel_ms(f, *args, iterations=10):
@@ -291,16 +290,6 @@ def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
   for kw, f, same in _variants("csc_down_dh", fns, args,
                                compared=lambda out: (out[0], out[1][:n_valid], out[2][:n_valid])):
     print(f"  csc_down_dh {kw}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
-  # One entry per warp (warp_down_dh): other summation order, so the largest difference.
-  base = jax.jit(fns[0][1])(*args)
-  f = jax.jit(functools.partial(warp_down_dh.csc_down_dh_warps, ell_shape=(cfg.mp, cfg.wk)))
-  try:
-    out = f(*args)
-    diff = [float(jnp.max(jnp.abs(a[:n] - b[:n])) / jnp.max(jnp.abs(b[:n])))
-            for a, b, n in zip(out[:3], base[:3], (None, n_valid, n_valid))]
-    print(f"  csc_down_dh_warps: {kernel_ms(f, *args):.4f} ms  max rel diff {diff}", flush=True)
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"  csc_down_dh_warps: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 TRAIN_VARIANTS = (dict(), dict(dh_group=2), dict(wgrads_group=2), dict(dh_in_columns=False))
@@ -343,10 +332,6 @@ def sweep_ahead(spec, cfg, arrays):
     for name, f, same in _variants(label, fns, args, compared=compared):
       print(f"  {label} {name}: {kernel_ms(f, *args):.4f} ms  same_bits={same}", flush=True)
   sweep_train(spec, x, wg, wu, wd, variants=AHEAD_VARIANTS)
-
-
-# Ninth session: the column dh pass with one entry per warp.
-WARPS_VARIANTS = (dict(), dict(dh_warps=True))
 
 
 # Run 1 of 2026-11-22 (eighth session): rows ahead helped csc_down_dh a little, ell_up_down and
@@ -406,8 +391,6 @@ def main(argv):
         sweep_bwd(ahead_only=True)
       elif w == "train_ahead":
         sweep_bwd(train_only=True, train_variants=AHEAD_VARIANTS)
-      elif w == "train_warps":
-        sweep_bwd(train_only=True, train_variants=WARPS_VARIANTS)
     except Exception as e:  # keep going
       print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
 

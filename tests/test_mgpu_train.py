@@ -76,49 +76,6 @@ def check_grads(tc, x, wg, wu, wd, *, interpret, **kw):
   return st, act
 
 
-def _column_case(rng, *, m, d, h, e, ell_shape, long_column: int = 0, gated: bool = True):
-  """Fresh inputs of the column-side kernels and their numpy references: e CSC entries over h
-  columns (column 0 empty; column 1 gets ``long_column`` extra entries) of m token rows, each
-  at a random slot of an ELL layout ``ell_shape`` whose unused slots hold NaN; ~20% of the
-  gate values are 0 (dh must be 0 there); bf16-representable values. ``down_dh_ref``:
-  csc_down_dh's (dW_down, du, dg) in CSC order (non-gated: h = p, dg = dh, du None)."""
-  rows = rng.integers(0, m, e).astype(np.int32)
-  counts = rng.multinomial(e - long_column, np.ones(h) / h)
-  counts[1] += counts[0] + long_column
-  counts[0] = 0                                      # an empty column
-  col_ptr = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
-  seg = np.repeat(np.arange(h), counts)
-  bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(F32))
-  x, dy, wd = (bf(rng.normal(size=s_)) for s_ in ((m, d), (m, d), (h, d)))
-  n_ell = ell_shape[0] * ell_shape[1]
-  ids = rng.permutation(n_ell)[:e].astype(np.int32)
-  p_csc = bf(np.where(rng.random(e) < 0.2, 0.0, np.abs(rng.normal(size=e)) + 0.1))
-  u_csc = bf(rng.normal(size=e))
-  p_ell, u_ell = (np.full(n_ell, np.nan, F32) for _ in range(2))
-  p_ell[ids], u_ell[ids] = p_csc, u_csc
-  c = 0.3
-  hh = bf(p_csc * u_csc) if gated else p_csc
-  ref = lambda coef, a: np.stack([(coef[seg == j, None] * a[rows[seg == j]]).sum(0)
-                                  for j in range(h)])
-  dh = np.where(p_csc > 0, np.einsum("ed,ed->e", dy[rows], wd[seg]) + c * np.sign(hh), 0)
-  return dict(x=x, dy=dy, wd=wd, col_ptr=col_ptr, rows=rows, ids=ids, p_ell=p_ell,
-              u_ell=u_ell if gated else None, c=c, hh=hh, ell_shape=ell_shape, ref=ref,
-              du=rng.normal(size=e).astype(F32), dg=rng.normal(size=e).astype(F32),
-              down_dh_ref=((ref(hh, dy), dh * p_csc, dh * u_csc) if gated
-                           else (ref(hh, dy), None, dh)))
-
-
-def _run_down_dh(k, dt, fn=None, **kw):
-  """``fn`` (csc_down_dh by default) on a ``_column_case``, outputs in ``dt``."""
-  from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
-  b16 = lambda a: jnp.asarray(a, jnp.bfloat16)
-  u = None if k["u_ell"] is None else b16(k["u_ell"]).reshape(k["ell_shape"])
-  return (fn or train_bwd_mgpu.csc_down_dh)(
-      b16(k["dy"]), b16(k["wd"]), k["col_ptr"], jnp.asarray(k["rows"]),
-      b16(k["p_ell"]).reshape(k["ell_shape"]), u,
-      jnp.full((1,), k["c"], F32), jnp.asarray(k["ids"]), k["ell_shape"], out_dtype=dt, **kw)
-
-
 class TrainTestBase(parameterized.TestCase):
   INTERPRET = False
 
@@ -221,9 +178,30 @@ class TrainInterpretTest(TrainTestBase):
     sums in f32 and rounds once as it writes: the bf16 outputs are the f32 outputs rounded."""
     from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(int(time.time_ns() % 2**31))
-    k = _column_case(rng, m=8, d=128, h=6, e=20, ell_shape=(4, 8))
-    x, dy, col_ptr, rows, du, dg, hh, ref = (k[n] for n in "x dy col_ptr rows du dg hh ref".split())
+    m, d, h, e = 8, 128, 6, 20
+    rows = rng.integers(0, m, e).astype(np.int32)
+    counts = rng.multinomial(e, np.ones(h) / h)
+    counts[0] = 0                                      # an empty column
+    counts[1] += e - counts.sum()
+    col_ptr = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+    seg = np.repeat(np.arange(h), counts)
+    x, dy, wd = (rng.normal(size=s_).astype(F32) for s_ in ((m, d), (m, d), (h, d)))
     b16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    bf = lambda a: np.asarray(b16(a).astype(F32))
+    x, dy, wd = bf(x), bf(dy), bf(wd)
+    # CSC entry i sits at ELL slot ids[i] of a [4, 8] layout (32 slots; 12 unused: NaN).
+    ell_shape = (4, 8)
+    ids = rng.permutation(32)[:e].astype(np.int32)
+    p_csc = bf(np.where(rng.random(e) < 0.2, 0.0, np.abs(rng.normal(size=e)) + 0.1))
+    u_csc = bf(rng.normal(size=e))
+    p_ell, u_ell = (np.full(32, np.nan, F32) for _ in range(2))
+    p_ell[ids], u_ell[ids] = p_csc, u_csc
+    c = 0.3
+    du, dg = (rng.normal(size=e).astype(F32) for _ in range(2))
+    hh = bf(p_csc * u_csc)
+    ref = lambda coef, a: np.stack([(coef[seg == j, None] * a[rows[seg == j]]).sum(0)
+                                    for j in range(h)])
+    dh = np.where(p_csc > 0, np.einsum("ed,ed->e", dy[rows], wd[seg]) + c * np.sign(hh), 0)
     args = lambda *a: tuple(jnp.asarray(v) for v in a)
     cols_args = args(b16(x), b16(dy), col_ptr, rows, du, dg, hh)
     runs = {
@@ -239,8 +217,12 @@ class TrainInterpretTest(TrainTestBase):
                            (ref(du, x), ref(dg, x), ref(hh, dy))),
     }
     for name, group, ahead in (("down_dh", 2, False), ("down_dh_ahead", 1, True)):
-      runs[name] = (functools.partial(_run_down_dh, k, group=group, rows_ahead=ahead,
-                                      interpret=True), k["down_dh_ref"])
+      runs[name] = (functools.partial(
+          lambda dt, group, ahead: train_bwd_mgpu.csc_down_dh(
+              b16(dy), b16(wd), col_ptr, jnp.asarray(rows), b16(p_ell).reshape(ell_shape),
+              b16(u_ell).reshape(ell_shape), jnp.full((1,), c, F32), jnp.asarray(ids),
+              ell_shape, group=group, rows_ahead=ahead, out_dtype=dt, interpret=True),
+          group=group, ahead=ahead), (ref(hh, dy), dh * p_csc, dh * u_csc))
     for name, (run, refs) in runs.items():
       full, rounded = run(F32), run(jnp.bfloat16)
       for i, (a, r) in enumerate(zip(full, refs)):
@@ -250,8 +232,7 @@ class TrainInterpretTest(TrainTestBase):
                                     np.asarray(full[0].astype(jnp.bfloat16)), err_msg=name)
       if name.startswith("down_dh"):   # du, dg also in ELL order, at ids
         for a_ell, a_csc in ((full[3], full[1]), (full[4], full[2])):
-          np.testing.assert_array_equal(np.asarray(a_ell).reshape(-1)[k["ids"]],
-                                        np.asarray(a_csc))
+          np.testing.assert_array_equal(np.asarray(a_ell).reshape(-1)[ids], np.asarray(a_csc))
       else:
         for a, b in zip(full[1:], rounded[1:]):
           np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
@@ -259,7 +240,6 @@ class TrainInterpretTest(TrainTestBase):
   def test_config_rejects_unknown_rows_ahead_kernel(self):
     with self.assertRaisesRegex(ValueError, "rows_ahead"):
       ffn_train_mgpu.make_config(64, 64, 256, rows_ahead=("down",))
-
 
   def test_csc_down_dh_rejects_unknown_diagnostic(self):
     from pallas_kernels import train_bwd_mgpu  # pylint: disable=import-outside-toplevel
@@ -409,15 +389,14 @@ class TrainLoweringTest(parameterized.TestCase):
   def test_kernel_variants_lower_for_cuda(self):
     # D = 2048: f32 and bf16 rows get different register layouts only from D = 512 up.
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 256, 2048, 512)
-    for cfg in (ffn_train_mgpu.make_config(256, 2048, 512, x_mode="reload", wgrads_kernels=3,
-                                           dh_in_columns=False),
-                ffn_train_mgpu.make_config(256, 2048, 512, dh_warps=True)):
+    cfg = ffn_train_mgpu.make_config(256, 2048, 512, x_mode="reload", wgrads_kernels=3,
+                                     dh_in_columns=False)
 
-      def f(x, wg, wu, wd, dy, cfg=cfg):
-        out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
-        return out, ffn_train_mgpu.backward(cfg, res, (dy, jnp.float32(1.0)))
+    def f(x, wg, wu, wd, dy):
+      out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
+      return out, ffn_train_mgpu.backward(cfg, res, (dy, jnp.float32(1.0)))
 
-      common.lower_for_cuda(f, x, wg, wu, wd, x)
+    common.lower_for_cuda(f, x, wg, wu, wd, x)
 
   def test_scan_checkpoint_grad_lowers_for_cuda(self):
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 128, 128, 256)
@@ -455,32 +434,6 @@ class TrainGpuTest(TrainTestBase):
     x, wg, wu, wd = ffn_inputs(jax.random.key(int(time.time_ns() % 2**31)), m, d, h,
                                gated=gated, **gen)
     check_grads(self, x, wg, wu, wd, interpret=False, **kw)
-
-  @parameterized.parameters((256, True), (2048, True), (512, False), (768, True))
-  def test_warp_down_dh_matches_reference(self, d, gated):
-    """csc_down_dh_warps (one entry per warp: raw Mosaic GPU, so GPU only) against numpy:
-    columns of 0, of fewer than 4 and of many entries (one ~100 longer), dW_down in f32 and
-    bf16; du / dg equal in CSC and ELL order."""
-    from pallas_kernels import warp_down_dh  # pylint: disable=import-outside-toplevel
-    rng = np.random.default_rng(int(time.time_ns() % 2**31))
-    k = _column_case(rng, m=96, d=d, h=40, e=700, ell_shape=(96, 8), long_column=100,
-                     gated=gated)
-    full = _run_down_dh(k, F32, fn=warp_down_dh.csc_down_dh_warps)
-    for i, (a, r) in enumerate(zip(full[:3], k["down_dh_ref"])):
-      self.assertEqual(a is None, r is None, f"output {i}")
-      if r is not None:
-        np.testing.assert_allclose(np.asarray(a), r, rtol=1e-4, atol=2e-4 * np.sqrt(d / 128),
-                                   err_msg=f"output {i}")
-    for a_ell, a_csc in ((full[3], full[1]), (full[4], full[2])):
-      self.assertEqual(a_ell is None, a_csc is None)
-      if a_ell is not None:
-        np.testing.assert_array_equal(np.asarray(a_ell).reshape(-1)[k["ids"]],
-                                      np.asarray(a_csc))
-    # dW_down summed in f32 and rounded once as it is written.
-    rounded = _run_down_dh(k, jnp.bfloat16, fn=warp_down_dh.csc_down_dh_warps)
-    self.assertEqual(rounded[0].dtype, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(rounded[0]),
-                                  np.asarray(full[0].astype(jnp.bfloat16)))
 
   def test_scan_checkpoint_grad_accumulation(self):
     """2 layers under lax.scan + checkpoint, gradients accumulated over 2 micro-batches."""
