@@ -136,9 +136,11 @@ def tail_buckets(cfg: TrainConfig) -> tuple[int, ...]:
   return tuple(sorted({0, min(r, _round_up(-(-r // 16), 8)), min(r, _round_up(-(-r // 4), 8)), r}))
 
 
-def _bucket(cfg: TrainConfig, heavy_rows):
-  sizes = tail_buckets(cfg)
-  return sum((heavy_rows > s_).astype(jnp.int32) for s_ in sizes[:-1])
+def _branch(cfg: TrainConfig, heavy_rows):
+  """The ``lax.switch`` index over [tail(rb) for rb in tail_buckets(cfg)] + [dense]: the
+  smallest bucket holding the heavy rows, or the dense branch (index len(buckets)) when they
+  exceed the largest, the capacity R."""
+  return sum((heavy_rows > s_).astype(jnp.int32) for s_ in tail_buckets(cfg))
 
 
 def _pad(a, shape):
@@ -227,7 +229,6 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
       interpret=interpret)
   cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
-  exceeded = heavy_rows > cfg.tail_rows
   tail_index = _first_true(heavy, cfg.tail_rows, fill=cfg.mp)
   valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
   # Outside the conditional, so that XLA can share it with the backward's (same jit).
@@ -278,17 +279,15 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
     y, l1, fired = _dense_ffn(x, w_gate, w_up, w_down)
     return y.astype(dt), l1, fired, (u, zp, zu)
 
-  buckets = tail_buckets(cfg)
-  branch = jnp.where(exceeded, len(buckets), _bucket(cfg, heavy_rows))
-  y, l1, fired, (u, pt, ut) = lax.switch(branch, [tail(rb) for rb in buckets] + [dense],
+  y, l1, fired, (u, pt, ut) = lax.switch(_branch(cfg, heavy_rows),
+                                         [tail(rb) for rb in tail_buckets(cfg)] + [dense],
                                          y_ell, u)
   valid_rows = (jnp.arange(cfg.mp) < m)[:, None]
   cnt = jnp.where(valid_rows, cnt, 0)
   nnz = jnp.sum(cnt, dtype=_F32) / m
   max_tile = jnp.max(cnt).astype(jnp.int32)
   outputs = (y, l1, nnz, max_tile, heavy_rows, fired)
-  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-               exceeded)
+  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut)
   return outputs, residuals
 
 
@@ -326,7 +325,7 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
   VJP (see ``forward`` for why there is one conditional per direction).
   """
   dy, dl1 = cotangents[0], cotangents[1]
-  x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut, exceeded = residuals
+  x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -412,9 +411,8 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
     dx, dwg, dwu, dwd = _dense_backward(residuals, dy, dl1)
     return (dx, dwg, dwu, dwd) if gated else (dx, dwu, None, dwd)
 
-  buckets = tail_buckets(cfg)
-  branch = jnp.where(exceeded, len(buckets), _bucket(cfg, heavy_rows))
-  dx, dw_in, dw_up, dw_down = lax.switch(branch, [tail(rb) for rb in buckets] + [dense],
+  dx, dw_in, dw_up, dw_down = lax.switch(_branch(cfg, heavy_rows),
+                                         [tail(rb) for rb in tail_buckets(cfg)] + [dense],
                                          dx, dwg_t, dwu_t, dwd)
   if gated:
     return dx, dw_in, dw_up, dw_down
