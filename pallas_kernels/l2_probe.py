@@ -21,6 +21,7 @@ nothing else in the kernel. Run on the GPU machine:
 
     python -m pallas_kernels.l2_probe            (prints a table; --out writes JSON)
     python -m pallas_kernels.l2_probe --variants=tma     (the TMA gathers only)
+    python -m pallas_kernels.l2_probe --row_elems=2048,4096   (4 KiB against 8 KiB rows)
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from pallas_kernels import common
 _OUT = flags.DEFINE_string("out", "", "write the table as JSON here")
 _VARIANTS = flags.DEFINE_list("variants", ["registers"], "registers (GMEM loads into "
                                "registers, ``probe``) and / or tma (``probe_tma``)")
+_ROW_ELEMS = flags.DEFINE_list("row_elems", ["2048"], "row lengths D of the register probe's "
+                                "tables (bf16 elements; 2048 = 4 KiB, the paper's rows); "
+                                "each length gets tables of the same bytes as D=2048's")
 _TOTAL_GB = flags.DEFINE_float("total_gb", 4.0, "bytes each probe reads (GB), the forward "
                                "fused kernel's 4.03 GB by default")
 
@@ -162,31 +166,34 @@ def main(argv):
   d = 2048
   sms = common.num_sms()
   print(f"device: {jax.devices()[0].device_kind}, {sms} SMs, jax {jax.__version__}")
-  rows_total = int(_TOTAL_GB.value * 1e9 / (d * 2))
   if unknown := set(_VARIANTS.value) - {"registers", "tma"}:
     raise app.UsageError(f"--variants: unknown {sorted(unknown)} (registers, tma)")
   results = []
+  rows_total = lambda d: int(_TOTAL_GB.value * 1e9 / (d * 2))  # rows of D elements
   if "tma" in _VARIANTS.value:
-    results += _main_tma(d, sms, rows_total)
+    results += _main_tma(d, sms, rows_total(d))
   if "registers" in _VARIANTS.value:
-    results += _main_registers(d, sms, rows_total)
+    for row_elems in map(int, _ROW_ELEMS.value):
+      results += _main_registers(row_elems, sms, rows_total(row_elems))
   best = {}
   for r in results:
-    k = (r["variant"], r["table_mb"], r["order"])
+    k = (r["variant"], r["d"], r["table_mb"], r["order"])
     if r["tbps"] == r["tbps"] and r["tbps"] > best.get(k, {}).get("tbps", 0):
       best[k] = r
   print("\nbest per variant / table / order:")
-  for (variant, mb, order), r in sorted(best.items()):
-    print(f"  {variant:9s} {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll "
+  for (variant, d, mb, order), r in sorted(best.items()):
+    print(f"  {variant:9s} D={d:5d} {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll "
           f"{r['unroll']}, {r['ctas']} CTAs)")
   _write(results)
 
 
 def _main_registers(d, sms, rows_total):
-  """``probe`` per table size, row order, rows per step and CTAs per SM."""
+  """``probe`` per table size, row order, rows per step and CTAs per SM, rows of ``d``
+  elements. Tables (bytes as at D=2048): 4 MB (L2 surely), 23 MB (one paper-shape weight),
+  46 MB (the forward's two, or the two of W_up^T / W_down side by side as one [H, 2D]
+  table at d=4096)."""
   results = []
-  # Tables: 4 MB (L2 surely), 23 MB (one paper-shape weight), 46 MB (the forward's two).
-  for n_rows in (1024, 5632, 11264):
+  for n_rows in (1024 * 2048 // d, 5632 * 2048 // d, 11264 * 2048 // d):
     table = jax.random.normal(jax.random.key(n_rows), (n_rows, d), jnp.float32).astype(
         jnp.bfloat16)
     for order in ("random", "sequential"):
@@ -208,9 +215,9 @@ def _measure(probe_fn, table, n_ctas, unroll, rows_total, **labels):
   ms = common.device_ms(f, table, iterations=5)
   gbytes = n_ctas * steps * unroll * d * 2 / 1e9
   tbps = gbytes / ms if ms else float("nan")
-  row = dict(labels, table_mb=n_rows * d * 2 / 1e6, unroll=unroll, ctas=n_ctas, gb=gbytes,
+  row = dict(labels, d=d, table_mb=n_rows * d * 2 / 1e6, unroll=unroll, ctas=n_ctas, gb=gbytes,
              ms=ms, tbps=tbps)
-  print(f"  {' '.join(f'{v}' for v in labels.values())} table {row['table_mb']:5.1f} MB "
+  print(f"  {' '.join(f'{v}' for v in labels.values())} D={d} table {row['table_mb']:5.1f} MB "
         f"unroll {unroll} ctas {n_ctas:5d}: {gbytes:.2f} GB in {ms:.3f} ms = {tbps:.2f} TB/s",
         flush=True)
   return row
