@@ -87,9 +87,6 @@ class TrainConfig:
                               # by a row pass: one W_down-row gather per entry less (H100:
                               # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
   dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
-  # (with dh_in_columns) csc_down_dh writes du / dg in ELL order only and the weight-gradient
-  # kernels read them through the CSC entries' ELL slots, instead of a second, CSC-order copy.
-  wgrads_via_ell: bool = False
   # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
   # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100 (PERF.md,
   # eighth session): up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within noise, the
@@ -346,17 +343,13 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
     # ELL residuals through sid), then dW_up / dW_gate (x rows). du / dg come back in CSC
     # order (for the weight gradients) and in ELL order (for the row-side dx; slots past a
     # row's n are not written, ell_dx masks them).
-    via = cfg.wgrads_via_ell
     dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
         dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
-        group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"), csc_coefs=not via,
-        out_dtype=dt, interpret=interpret)
-    if via:
-      du_s, dg_s = (None if du_e is None else du_e.reshape(-1)), dg_e.reshape(-1)
+        group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"), out_dtype=dt,
+        interpret=interpret)
     dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
         xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
-        x_only=True, rows_ahead=cfg.ahead("wgrads"), coef_ids=sid if via else None,
-        out_dtype=dt, interpret=interpret)
+        x_only=True, rows_ahead=cfg.ahead("wgrads"), out_dtype=dt, interpret=interpret)
     dx = train_bwd_mgpu.ell_dx(
         cols, n, du_e, dg_e, wu_t, wg_t,
         group=cfg.group, dx_dtype=dt, rows_ahead=cfg.ahead("dx"), interpret=interpret)

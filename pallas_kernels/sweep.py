@@ -1,6 +1,6 @@
 r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper shape by default.
 
-    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [train_ahead] [train_via] [bwd] [train] [l2]
+    python -m pallas_kernels.sweep [gate] [gate_chunks] [gate_steps] [down] [down_dh] [ahead] [train_ahead] [bwd] [train] [l2]
 
 * ``gate``: ``gate_pack`` under several ``GateConfig`` schedules (wgmma pipelining depth,
   2-CTA clusters with W multicast, tile order); every config's words / counts must equal the
@@ -19,8 +19,6 @@ r"""Kernel-level sweeps on the GPU (device time per kernel from CUPTI), paper sh
 * ``ahead``: each gather kernel of the training step with its rows loaded one step ahead or
   not (``rows_ahead``), then the step per ``TrainConfig.rows_ahead`` (``train_ahead``: only
   the step).
-* ``train_via``: the step with the weight gradients' du / dg in CSC order or read through
-  the ELL slots (``TrainConfig.wgrads_via_ell``), each twice.
 * ``bwd``: the training kernels per variant (weight gradients in 1-3 kernels, group),
   then forward + backward per TrainConfig variant against XLA dense.
 """
@@ -295,9 +293,6 @@ def sweep_down_dh(cfg, dy, wd, col_ptr, sid, p, u, c):
 
 
 TRAIN_VARIANTS = (dict(), dict(dh_group=2), dict(wgrads_group=2), dict(dh_in_columns=False))
-# Tenth session: du / dg for the weight gradients in CSC order or through the ELL slots, each
-# twice (the step's kernel times move by ~0.01-0.03 ms between repeats in one process).
-VIA_VARIANTS = (dict(), dict(wgrads_via_ell=True), dict(), dict(wgrads_via_ell=True))
 
 
 def sweep_ahead(spec, cfg, arrays):
@@ -396,8 +391,6 @@ def main(argv):
         sweep_bwd(ahead_only=True)
       elif w == "train_ahead":
         sweep_bwd(train_only=True, train_variants=AHEAD_VARIANTS)
-      elif w == "train_via":
-        sweep_bwd(train_only=True, train_variants=VIA_VARIANTS)
     except Exception as e:  # keep going
       print(f"  {w} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
 

@@ -246,13 +246,10 @@ def _cols_kernel(x_gmem, dy_gmem, ptr_gmem, rows_gmem, du_gmem, dg_gmem, h_gmem,
 
 
 def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
-                     rows_ahead: bool = False, via: bool = False):
+                     rows_ahead: bool = False):
   """Split weight gradients: out_i[j] = sum_{ptr[j] <= e < ptr[j + 1]} coef_i[e] a[rows_e] for
   ``n_out`` coefficient arrays sharing one gathered operand ``a`` (x for dW_up^T / dW_gate^T,
-  dy for dW_down). ``via``: the first of ``refs`` is ids [E], and coef_i is read at ids[e]."""
-  ids = None
-  if via:
-    ids, refs = refs[0], refs[1:]
+  dy for dW_down)."""
   coefs, outs = refs[:n_out], refs[n_out:]
   j = lax.axis_index("j")
   start = ptr_gmem[j]
@@ -261,7 +258,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
   acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
 
   def load(gi):
-    return _column_loads(rows_gmem, coefs, start, end, gi, group, last, via_gmem=ids)[:2]
+    return _column_loads(rows_gmem, coefs, start, end, gi, group, last)[:2]
 
   def step(gi, loaded, rows, accs):
     _, cs = loaded
@@ -283,7 +280,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
 def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
                          c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
                          dg_ell_gmem, *, gated: bool, group: int, rows_ahead: bool = False,
-                         csc_coefs: bool = True, diagnostic: str = ""):
+                         diagnostic: str = ""):
   """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
   (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
   the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
@@ -291,8 +288,8 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
   dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
   side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
-  at e (CSC order, for the weight-gradient pass; not with ``csc_coefs=False``) and at ids[e]
-  (ELL order, for dx), so no scatter kernel has to put them back."""
+  at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
+  scatter kernel has to put them back."""
   diag = set(diagnostic.split("+")) - {""}
   j = lax.axis_index("j")
   start = ptr_gmem[j]
@@ -332,14 +329,12 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
         slot = slots[q]
         if gated:
           du, dg = dh * ps[q], dh * us[q]
-          if csc_coefs:
-            du_gmem[e] = du
+          du_gmem[e] = du
           if "no_ell" not in diag:  # timing only: no ELL-order copies
             du_ell_gmem[slot] = du
         else:
           dg = dh
-        if csc_coefs:
-          dg_gmem[e] = dg
+        dg_gmem[e] = dg
         if "no_ell" not in diag:
           dg_ell_gmem[slot] = dg
       acc = acc + hs[q] * dyq
@@ -353,8 +348,8 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
 
 
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: int = 1,
-                rows_ahead: bool = False, csc_coefs: bool = True, out_dtype=_F32,
-                interpret=False, diagnostic: str = ""):
+                rows_ahead: bool = False, out_dtype=_F32, interpret=False,
+                diagnostic: str = ""):
   """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
   None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
 
@@ -368,9 +363,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
   ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
   mask them, as ``ell_dx`` does). dh equals ``ell_bwd_rows``'s bit for bit (same products,
   same reduction). ``rows_ahead``: each step's dy rows are loaded one step ahead
-  (``common.prefetched_fori_loop(fetch_ahead=True)``); same results. ``csc_coefs=False``:
-  du / dg are written in ELL order only (the CSC-order outputs come back None), for readers
-  that go through ``ids`` (``csc_weight_grads(coef_ids=ids)``).
+  (``common.prefetched_fori_loop(fetch_ahead=True)``); same results.
 
   ``diagnostic`` (timing experiments of ``sweep.py`` only; the outputs are then wrong):
   "no_reduce" drops the dot of dh, "no_ell" the ELL-order stores, "no_stores" all du / dg
@@ -390,23 +383,22 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, group: in
                      f"{ids.shape=} {ell_shape=}")
   p = p.reshape(n_ell)
   u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
-  dummy = jax.ShapeDtypeStruct((8,), _F32)   # an output that is not written
-  coef_t = jax.ShapeDtypeStruct((e,), _F32) if csc_coefs else dummy
+  coef_t = jax.ShapeDtypeStruct((e,), _F32)
   ell_t = jax.ShapeDtypeStruct((n_ell,), _F32)
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=group,
-                          rows_ahead=rows_ahead, csc_coefs=csc_coefs, diagnostic=diagnostic),
+                          rows_ahead=rows_ahead, diagnostic=diagnostic),
         out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
-                  coef_t if gated else dummy, coef_t,
-                  ell_t if gated else dummy, ell_t),
+                  coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
+                  ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
         grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
     dwd, du, dg, du_ell, dg_ell = f(dy, w_down, col_ptr, rows, p, u,
                                     c.astype(_F32).reshape(1), ids)
-  return (dwd, (du if gated and csc_coefs else None), (dg if csc_coefs else None),
+  return (dwd, (du if gated else None), dg,
           du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
 
 
@@ -436,8 +428,8 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, group: int = 2, dx_dtype=_F32,
 
 
 def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels: int = 1,
-                     x_only: bool = False, rows_ahead: bool = False, coef_ids=None,
-                     out_dtype=_F32, interpret=False):
+                     x_only: bool = False, rows_ahead: bool = False, out_dtype=_F32,
+                     interpret=False):
   """(dW_up^T, dW_gate^T, dW_down), each [H, D] ``out_dtype`` (summed in f32, rounded once
   as written); dW_up^T is None when ``du`` is None.
 
@@ -452,24 +444,13 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
   ``x_only`` (kernels 2 or 3): skip dW_down (it comes from ``csc_down_dh``); returns
   (dW_up^T, dW_gate^T, None). ``rows_ahead`` (kernels 2 or 3): the gathered rows are loaded
   one step ahead (``common.prefetched_fori_loop(fetch_ahead=True)``); same results.
-  ``coef_ids`` [E] int32 (kernels 2 or 3): du / dg / h are in another order (e.g. the ELL
-  order of ``csc_down_dh``'s du_ell / dg_ell, flattened, any length) and entry e's coefficient
-  is read at coef_ids[e]; same results as passing them gathered into CSC order.
   """
   m, d = x.shape
   hh = col_ptr.shape[0] - 1
   e = rows.shape[0]
   gated = du is not None
-  via = coef_ids is not None
-  if via:
-    if kernels == 1 or coef_ids.shape != (e,):
-      raise ValueError(f"csc_weight_grads: coef_ids needs kernels 2 or 3 and shape ({e},); "
-                       f"got {kernels=} {coef_ids.shape=}")
-  elif (dg.shape != (e,) or (h is not None and h.shape != (e,))):
-    raise ValueError(f"csc_weight_grads: bad shapes {rows.shape=} {dg.shape=} "
-                     f"{None if h is None else h.shape=}")
-  if (dy.shape != (m, d) or d % 128 or dg.ndim != 1
-      or (h is None and not x_only) or (h is not None and h.ndim != 1)):
+  if (dy.shape != (m, d) or d % 128 or dg.shape != (e,)
+      or (h is None and not x_only) or (h is not None and h.shape != (e,))):
     raise ValueError(f"csc_weight_grads: bad shapes {x.shape=} {dy.shape=} {rows.shape=} "
                      f"{dg.shape=} {None if h is None else h.shape=}")
   if kernels not in (1, 2, 3):
@@ -483,11 +464,11 @@ def csc_weight_grads(x, dy, col_ptr, rows, du, dg, h, *, group: int = 4, kernels
     def one(a, coefs, name):
       return plgpu.kernel(
           functools.partial(_cols_one_kernel, n_out=len(coefs), group=group,
-                            rows_ahead=rows_ahead, via=via),
+                            rows_ahead=rows_ahead),
           out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
           grid=(hh,), grid_names=("j",), compiler_params=params,
           interpret=common.interpret_params(interpret), kernel_name=name,
-      )(a, col_ptr, rows, *((coef_ids,) if via else ()), *coefs)
+      )(a, col_ptr, rows, *coefs)
     if x_only and kernels == 1:
       raise ValueError("csc_weight_grads: x_only needs kernels 2 or 3")
     with common.interpret_context(bool(interpret)):

@@ -253,8 +253,8 @@ class TrainInterpretTest(TrainTestBase):
 
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), the weight gradients in 1-3
-    kernels, their group, dh on the column side, the order the weight gradients read du / dg
-    in and rows loaded a step ahead (or not) change the schedule only: forward and backward give the default's bits."""
+    kernels, their group, dh on the column side and rows loaded a step ahead (or not) change
+    the schedule only: forward and backward give the default's bits."""
     m, d, h = 64, 128, 256
     x, wg, wu, wd = ffn_inputs(jax.random.key(int(time.time_ns() % 2**31)), m, d, h,
                                active_fraction=0.04, heavy_fraction=0.03)
@@ -272,8 +272,6 @@ class TrainInterpretTest(TrainTestBase):
                # the default.
                dict(rows_ahead=() if ffn_train_mgpu.TrainConfig.rows_ahead
                     else ffn_train_mgpu.ROWS_AHEAD_KERNELS),
-               # du / dg for the weight gradients through the ELL slots, or in CSC order.
-               dict(wgrads_via_ell=not ffn_train_mgpu.TrainConfig.wgrads_via_ell),
                dict(dh_in_columns=False), dict(dh_in_columns=False, x_mode="reload",
                                                 wgrads_kernels=1),
                dict(dh_in_columns=False, wgrads_kernels=3, wgrads_group=2)):
@@ -391,15 +389,14 @@ class TrainLoweringTest(parameterized.TestCase):
   def test_kernel_variants_lower_for_cuda(self):
     # D = 2048: f32 and bf16 rows get different register layouts only from D = 512 up.
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 256, 2048, 512)
-    for kw in (dict(x_mode="reload", wgrads_kernels=3, dh_in_columns=False),
-               dict(wgrads_via_ell=not ffn_train_mgpu.TrainConfig.wgrads_via_ell)):
-      cfg = ffn_train_mgpu.make_config(256, 2048, 512, **kw)
+    cfg = ffn_train_mgpu.make_config(256, 2048, 512, x_mode="reload", wgrads_kernels=3,
+                                     dh_in_columns=False)
 
-      def f(x, wg, wu, wd, dy, cfg=cfg):
-        out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
-        return out, ffn_train_mgpu.backward(cfg, res, (dy, jnp.float32(1.0)))
+    def f(x, wg, wu, wd, dy):
+      out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd)
+      return out, ffn_train_mgpu.backward(cfg, res, (dy, jnp.float32(1.0)))
 
-      common.lower_for_cuda(f, x, wg, wu, wd, x)
+    common.lower_for_cuda(f, x, wg, wu, wd, x)
 
   def test_scan_checkpoint_grad_lowers_for_cuda(self):
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 128, 128, 256)
