@@ -168,23 +168,41 @@ def main(argv):
   print(f"device: {jax.devices()[0].device_kind}, {sms} SMs, jax {jax.__version__}")
   if unknown := set(_VARIANTS.value) - {"registers", "tma"}:
     raise app.UsageError(f"--variants: unknown {sorted(unknown)} (registers, tma)")
+  row_elems = _parse_row_elems(_ROW_ELEMS.value)
   results = []
-  rows_total = lambda d: int(_TOTAL_GB.value * 1e9 / (d * 2))  # rows of D elements
   if "tma" in _VARIANTS.value:
-    results += _main_tma(d, sms, rows_total(d))
+    results += _main_tma(d, sms, _rows_total(d))
   if "registers" in _VARIANTS.value:
-    for row_elems in map(int, _ROW_ELEMS.value):
-      results += _main_registers(row_elems, sms, rows_total(row_elems))
+    for elems in row_elems:
+      results += _main_registers(elems, sms, _rows_total(elems))
   best = {}
   for r in results:
     k = (r["variant"], r["d"], r["table_mb"], r["order"])
     if r["tbps"] == r["tbps"] and r["tbps"] > best.get(k, {}).get("tbps", 0):
       best[k] = r
   print("\nbest per variant / table / order:")
-  for (variant, d, mb, order), r in sorted(best.items()):
-    print(f"  {variant:9s} D={d:5d} {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll "
+  for (variant, elems, mb, order), r in sorted(best.items()):
+    print(f"  {variant:9s} D={elems:5d} {mb:5.1f} MB {order:10s}: {r['tbps']:.2f} TB/s (unroll "
           f"{r['unroll']}, {r['ctas']} CTAs)")
   _write(results)
+
+
+def _rows_total(d):
+  """Rows of ``d`` bf16 elements in the ``--total_gb`` each probe reads."""
+  return int(_TOTAL_GB.value * 1e9 / (d * 2))
+
+
+def _parse_row_elems(values):
+  """``--row_elems`` as ints; each a multiple of 128 (one 16-byte load per thread of a
+  warpgroup) dividing 1024 * 2048 (so every table keeps the D=2048 tables' bytes)."""
+  try:
+    elems = [int(v) for v in values]
+  except ValueError as e:
+    raise app.UsageError(f"--row_elems: {values} are not all integers") from e
+  if bad := [e for e in elems if e <= 0 or e % 128 or (1024 * 2048) % e]:
+    raise app.UsageError(f"--row_elems: {bad} must be positive multiples of 128 that divide "
+                         f"{1024 * 2048}")
+  return elems
 
 
 def _main_registers(d, sms, rows_total):

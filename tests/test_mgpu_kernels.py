@@ -236,6 +236,16 @@ class MgpuKernelsInterpretTest(MgpuKernelsTestBase):
                              interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
+  def test_l2_probe_row_lengths_checked_up_front(self):
+    """--row_elems takes row lengths the probe kernel and its table sizes can use, and
+    refuses others before any kernel is built."""
+    from absl import app
+    from pallas_kernels import l2_probe
+    self.assertEqual(l2_probe._parse_row_elems(["2048", "4096"]), [2048, 4096])  # pylint: disable=protected-access
+    for bad in (["3000"], ["0"], ["2048", "four"], ["384"]):
+      with self.assertRaisesRegex(app.UsageError, "--row_elems"):
+        l2_probe._parse_row_elems(bad)  # pylint: disable=protected-access
+
 
 class MgpuLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules for CUDA on any host (no GPU needed)."""
