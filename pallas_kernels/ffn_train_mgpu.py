@@ -182,6 +182,11 @@ def _dense_ffn(x, w_gate, w_up, w_down):
 # Forward
 # ----------------------------------------------------------------------------
 
+def slot_mask(cfg: TrainConfig, n):
+  """[Mp, Wk] bool: the ELL slots k < n[r] of each row that hold an entry."""
+  return jnp.arange(cfg.wk)[None, :] < n[:, None]
+
+
 def _first_true(mask, size: int, fill: int):
   """Indices of the first ``size`` True entries of the 1-D ``mask`` (int32), ``fill`` after
   them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
@@ -211,7 +216,7 @@ def _hybrid_from_twell(cfg: TrainConfig, words, counts):
   start = jnp.take_along_axis(incl - jnp.minimum(cnt, s), tile_c, axis=1)
   slot = jnp.clip(k[None, :] - start, 0, s - 1)
   word = jnp.take_along_axis(words, tile_c * s + slot, axis=1)
-  valid = k[None, :] < n[:, None]
+  valid = slot_mask(cfg, n)
   cols = jnp.where(valid, tile_c * common.TILE_N + lax.shift_right_logical(word, 16), 0)
   bits = (word & 0xFFFF).astype(jnp.uint16)
   p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
@@ -230,7 +235,7 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
   tail_index = _first_true(heavy, cfg.tail_rows, fill=cfg.mp)
-  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+  valid = slot_mask(cfg, n)
   # Outside the conditional, so that XLA can share it with the backward's (same jit).
   wu_t = wu.T if gated else None
 
@@ -303,7 +308,7 @@ def _column_counts(cfg: TrainConfig, cols, valid):
 def _csc(cfg: TrainConfig, cols, n, col_count=None):
   """Sort the ELL entries by column: (col_ptr [Hp + 1], entry ids [Mp * Wk] in column order).
   ``col_count``: the forward's ``_column_counts`` (recounted when None)."""
-  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+  valid = slot_mask(cfg, n)
   key = jnp.where(valid, cols, cfg.hp).reshape(-1)
   ids = jnp.arange(key.shape[0], dtype=jnp.int32)
   # Stable: a column's entries stay in token order (a deterministic summation order for the
@@ -354,7 +359,7 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
         cols, n, du_e, dg_e, wu_t, wg_t,
         group=cfg.group, dx_dtype=dt, rows_ahead=cfg.ahead("dx"), interpret=interpret)
   else:
-    valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+    valid = slot_mask(cfg, n)
     flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]
     h_ell = ((p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32) if gated
              else p.astype(_F32))

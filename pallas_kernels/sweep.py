@@ -305,7 +305,7 @@ def sweep_ahead(spec, cfg, arrays):
   rows = sid // cfg.wk
   ell = (cfg.mp, cfg.wk)
   n_valid = int(col_ptr[-1])
-  valid = jnp.arange(cfg.wk)[None, :] < n[:, None]
+  valid = ffn_train_mgpu.slot_mask(cfg, n)
   dwd, du_s, dg_s, du_e, dg_e = jax.jit(functools.partial(
       train_bwd_mgpu.csc_down_dh, ell_shape=ell))(dy, wd, col_ptr, rows, p, u, c, sid)
   du_e, dg_e = jnp.where(valid, du_e, 0), jnp.where(valid, dg_e, 0)
