@@ -19,13 +19,14 @@ def get_config() -> ml_collections.ConfigDict:
       rope_theta=10000.0, norm_eps=1e-6, init_std=0.02,
       ffn_gated=True,
       ffn_activation="relu",  # sparse kernels need relu; dense: silu/gelu too
-      # None = best available (mosaic_gpu where supported, else xla);
+      # None = best available (mosaic_gpu where supported, else dense);
       # "dense" is the dense baseline.
       ffn_implementation=config_dict.placeholder(str),
       dtype="bfloat16", param_dtype="float32",
       remat=False,            # jax.checkpoint each block (memory for compute)
       scan_layers=False,      # lax.scan over stacked layers: depth-independent
                               # compile time (checkpoints differ in layout)
+      attention="auto",       # "cudnn" flash attention on GPUs (bf16), else "xla"
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -8,10 +8,10 @@ Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
  1. ``gate_pack_mgpu.gate_pack``: wgmma GEMM x @ w_gate (w_up when non-gated) with ReLU and
     TwELL packing in its epilogue (S = 256 / compression slots per row and 256-column tile;
     true counts kept). The dense [M, H] activation is never written.
- 2. ``sparse_down_mgpu.sparse_down``: per row, over the packed entries, gathers W_up^T rows
+ 2. ``sparse_up_down_mgpu.sparse_up_down``: per row, over the packed entries, gathers W_up^T rows
     (gated) and W_down rows, computes h and accumulates y in f32.
  3. Overflow rows (some tile count > S) are skipped by step 2 and recomputed exactly by a dense
-    XLA FFN on those rows, gathered up to a static capacity R (``overflow_capacity``); if more
+    XLA FFN (``reference.dense_ffn``) on those rows, gathered up to a static capacity R (``overflow_capacity``); if more
     than R rows overflow, a ``lax.switch`` runs the dense XLA FFN on the whole batch instead.
     Nothing is truncated; ``stats["overflow_rows"]`` counts the rows that took a dense path.
 
@@ -21,19 +21,31 @@ of 256 with zero weights (so padding is exact: zero gate pre-activations are not
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from pallas_kernels import _common as common
 from pallas_kernels import gate_pack_mgpu
-from pallas_kernels import sparse_down_mgpu
+from pallas_kernels import reference
+from pallas_kernels import sparse_up_down_mgpu
 
 
-def _round_up(a: int, b: int) -> int:
-  return -(-a // b) * b
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardConfig:
+  """Static choices of the forward. ``overflow_capacity``: rows the exact dense path for
+  overflowing rows holds (None: ``default_overflow_capacity``); more overflowing rows switch
+  the whole batch to the dense FFN."""
+  overflow_capacity: int | None = None
+  gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
+  up_down: sparse_up_down_mgpu.UpDownConfig = sparse_up_down_mgpu.UpDownConfig()
+
+  def __post_init__(self):
+    if self.overflow_capacity is not None and self.overflow_capacity < 1:
+      raise ValueError(f"{self.overflow_capacity=} must be >= 1 or None")
 
 
 def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
@@ -53,7 +65,7 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
     return f"w_gate must be [D={d}, H={h}], got {w_gate.shape}"
   if w_down.shape != (h, d):
     return f"w_down must be [H={h}, D={d}], got {w_down.shape}"
-  if _round_up(h, common.TILE_N) > 65536:
+  if common.round_up(h, common.TILE_N) > 65536:
     return f"H={h} exceeds the 16-bit column field of the packed words"
   if not interpret and not common.on_hopper():
     return "needs a Hopper GPU (sm_90) as the default device, or interpret=True"
@@ -61,48 +73,23 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
 
 
 def default_overflow_capacity(m_padded: int) -> int:
-  return min(m_padded, _round_up(max(64, m_padded // 64), 64))
+  return min(m_padded, common.round_up(max(64, m_padded // 64), 64))
 
 
 def _dense_rows(x, w_gate, w_up, w_down):
-  """XLA dense FFN in bf16 with f32 accumulation; returns (y, |h| row sums, gate-active mask)."""
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-  if w_gate is not None:
-    g = dot(x, w_gate).astype(jnp.bfloat16)
-    u = dot(x, w_up).astype(jnp.bfloat16)
-    h = (jnp.maximum(g, 0) * u).astype(jnp.bfloat16)
-    active = g > 0
-  else:
-    h = jnp.maximum(dot(x, w_up).astype(jnp.bfloat16), 0)
-    active = h > 0
-  y = dot(h, w_down).astype(jnp.bfloat16)
+  """(y, |h| row sums, active) of the dense FFN (``reference.dense_ffn``) on rows x."""
+  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
   return y, jnp.sum(jnp.abs(h.astype(jnp.float32)), axis=1), active
 
 
-def reference_forward(x, w_gate, w_up, w_down):
-  """f32 dense reference (HIGHEST precision) of the forward."""
-  f = lambda a: a.astype(jnp.float32)
-  dot = functools.partial(jnp.dot, precision=lax.Precision.HIGHEST)
-  if w_gate is not None:
-    h = jnp.maximum(dot(f(x), f(w_gate)), 0) * dot(f(x), f(w_up))
-  else:
-    h = jnp.maximum(dot(f(x), f(w_up)), 0)
-  return dot(h, f(w_down)), h
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "compression", "overflow_capacity",
-                                             "rows_per_cta", "group", "prefetch", "split",
-                                             "x_mode"))
-def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
-                overflow_capacity=None, w_up_t=None, rows_per_cta=1, group=1, prefetch=True,
-                split=False, x_mode="reload"):
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfig(),
+                w_up_t=None, interpret=False):
   """TwELL FFN forward. Returns (y [M, D] bf16, stats dict of device arrays).
 
   ``w_up_t`` optionally passes a pre-transposed [H, D] copy of ``w_up`` (layers can hold one
   to save the transpose). Stats: "l1" (mean over tokens of sum_j |h|), "nnz_per_token",
-  "max_tile_nnz", "overflow_rows", "fired" [H] bool. ``rows_per_cta``, ``group``,
-  ``prefetch``, ``split`` and ``x_mode`` pick the version of the sparse up/down kernel
-  (``sparse_down_mgpu.sparse_down``); every version gives the same result.
+  "max_tile_nnz", "overflow_rows", "fired" [H] bool.
   """
   if x.ndim != 2:
     raise ValueError(f"x must be [M, D], got shape {x.shape}")
@@ -118,22 +105,16 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
     if a is not None and a.dtype != jnp.bfloat16:
       raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
-  if compression not in (2, 4, 8):
-    raise ValueError(f"compression must be 2, 4 or 8, got {compression}")
 
-  mp = _round_up(m, gate_pack_mgpu.CTA_M)
-  dp = _round_up(d, 128)
-  hp = _round_up(h, common.TILE_N)
+  mp = common.round_up(m, gate_pack_mgpu.CTA_M)
+  dp = common.round_up(d, 128)
+  hp = common.round_up(h, common.TILE_N)
+  compression = config.gate.compression
   slots = common.TILE_N // compression
   n_tiles = hp // common.TILE_N
-  cap = overflow_capacity or default_overflow_capacity(mp)
-  cap = min(cap, mp)
+  cap = min(config.overflow_capacity or default_overflow_capacity(mp), mp)
 
-  def pad(a, shape):
-    if a.shape == shape:
-      return a
-    return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
-
+  pad = common.pad_to
   xp = pad(x, (mp, dp))
   wup_p = pad(w_up, (dp, hp))
   wd_p = pad(w_down, (hp, dp))
@@ -143,8 +124,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   else:
     wup_t = None
 
-  cfg = gate_pack_mgpu.library_config(compression)
-  words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, config=cfg,
+  words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, config=config.gate,
                                            interpret=interpret)
   cnt = counts.reshape(mp, n_tiles, common.COUNT_LANES)[..., 0]
   valid_row = jnp.arange(mp) < m
@@ -153,8 +133,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
   row_ok = jnp.logical_not(row_over).astype(jnp.int32)
 
   def fired_from_words():
-    # A scatter of every slot into [H]: 0.08 ms at the paper shape (H100, stats_probe.py); an
-    # OR-reduction of per-row 256-bit column masks measured the same, so the scatter stays.
+    # A scatter of every slot into [H]: 0.08 ms at the paper shape on an H100 (an OR-reduction
+    # of per-row 256-bit column masks measured the same).
     w = words.reshape(mp, n_tiles, slots)
     ok = ((jnp.arange(slots)[None, None, :] < cnt[..., None])
           & (row_ok.astype(bool) & valid_row)[:, None, None])
@@ -163,10 +143,9 @@ def ffn_forward(x, w_gate, w_up, w_down, *, interpret=False, compression=8,
     return jnp.zeros((hp,), jnp.bool_).at[col.reshape(-1)].set(True, mode="drop")
 
   def sparse_path(fix: bool):
-    y, l1_rows = sparse_down_mgpu.sparse_down(
+    y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
         xp, words, counts, row_ok, wup_t, wd_p, compression=compression,
-        rows_per_cta=rows_per_cta, group=group, prefetch=prefetch, split=split, x_mode=x_mode,
-        interpret=interpret)
+        config=config.up_down, interpret=interpret)
     l1_rows = jnp.where(row_ok.astype(bool) & valid_row, l1_rows, 0.0)
     fired = fired_from_words()
     if fix:

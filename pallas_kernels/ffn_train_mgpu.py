@@ -1,10 +1,11 @@
 """Training (forward + backward) of the sparse ReLU FFN with Pallas Mosaic GPU kernels.
 
-Entry points, ready for ``jax.custom_vjp`` (see ``twell_jax/mosaic.py``):
-    outputs, residuals = forward(cfg, x, w_gate, w_up, w_down, interpret=...)
-    dx, dw_gate, dw_up, dw_down = backward(cfg, residuals, (dy, dl1), interpret=...)
-``outputs`` = (y, l1, nnz_per_token, max_tile_nnz, heavy_rows, fired), like the "xla"
-implementation (``twell_jax.sparse_xla``), whose math and residual layout this follows.
+Entry points, ready for ``jax.custom_vjp`` (the static ``HybridConfig`` as its nondiff
+argument):
+    (y, stats), residuals = forward(cfg, x, w_gate, w_up, w_down, interpret=...)
+    dx, dw_gate, dw_up, dw_down = backward(cfg, residuals, (dy, stats_cotangent), interpret=...)
+``stats`` is the dict of ``ffn_mgpu.ffn_forward`` (l1, nnz_per_token, max_tile_nnz,
+overflow_rows, fired); only l1 is differentiable.
 
 Forward:
  1. gate GEMM with the TwELL packing epilogue (``gate_pack_mgpu.gate_pack``, wgmma): the dense
@@ -12,7 +13,7 @@ Forward:
  2. TwELL -> hybrid layout (XLA glue on the packed [M, T*S] words): rows with at most W actives
     and no overflowing tile become ELL rows (columns, gate values; [M, W]); the other rows are
     "heavy" and go to a dense tail of static capacity R.
- 3. ``train_fwd_mgpu.ell_up_down``: sampled up projection (u on the pattern, saved), h = p * u,
+ 3. ``ell_up_down_mgpu.ell_up_down``: sampled up projection (u on the pattern, saved), h = p * u,
     sparse down projection y, per-row L1.
  4. Tail rows (<= R): small dense XLA products on those rows, in the smallest static bucket
     that holds them. More than R heavy rows: the dense FFN instead (exact; reported in
@@ -24,20 +25,18 @@ up rows ([R, H]); never a dense [M, H] tensor.
 Backward:
  1. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
     slots get the key H and sort last); column pointers from the forward's column counts.
- 2. ``train_bwd_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with W_down[j]
-    in registers, gathers the dy row of each entry once for both dh (+ the L1 term) -> du, dg
-    and dW_down[j] (du, dg written in both CSC and ELL order); then
-    ``csc_weight_grads(x_only=True)``: dW_up, dW_gate from x rows; then ``ell_dx`` gathers
-    W_up^T / W_gate^T rows for dx.
-    (``dh_in_columns=False``: ``ell_bwd_rows`` computes dh row-side, gathering W_down rows,
-    then dx; ``csc_weight_grads`` the three weight gradients in 1-3 kernels.) No atomics.
+ 2. ``sparse_backward_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with
+    W_down[j] in registers, gathers the dy row of each entry once for both dh (+ the L1 term)
+    -> du, dg and dW_down[j] (du, dg written in both CSC and ELL order); then ``column_sums``:
+    dW_up, dW_gate from x rows; then ``ell_dx`` gathers W_up^T / W_gate^T rows for dx.
+    (``dh_in_columns=False``: ``ell_dh`` computes dh row-side, gathering W_down rows, then
+    ``column_sums`` gives dW_down from dy rows.) No atomics.
  3. Tail rows: dense XLA products on the forward's bucket of rows; capacity exceeded: the VJP
     of the dense FFN, recomputed from x. Again one ``lax.switch``, after the sparse kernels.
 Static shapes throughout, no value leaves the device for the program's sake. XLA's GPU runtime
 still evaluates each conditional's branch index on the host (a small device -> host copy that
 waits for the work before it), so each direction has exactly one conditional: the sparse
-kernels run unconditionally and, in the rare batch that exceeds R, their results are dropped
-(``python -m pallas_kernels.cond_probe`` shows the placement and the wall time).
+kernels run unconditionally and, in the rare batch that exceeds R, their results are dropped.
 Shapes: any M, D, H (padded internally: M to 128, D to 128, H to 256 with zeros, which is exact).
 """
 
@@ -45,116 +44,100 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from pallas_kernels import _common as common
+from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import gate_pack_mgpu
-from pallas_kernels import train_bwd_mgpu
-from pallas_kernels import train_fwd_mgpu
+from pallas_kernels import reference
+from pallas_kernels import sparse_backward_mgpu
 
 _F32 = jnp.float32
 
 
-def _round_up(a: int, b: int) -> int:
-  return -(-a // b) * b
+_Gather = common.GatherConfig
 
 
-# The gather kernels that can load their rows one step ahead (TrainConfig.rows_ahead).
-ROWS_AHEAD_KERNELS = ("up_down", "down_dh", "wgrads", "dx")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+  """Static configuration of one training FFN call: its shape, the hybrid layout's capacities
+  and the tuned kernel choices (hashable: the custom_vjp's nondiff argument).
 
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Static configuration of one training FFN call (hashable: a custom_vjp nondiff arg)."""
+  Tuned on an H100 at the paper shape: ``dh_in_columns`` (dh from the column pass, one W_down
+  row gather per entry less: 0.298 + 0.301 ms -> 0.480 ms); the row kernels at group 1 with
+  their rows loaded a step ahead (-0.019 ms up_down, -0.008 ms dx; group 2 without rows ahead
+  was 0.027 ms slower); the column kernels at group 1 without rows ahead (+0.04 ms with).
+  """
   m: int
   d: int
   h: int
   ell_width: int          # W (ELL slots per row); rows with more actives are heavy
   tail_rows: int          # R, static capacity of the dense tail
-  compression: int = 8    # TwELL compression of the gate GEMM epilogue (S = 256 / C slots/tile)
-  group: int = 1          # entries processed side by side in the row kernels (1 with rows
-                          # ahead beat 2 without by 0.027 ms on an H100: PERF.md, eighth
-                          # session; 2 had beaten 4 by 2-5% on an H200, 2026-11-21 run 3)
-  x_mode: str = "f32"     # where x_r / dy_r live in the row kernels (common.hold_row;
-                          # "reload" measured slower here, "bf16" the same: PERF.md)
-  wgrads_kernels: int = 2  # weight gradients in 1, 2 or 3 kernels (csc_weight_grads):
-                           # 1.03 ms (1), 0.625 (2), 0.87 (3) on an H100, 2026-11-21 run 13
-  wgrads_group: int | None = 1  # ``group`` of the weight-gradient kernels (None: group)
-  dh_in_columns: bool = True  # dh computed by the dW_down column pass (csc_down_dh), not
-                              # by a row pass: one W_down-row gather per entry less (H100:
-                              # 0.298 + 0.301 ms -> 0.480 ms, 2026-11-21 session 3 run 6)
-  dh_group: int | None = None  # ``group`` of csc_down_dh (None: the weight-gradient group)
-  # Kernels whose gathered rows load one step ahead (``common.prefetched_fori_loop``), among
-  # ROWS_AHEAD_KERNELS (names of kernels the config does not run are ignored). H100 (PERF.md,
-  # eighth session): up_down -0.019 ms, dx -0.008 (both at group 1), down_dh within noise, the
-  # weight gradients +0.04 (more registers, fewer CTAs per SM).
-  rows_ahead: tuple[str, ...] = ("up_down", "dx")
+  gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
+  dh_in_columns: bool = True
+  up_down: common.GatherConfig = _Gather(rows_ahead=True)
+  down_dh: common.GatherConfig = _Gather()
+  wgrads: common.GatherConfig = _Gather()
+  dh: common.GatherConfig = _Gather()       # the row-side dh (dh_in_columns=False)
+  dx: common.GatherConfig = _Gather(rows_ahead=True)
 
   def __post_init__(self):
-    if not set(self.rows_ahead) <= set(ROWS_AHEAD_KERNELS):
-      raise ValueError(f"TrainConfig.rows_ahead={self.rows_ahead!r}: names must be among "
-                       f"{ROWS_AHEAD_KERNELS}")
-
-  def ahead(self, kernel: str) -> bool:
-    return kernel in self.rows_ahead
+    if min(self.m, self.d, self.h, self.ell_width, self.tail_rows) < 1:
+      raise ValueError(f"HybridConfig: every size must be >= 1; got {self}")
 
   @property
   def mp(self) -> int:
-    return _round_up(self.m, gate_pack_mgpu.CTA_M)
+    return common.round_up(self.m, gate_pack_mgpu.CTA_M)
 
   @property
   def dp(self) -> int:
-    return _round_up(self.d, 128)
+    return common.round_up(self.d, 128)
 
   @property
   def hp(self) -> int:
-    return _round_up(self.h, common.TILE_N)
+    return common.round_up(self.h, common.TILE_N)
 
   @property
   def wk(self) -> int:
-    """ELL slots stored per row: W rounded up to ``group``."""
-    return _round_up(self.ell_width, self.group)
+    """ELL slots stored per row: W rounded up to every row kernel's group."""
+    return common.round_up(self.ell_width,
+                           math.lcm(self.up_down.group, self.dx.group, self.dh.group))
 
 
-def make_config(m: int, d: int, h: int, ell_width: int = 128, tail_rows=None, **kw) -> TrainConfig:
-  w = max(1, min(ell_width, _round_up(h, common.TILE_N)))
+def hybrid_config(m: int, d: int, h: int, ell_width: int = 128, tail_rows=None,
+                  **kw) -> HybridConfig:
+  """The config of a call: W capped at H, R = tail_rows or M/8 (capped at M)."""
+  w = max(1, min(ell_width, common.round_up(h, common.TILE_N)))
   if tail_rows is None:
-    tail_rows = min(m, max(8, 8 * -(-m // 64)))   # M/8, like twell_jax.formats.default_capacity
-  return TrainConfig(m=m, d=d, h=h, ell_width=w, tail_rows=max(1, min(tail_rows, m)), **kw)
+    tail_rows = min(m, max(8, 8 * -(-m // 64)))   # M/8, rounded up to 8
+  return HybridConfig(m=m, d=d, h=h, ell_width=w, tail_rows=max(1, min(tail_rows, m)), **kw)
 
 
-def tail_buckets(cfg: TrainConfig) -> tuple[int, ...]:
+def tail_buckets(cfg: HybridConfig) -> tuple[int, ...]:
   """Static tail sizes; the smallest one holding the batch's heavy rows runs (``lax.switch``).
 
   The dense tail products cost in proportion to the rows they process, so a batch with few
   heavy rows should not pay for the full capacity R (the reference always pays 2048 rows).
   """
   r = cfg.tail_rows
-  return tuple(sorted({0, min(r, _round_up(-(-r // 16), 8)), min(r, _round_up(-(-r // 4), 8)), r}))
+  return tuple(sorted({0, min(r, common.round_up(-(-r // 16), 8)), min(r, common.round_up(-(-r // 4), 8)), r}))
 
 
-def _branch(cfg: TrainConfig, heavy_rows):
+def _branch(cfg: HybridConfig, heavy_rows):
   """The ``lax.switch`` index over [tail(rb) for rb in tail_buckets(cfg)] + [dense]: the
   smallest bucket holding the heavy rows, or the dense branch (index len(buckets)) when they
   exceed the largest, the capacity R."""
   return sum((heavy_rows > s_).astype(jnp.int32) for s_ in tail_buckets(cfg))
 
 
-def _pad(a, shape):
-  if a is None or tuple(a.shape) == tuple(shape):
-    return a
-  return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
-
-
-def _padded(cfg: TrainConfig, x, w_gate, w_up, w_down):
-  xp = _pad(x, (cfg.mp, cfg.dp))
-  wg = _pad(w_gate, (cfg.dp, cfg.hp))
-  wu = _pad(w_up, (cfg.dp, cfg.hp))
-  wd = _pad(w_down, (cfg.hp, cfg.dp))
-  return xp, wg, wu, wd
+def _padded(cfg: HybridConfig, x, w_gate, w_up, w_down):
+  pad = common.pad_to
+  return (pad(x, (cfg.mp, cfg.dp)), pad(w_gate, (cfg.dp, cfg.hp)), pad(w_up, (cfg.dp, cfg.hp)),
+          pad(w_down, (cfg.hp, cfg.dp)))
 
 
 def _rows(a, index):
@@ -164,25 +147,16 @@ def _rows(a, index):
 
 
 def _dense_ffn(x, w_gate, w_up, w_down):
-  """Dense FFN (bf16 operands, f32 accumulation) -> (y f32, l1, fired); the fallback path."""
-  dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-  m = x.shape[0]
-  if w_gate is not None:
-    g = dot(x, w_gate)
-    h = (jnp.maximum(g, 0).astype(x.dtype).astype(_F32)
-         * dot(x, w_up).astype(x.dtype).astype(_F32)).astype(x.dtype)
-  else:
-    g = dot(x, w_up)
-    h = jnp.maximum(g, 0).astype(x.dtype)
-  y = dot(h, w_down)
-  return y, jnp.sum(jnp.abs(h.astype(_F32))) / m, jnp.any(g > 0, axis=0)
+  """(y, l1, fired) of ``reference.dense_ffn``: the exact path of a batch over capacity."""
+  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
+  return y, jnp.sum(jnp.abs(h.astype(_F32))) / x.shape[0], jnp.any(active, axis=0)
 
 
 # ----------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------
 
-def slot_mask(cfg: TrainConfig, n):
+def slot_mask(cfg: HybridConfig, n):
   """[Mp, Wk] bool: the ELL slots k < n[r] of each row that hold an entry."""
   return jnp.arange(cfg.wk)[None, :] < n[:, None]
 
@@ -201,10 +175,10 @@ def _first_true(mask, size: int, fill: int):
   return jnp.full((size,), fill, jnp.int32).at[at].set(pos, mode="drop", unique_indices=True)
 
 
-def _hybrid_from_twell(cfg: TrainConfig, words, counts):
+def _hybrid_from_twell(cfg: HybridConfig, words, counts):
   """TwELL words/counts -> (cols [Mp, Wk], p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
   mp, t = cfg.mp, cfg.hp // common.TILE_N
-  s = common.TILE_N // cfg.compression
+  s = cfg.gate.slots
   cnt = counts.reshape(mp, t, common.COUNT_LANES)[..., 0]
   row_nnz = jnp.sum(cnt, axis=1)
   heavy = (row_nnz > cfg.ell_width) | jnp.any(cnt > s, axis=1)
@@ -223,14 +197,14 @@ def _hybrid_from_twell(cfg: TrainConfig, words, counts):
   return cols.astype(jnp.int32), p, n, heavy, cnt
 
 
-def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
-  """Returns (outputs, residuals); outputs = (y, l1, nnz_per_token, max_tile_nnz, heavy_rows, fired)."""
+def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
+  """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows."""
   m, dt = cfg.m, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
   w_in = wg if gated else wu
   words, counts = gate_pack_mgpu.gate_pack(
-      xp, w_in, config=gate_pack_mgpu.library_config(cfg.compression),
+      xp, w_in, config=cfg.gate,
       interpret=interpret)
   cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
@@ -242,11 +216,9 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # The sparse part runs unconditionally (in a batch that exceeds the tail capacity its
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
-  # synchronization per conditional; ``python -m pallas_kernels.cond_probe``).
-  y_ell, u, l1_rows = train_fwd_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
-                                                 group=cfg.group, x_mode=cfg.x_mode,
-                                                 rows_ahead=cfg.ahead("up_down"),
-                                                 interpret=interpret)
+  # synchronization per conditional).
+  y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
+                                                   config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
   l1_ell = jnp.sum(l1_rows)
   # Entries per hidden column: the forward's `fired` (> 0) and the backward's CSC column
@@ -291,21 +263,22 @@ def forward(cfg: TrainConfig, x, w_gate, w_up, w_down, *, interpret=False):
   cnt = jnp.where(valid_rows, cnt, 0)
   nnz = jnp.sum(cnt, dtype=_F32) / m
   max_tile = jnp.max(cnt).astype(jnp.int32)
-  outputs = (y, l1, nnz, max_tile, heavy_rows, fired)
+  stats = {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
+           "overflow_rows": heavy_rows, "fired": fired}
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut)
-  return outputs, residuals
+  return (y, stats), residuals
 
 
 # ----------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------
 
-def _column_counts(cfg: TrainConfig, cols, valid):
+def _column_counts(cfg: HybridConfig, cols, valid):
   """ELL entries per hidden column [Hp] int32 (``valid``: the slots k < n of each row)."""
   return jnp.zeros((cfg.hp,), jnp.int32).at[jnp.where(valid, cols, cfg.hp)].add(1, mode="drop")
 
 
-def _csc(cfg: TrainConfig, cols, n, col_count=None):
+def _csc(cfg: HybridConfig, cols, n, col_count=None):
   """Sort the ELL entries by column: (col_ptr [Hp + 1], entry ids [Mp * Wk] in column order).
   ``col_count``: the forward's ``_column_counts`` (recounted when None)."""
   valid = slot_mask(cfg, n)
@@ -321,15 +294,15 @@ def _csc(cfg: TrainConfig, cols, n, col_count=None):
   return col_ptr, sid
 
 
-def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
+def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   """Gradients (dx, dw_gate or None, dw_up, dw_down) from the residuals of ``forward``.
 
-  ``cotangents`` = (dy, dl1, ...): the statistics other than l1 have no gradient.
+  ``cotangents`` = (dy, stats cotangent): the statistics other than l1 have no gradient.
   The sparse kernels run unconditionally; then one ``lax.switch`` adds the tail bucket's
   products or, when the forward exceeded the tail capacity, replaces everything by the dense
   VJP (see ``forward`` for why there is one conditional per direction).
   """
-  dy, dl1 = cotangents[0], cotangents[1]
+  dy, dl1 = cotangents[0], cotangents[1]["l1"]
   x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
@@ -337,42 +310,41 @@ def backward(cfg: TrainConfig, residuals, cotangents, *, interpret=False):
   # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
   # can share W_up^T with the forward's when both are in one jit.
   wu_t, wg_t = wu.T, (None if wg is None else wg.T)
-  dyp = _pad(dy.astype(dt), (cfg.mp, cfg.dp))
+  dyp = common.pad_to(dy.astype(dt), (cfg.mp, cfg.dp))
   c = (dl1.astype(_F32) / m).reshape(1)
 
   col_ptr, sid = _csc(cfg, cols, n, col_count)
   rows_s = sid // cfg.wk
-  wgroup = cfg.wgrads_group or cfg.group
+  bwd = sparse_backward_mgpu
   if cfg.dh_in_columns:
     # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows; p / u read from the
     # ELL residuals through sid), then dW_up / dW_gate (x rows). du / dg come back in CSC
     # order (for the weight gradients) and in ELL order (for the row-side dx; slots past a
     # row's n are not written, ell_dx masks them).
-    dwd, du_s, dg_s, du_e, dg_e = train_bwd_mgpu.csc_down_dh(
+    dwd, du_s, dg_s, du_e, dg_e = bwd.csc_down_dh(
         dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
-        group=cfg.dh_group or wgroup, rows_ahead=cfg.ahead("down_dh"), out_dtype=dt,
-        interpret=interpret)
-    dwu_t, dwg_t, _ = train_bwd_mgpu.csc_weight_grads(
-        xp, dyp, col_ptr, rows_s, du_s, dg_s, None, group=wgroup, kernels=2,
-        x_only=True, rows_ahead=cfg.ahead("wgrads"), out_dtype=dt, interpret=interpret)
-    dx = train_bwd_mgpu.ell_dx(
-        cols, n, du_e, dg_e, wu_t, wg_t,
-        group=cfg.group, dx_dtype=dt, rows_ahead=cfg.ahead("dx"), interpret=interpret)
+        config=cfg.down_dh, out_dtype=dt, interpret=interpret)
   else:
+    # Row side: dh -> du, dg on the pattern (W_down rows); dW_down from the dy rows.
+    du_e, dg_e = bwd.ell_dh(dyp, cols, p, u if gated else None, n, c, wd, config=cfg.dh,
+                            interpret=interpret)
     valid = slot_mask(cfg, n)
     flat = lambda a: jnp.where(valid, a, 0).reshape(-1)[sid]
     h_ell = ((p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32) if gated
              else p.astype(_F32))
-    # Row side: dh, du, dg on the pattern and dx (kernels). dx comes out in the input dtype:
-    # heavy rows have no ELL entries (their dx is 0 here), so adding the tail's f32 products
-    # below rounds once, as before.
-    dx, du, dg = train_bwd_mgpu.ell_bwd_rows(
-        dyp, cols, p, u if gated else None, n, c, wd, wu_t, wg_t,
-        group=cfg.group, dx_dtype=dt, dy_mode=cfg.x_mode, interpret=interpret)
-    # Column side: weight gradients (kernels) over the CSC of the pattern.
-    dwu_t, dwg_t, dwd = train_bwd_mgpu.csc_weight_grads(
-        xp, dyp, col_ptr, rows_s, flat(du) if gated else None, flat(dg), flat(h_ell),
-        group=wgroup, kernels=cfg.wgrads_kernels, out_dtype=dt, interpret=interpret)
+    du_s, dg_s = (flat(du_e) if gated else None), flat(dg_e)
+    (dwd,) = bwd.column_sums(dyp, col_ptr, rows_s, flat(h_ell), config=cfg.wgrads,
+                             out_dtype=dt, name="twell_train_wgrad_down", interpret=interpret)
+  if gated:
+    dwu_t, dwg_t = bwd.column_sums(xp, col_ptr, rows_s, du_s, dg_s, config=cfg.wgrads,
+                                   out_dtype=dt, name="twell_train_wgrads_up_gate",
+                                   interpret=interpret)
+  else:
+    dwu_t, (dwg_t,) = None, bwd.column_sums(xp, col_ptr, rows_s, dg_s, config=cfg.wgrads,
+                                            out_dtype=dt, name="twell_train_wgrad_up_ng",
+                                            interpret=interpret)
+  dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, config=cfg.dx, dx_dtype=dt,
+                  interpret=interpret)
 
   # The kernels write the weight gradients in the parameters' dtype (rounded once from their
   # f32 sums): no f32 [H, D] round trip through memory and no convert kernels. Dense tail rows
@@ -430,10 +402,10 @@ def _dense_backward(residuals, dy, dl1):
   fn = lambda *a: _dense_ffn(*a)[:2]
   if w_gate is None:
     _, vjp = jax.vjp(lambda x_, wu_, wd_: fn(x_, None, wu_, wd_), x, w_up, w_down)
-    dx, dwu, dwd = vjp((dy.astype(_F32), dl1.astype(_F32)))
+    dx, dwu, dwd = vjp((dy.astype(dt), dl1.astype(_F32)))
     return dx.astype(dt), None, dwu.astype(dt), dwd.astype(dt)
   _, vjp = jax.vjp(fn, x, w_gate, w_up, w_down)
-  return tuple(g.astype(dt) for g in vjp((dy.astype(_F32), dl1.astype(_F32))))
+  return tuple(g.astype(dt) for g in vjp((dy.astype(dt), dl1.astype(_F32))))
 
 
 def residual_bytes(residuals) -> int:

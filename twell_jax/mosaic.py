@@ -1,55 +1,69 @@
-"""Glue between `twell_jax.ffn` and the Pallas Mosaic GPU kernels in `pallas_kernels`.
+"""The "mosaic_gpu" implementation: `twell_jax.ffn` on the Pallas Mosaic GPU kernels.
 
-Inference (no differentiation): the forward kernels (gate GEMM with TwELL epilogue + fused
-sparse up/down projection, `pallas_kernels.ffn_mgpu.ffn_forward`).
-Training (under jax.grad / jax.vjp / jax.checkpoint): the custom VJP's rules are the training
-kernels of `pallas_kernels.ffn_train_mgpu`: the forward rule runs the gate GEMM (TwELL epilogue),
-converts to the hybrid ELL + dense-tail layout and runs the sampled up / sparse down kernel,
-saving only sparse residuals; the backward rule runs the row kernel (dh, du, dg, dx) and the
-column kernel (dW_gate, dW_up, dW_down over a sorted CSC of the pattern), with dense XLA tails
-for heavy rows and an on-device `lax.cond` fallback to the dense VJP when more than `tail_rows`
-rows are heavy. `stats.overflow_rows` counts the rows that left the sparse kernel path (TwELL
-tile overflow for inference; tile overflow or more than `ell_width` actives when differentiated).
+Without differentiation the custom VJP's primal runs: the inference forward
+(`pallas_kernels.ffn_mgpu.ffn_forward`: gate GEMM with the TwELL epilogue, then the fused sparse
+up / down projection). Under jax.grad / jax.vjp / jax.checkpoint its rules run the training
+kernels (`pallas_kernels.ffn_train_mgpu`): the forward rule converts TwELL to the hybrid ELL +
+dense-tail layout and saves only sparse residuals; the backward rule computes every gradient
+with sparse kernels plus dense tails for heavy rows, and an on-device `lax.switch` to the dense
+VJP when more than `tail_rows` rows are heavy. `stats.overflow_rows` counts the rows that left
+the sparse kernels (TwELL tile overflow without differentiation; tile overflow or more than
+`ell_width` actives when differentiated).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 
+from pallas_kernels import ffn_mgpu
+from pallas_kernels import ffn_train_mgpu
 from twell_jax import stats as stats_lib
 
-_STAT_KEYS = ("l1", "nnz_per_token", "max_tile_nnz", "overflow_rows", "fired")
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """The static part of one call (the custom VJP's nondiff argument)."""
+  train: ffn_train_mgpu.HybridConfig
+  forward: ffn_mgpu.ForwardConfig
+  interpret: bool
 
 
-def _train():
-  from pallas_kernels import ffn_train_mgpu  # pylint: disable=import-outside-toplevel
-  return ffn_train_mgpu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ffn(cfg: MosaicConfig, x, w_gate, w_up, w_down):
+  return ffn_mgpu.ffn_forward(x, w_gate, w_up, w_down, config=cfg.forward,
+                              interpret=cfg.interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mosaic_ffn(kernels, cfg, interpret, x, w_gate, w_up, w_down):
-  y, st = kernels.ffn_forward(x, w_gate, w_up, w_down, interpret=interpret)
-  return (y,) + tuple(st[k] for k in _STAT_KEYS)
+def _fwd(cfg: MosaicConfig, x, w_gate, w_up, w_down):
+  return ffn_train_mgpu.forward(cfg.train, x, w_gate, w_up, w_down, interpret=cfg.interpret)
 
 
-def _fwd(kernels, cfg, interpret, x, w_gate, w_up, w_down):
-  del kernels
-  return _train().forward(cfg, x, w_gate, w_up, w_down, interpret=interpret)
+def _bwd(cfg: MosaicConfig, residuals, cotangents):
+  return ffn_train_mgpu.backward(cfg.train, residuals, cotangents, interpret=cfg.interpret)
 
 
-def _bwd(kernels, cfg, interpret, residuals, cotangents):
-  del kernels
-  return _train().backward(cfg, residuals, cotangents, interpret=interpret)
+_ffn.defvjp(_fwd, _bwd)
 
 
-_mosaic_ffn.defvjp(_fwd, _bwd)
+def default_config(m: int, d: int, h: int, *, interpret: bool = False, ell_width: int = 128,
+                   tail_rows=None) -> MosaicConfig:
+  """The tuned configuration of a call on x [m, d] with h hidden features."""
+  return MosaicConfig(train=ffn_train_mgpu.hybrid_config(m, d, h, ell_width, tail_rows),
+                      forward=ffn_mgpu.ForwardConfig(), interpret=bool(interpret))
 
 
-def mosaic_ffn(kernels, x, w_gate, w_up, w_down, *, interpret, ell_width, tail_rows):
-  """Runs the Mosaic GPU kernels (training kernels under differentiation); returns (y, FFNStats)."""
+def ffn_with_config(cfg: MosaicConfig, x, w_gate, w_up, w_down):
+  """Runs the kernels on x [M, D] with an explicit configuration: (y, FFNStats)."""
+  y, stats = _ffn(cfg, x, w_gate, w_up, w_down)
+  return y, stats_lib.from_dict(stats)
+
+
+def mosaic_ffn(x, w_gate, w_up, w_down, *, interpret: bool, ell_width: int, tail_rows):
+  """Runs the kernels on x [M, D] (training kernels under differentiation): (y, FFNStats)."""
   m, d = x.shape
-  cfg = _train().make_config(m, d, w_up.shape[1], ell_width, tail_rows)
-  y, *st = _mosaic_ffn(kernels, cfg, interpret, x, w_gate, w_up, w_down)
-  return y, stats_lib.FFNStats(**dict(zip(_STAT_KEYS, st)))
+  cfg = default_config(m, d, w_up.shape[1], interpret=interpret, ell_width=ell_width,
+                       tail_rows=tail_rows)
+  return ffn_with_config(cfg, x, w_gate, w_up, w_down)

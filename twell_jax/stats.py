@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNStats", "TILE_N", "tile_stats"]
+__all__ = ["FFNStats", "TILE_N", "tile_stats", "stats_from_mask", "empty_stats"]
 
 # Tile width used for the `max_tile_nnz` statistic (the TwELL tile of the paper).
 TILE_N = 256
@@ -48,3 +48,24 @@ def tile_stats(active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   tile_nnz = jnp.sum(tiles, axis=-1, dtype=jnp.int32)
   nnz_per_token = jnp.sum(tile_nnz, dtype=jnp.float32) / m
   return nnz_per_token, jnp.max(tile_nnz), jnp.any(active, axis=0)
+
+
+def stats_from_mask(active: jax.Array, l1, overflow_rows=None) -> FFNStats:
+  """FFNStats of a call whose activity mask [M, H] is known (dense paths)."""
+  nnz, max_tile, fired = tile_stats(active)
+  if overflow_rows is None:
+    overflow_rows = jnp.zeros((), jnp.int32)
+  return FFNStats(l1=l1, nnz_per_token=nnz, max_tile_nnz=max_tile,
+                  overflow_rows=overflow_rows, fired=fired)
+
+
+def empty_stats(h: int) -> FFNStats:
+  """FFNStats of a call with no tokens."""
+  zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+  return FFNStats(l1=zero_f, nnz_per_token=zero_f, max_tile_nnz=zero_i,
+                  overflow_rows=zero_i, fired=jnp.zeros((h,), bool))
+
+
+def from_dict(d: dict) -> FFNStats:
+  """FFNStats from the kernels' stats dict (same keys)."""
+  return FFNStats(**{f.name: d[f.name] for f in dataclasses.fields(FFNStats)})

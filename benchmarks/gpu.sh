@@ -1,0 +1,67 @@
+#!/bin/bash
+# The GPU entry point: runs the named parts in order, each with its own time limit, on a
+# Hopper machine from the repository root. JSON and logs go to $OUT (default /tmp/out); copy
+# the JSON into benchmarks/results/<device>/ to keep it.
+#
+#   bash benchmarks/gpu.sh kernels tests          # the kernel benchmark, then the GPU tests
+#   SPECS=paper_16k_skew bash benchmarks/gpu.sh kernels
+#
+# Parts:
+#   kernels   benchmarks.kernels, forward and forward + backward ($SPECS, $FWD_BWD_SPECS)
+#   breakdown the same with per-kernel CUPTI times, XLA command buffers off
+#   sweep     benchmarks.sweep ($SWEEP, default train)
+#   captured  benchmarks.captured (trains the paper shape, captures activations, times kernels)
+#   e2e       benchmarks.e2e (whole-model training and inference, sparse vs dense)
+#   tests     the GPU tests (pytest -m gpu)
+#   registers ptxas register / spill report of every kernel
+#   l2        the L2 row-gather ceiling probe
+set -o pipefail
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SPECS=${SPECS:-paper_16k,paper_16k_heavy,paper_16k_skew,paper_16k_extreme}
+FWD_BWD_SPECS=${FWD_BWD_SPECS:-$SPECS}
+# Wheels for what the image lacks (ml_collections), if carried in .whl.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
+  | tee "$OUT/gpu.txt"
+quiet() { grep -v '^\s*File\|^\s\s\s\s[a-z_]\|xla_bridge\|^{'; }
+
+parts=("$@"); [ ${#parts[@]} = 0 ] && parts=(kernels tests)
+for part in "${parts[@]}"; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+    kernels)
+      timeout ${T_FWD:-240} python3 -m benchmarks.kernels --mode=fwd --specs=$SPECS \
+        --out="$OUT/kernels_fwd.json" 2>&1 | quiet | tail -12
+      timeout ${T_BWD:-300} python3 -m benchmarks.kernels --mode=fwd_bwd --specs=$FWD_BWD_SPECS \
+        --out="$OUT/kernels_fwd_bwd.json" 2>&1 | quiet | tail -12 ;;
+    breakdown)
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${T_BD:-300} python3 -m benchmarks.kernels \
+        --mode=fwd_bwd --specs=${BD_SPECS:-paper_16k_skew} --breakdown --iters=10 \
+        --out="$OUT/kernels_breakdown.json" 2>&1 | quiet > "$OUT/breakdown.log"
+      tail -40 "$OUT/breakdown.log" ;;
+    sweep)
+      timeout ${T_SWEEP:-400} python3 -m benchmarks.sweep --what=${SWEEP:-train} \
+        --specs=${SWEEP_SPECS:-paper_16k_skew} --out="$OUT/sweep.json" 2>&1 | quiet | tail -20 ;;
+    captured)
+      timeout ${T_CAPTURED:-560} python3 -m benchmarks.captured --out="$OUT/captured.json" \
+        ${CAPTURED_FLAGS} 2>&1 | tee "$OUT/captured.log" | quiet | tail -60 ;;
+    e2e)
+      timeout ${T_E2E:-560} python3 -m benchmarks.e2e --out="$OUT/e2e.json" ${E2E_FLAGS} \
+        2>&1 | tee "$OUT/e2e.log" | quiet | tail -60 ;;
+    tests)
+      XLA_FLAGS="--xla_gpu_autotune_level=0" timeout -s INT ${T_TESTS:-300} python3 -m pytest -q \
+        -p no:cacheprovider -m gpu tests/ > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" ;;
+    registers)
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout 200 python3 -m benchmarks.probes.registers 2>&1 \
+        | grep -E "Compiling entry|Used [0-9]+ registers" \
+        | sed -E 's/.*entry function .([a-z_0-9]+).*/\1/; s/ptxas info *: //' | paste - - \
+        | sort | uniq -c | tee "$OUT/registers.txt" ;;
+    l2)
+      timeout 200 python3 -m benchmarks.probes.l2_rows --out="$OUT/l2_rows.json" 2>&1 | quiet | tail -20 ;;
+    *) echo "unknown part: $part" ;;
+  esac
+done

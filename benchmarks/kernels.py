@@ -1,0 +1,206 @@
+r"""Kernel benchmark: the sparse FFN against XLA dense on the same inputs, in one process.
+
+    python -m benchmarks.kernels --mode=fwd --specs=paper_16k,paper_16k_skew --out=fwd.json
+    python -m benchmarks.kernels --mode=fwd_bwd --specs=paper_16k,paper_16k_heavy --out=t.json
+
+* ``fwd``: the inference forward (``pallas_kernels.ffn_mgpu.ffn_forward``, y only) against the
+  dense FFN (``pallas_kernels.reference.dense_ffn``: the "dense" implementation).
+* ``fwd_bwd``: ``jax.jit(jax.grad(loss))`` of loss = sum(y * ct) + 2e-5 * l1 (ct a fixed
+  random cotangent) per implementation of ``twell_jax.ffn`` (``--impls``; "dense" is the
+  baseline every ratio is against), plus the bytes each saves for the backward (weights
+  excluded) and the gradients' relative error against dense's.
+Inputs come from ``benchmarks.specs`` (uniform, heavy-row and skewed activity). Times are
+medians of synchronized calls (``benchmarks.timing.wall_ms``); ``--breakdown`` adds each
+kernel's device time (CUPTI) and the pipelined wall time. Each spec's result is printed as
+JSON and the list so far rewritten to ``--out`` after every spec. ``--interpret`` runs the
+kernels in the Mosaic GPU interpreter (a CPU smoke test of this file; use the ``tiny`` specs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import traceback
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import specs as specs_lib
+from benchmarks import timing
+from pallas_kernels import ffn_mgpu
+from pallas_kernels import reference
+import twell_jax as tj
+from twell_jax import testing
+
+F32 = jnp.float32
+LAMBDA = 2e-5
+
+
+def _define_flags():
+  """The command line (defined when run as a program, so other modules can import this one)."""
+  flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"], "what to time (module docstring)")
+  flags.DEFINE_list("specs", ["paper_16k", "paper_16k_heavy", "paper_16k_skew"],
+                    "benchmarks.specs names")
+  flags.DEFINE_list("impls", ["dense", "mosaic_gpu"],
+                    "fwd_bwd: twell_jax.ffn implementations (dense is the baseline)")
+  flags.DEFINE_integer("iters", 30, "timed calls per measurement")
+  flags.DEFINE_bool("breakdown", False, "per-kernel device times (CUPTI)")
+  flags.DEFINE_bool("interpret", False, "run the kernels in the interpreter (CPU)")
+  flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def _dense_y(x, wg, wu, wd):
+  return reference.dense_ffn(x, wg, wu, wd)[0]
+
+
+def input_stats(spec: specs_lib.Spec, x, wg, wu) -> dict:
+  """Activity statistics of the spec's gate (`twell_jax.testing.activity_stats`)."""
+  pre = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32) > 0)(
+      x, wg if spec.gated else wu)
+  return testing.activity_stats(np.asarray(pre))
+
+
+def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool) -> dict:
+  x, wg, wu, wd = spec.inputs()
+  res = {}
+  dense = jax.jit(_dense_y)
+  sparse = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, interpret=interpret)[0])
+  with_stats = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, interpret=interpret))
+  res["dense_ms"] = timing.wall_ms(dense, x, wg, wu, wd, iters=iters)
+  res["twell_ms"] = timing.wall_ms(sparse, x, wg, wu, wd, iters=iters)
+  res["twell_with_stats_ms"] = timing.wall_ms(with_stats, x, wg, wu, wd, iters=iters)
+  res["ratio"] = res["twell_ms"] / res["dense_ms"]
+  y, st = with_stats(x, wg, wu, wd)
+  st = jax.device_get(st)
+  res.update(nnz_per_token=float(st["nnz_per_token"]), overflow_rows=int(st["overflow_rows"]),
+             max_tile_nnz=int(st["max_tile_nnz"]))
+  ref, _ = reference.reference_ffn(x, wg, wu, wd)
+  res["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
+  if breakdown:
+    for label, fn in (("dense", dense), ("twell", sparse)):
+      res[f"{label}_device_ms"] = timing.device_ms(fn, x, wg, wu, wd)
+      res[f"{label}_pipelined_ms"] = timing.pipelined_ms(fn, x, wg, wu, wd, iters=iters)
+      res[f"{label}_breakdown"] = timing.summarize_breakdown(
+          label, timing.kernel_breakdown(fn, x, wg, wu, wd))
+  res["input"] = input_stats(spec, x, wg, wu)
+  return res
+
+
+def loss_fn(impl: str, spec: specs_lib.Spec, ct, interpret: bool = False):
+  """sum(y * ct) + LAMBDA * l1 of `twell_jax.ffn(implementation=impl)`."""
+  def loss(x, wg, wu, wd):
+    y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, interpret=interpret,
+                   ell_width=spec.ell_width, tail_rows=spec.tail_rows)
+    return jnp.sum(y.astype(F32) * ct) + LAMBDA * st.l1
+  return loss
+
+
+def residual_bytes(loss, *args) -> int:
+  """Bytes saved for the backward by jax.grad(loss), the weights (args 1-3) excluded."""
+  from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  total = 0
+  for aval, desc in saved_residuals(loss, *args):
+    if any(desc.startswith(f"from the argument {w}") for w in ("wg", "wu", "wd")):
+      continue
+    total += int(jnp.dtype(aval.dtype).itemsize) * math.prod(aval.shape)
+  return total
+
+
+def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
+                  breakdown: bool) -> dict:
+  x, wg, wu, wd = spec.inputs()
+  ct = jax.random.normal(jax.random.key(1), x.shape, F32)
+  argnums = (0, 1, 2, 3) if spec.gated else (0, 2, 3)
+  res, grads = {}, {}
+  for impl in impls:
+    t0 = time.time()
+    try:
+      f = jax.jit(jax.grad(loss_fn(impl, spec, ct, interpret), argnums=argnums))
+      res[f"{impl}_ms"] = timing.wall_ms(f, x, wg, wu, wd, iters=iters if impl != "xla" else 3)
+      grads[impl] = f(x, wg, wu, wd)
+      # The FFN's own residuals: a scalar cotangent, so the loss saves no [M, D] constant.
+      res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, 1.0, interpret),
+                                                     x, wg, wu, wd)
+      if breakdown:
+        res[f"{impl}_device_ms"] = timing.device_ms(f, x, wg, wu, wd)
+        res[f"{impl}_pipelined_ms"] = timing.pipelined_ms(f, x, wg, wu, wd, iters=iters)
+        res[f"{impl}_breakdown"] = timing.summarize_breakdown(
+            impl, timing.kernel_breakdown(f, x, wg, wu, wd))
+    except Exception as e:  # pylint: disable=broad-except  # report it, time the rest
+      traceback.print_exc()
+      res[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    print(f"  [{time.strftime('%X')}] {impl}: {res.get(f'{impl}_ms')} ms "
+          f"({time.time() - t0:.1f}s)", flush=True)
+  for impl in impls:
+    if f"{impl}_ms" in res and "dense_ms" in res:
+      res[f"{impl}_ratio"] = res[f"{impl}_ms"] / res["dense_ms"]
+      res[f"{impl}_residual_ratio"] = (res[f"{impl}_residual_bytes"]
+                                       / res["dense_residual_bytes"])
+    if impl in grads and "dense" in grads and impl != "dense":
+      res[f"{impl}_grad_rel_vs_dense"] = [
+          float(jnp.linalg.norm(a.astype(F32) - b.astype(F32))
+                / jnp.maximum(jnp.linalg.norm(b.astype(F32)), 1e-30))
+          for a, b in zip(grads[impl], grads["dense"])]
+  res["input"] = input_stats(spec, x, wg, wu)
+  return res
+
+
+def _print_table(mode: str, results: list[dict], impls) -> None:
+  print()
+  if mode == "fwd":
+    print(f"{'spec':<22}{'dense ms':>10}{'twell ms':>10}{'ratio':>8}{'+stats':>8}"
+          f"{'nnz':>7}{'ovf':>7}{'relerr':>10}")
+  else:
+    print(f"{'spec':<22}" + "".join(f"{i + ' ms':>16}{'ratio':>8}" for i in impls)
+          + f"{'residual':>10}")
+  for r in results:
+    if "error" in r:
+      print(f"{r['spec']:<22} ERROR {r['error'][:100]}")
+    elif mode == "fwd":
+      print(f"{r['spec']:<22}{r['dense_ms']:>10.3f}{r['twell_ms']:>10.3f}{r['ratio']:>8.3f}"
+            f"{r['twell_with_stats_ms']:>8.3f}{r['nnz_per_token']:>7.1f}"
+            f"{r['overflow_rows']:>7d}{r['rel_err']:>10.2e}")
+    else:
+      row = f"{r['spec']:<22}"
+      for i in impls:
+        row += f"{r.get(i + '_ms', math.nan):>16.3f}{r.get(i + '_ratio', math.nan):>8.3f}"
+      print(row + f"{r.get('mosaic_gpu_residual_ratio', math.nan):>10.3f}")
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  device = jax.devices()[0].device_kind
+  print("device:", device, "jax", jax.__version__, flush=True)
+  results = []
+  for name in fl.specs:
+    spec = specs_lib.get(name)
+    iters = fl.iters if spec.m <= 16384 else max(5, fl.iters // 4)
+    t0 = time.time()
+    try:
+      if fl.mode == "fwd":
+        r = bench_fwd(spec, iters, fl.interpret, fl.breakdown)
+      else:
+        r = bench_fwd_bwd(spec, iters, fl.impls, fl.interpret, fl.breakdown)
+    except Exception as e:  # pylint: disable=broad-except  # one spec must not hide the others
+      traceback.print_exc()
+      r = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    r = {"spec": name, "mode": fl.mode, **dataclasses.asdict(spec), "device": device,
+         "jax": jax.__version__, "seconds": round(time.time() - t0, 1), **r}
+    results.append(r)
+    print(json.dumps({k: v for k, v in r.items() if not k.endswith("breakdown")}), flush=True)
+    if fl.out:
+      with open(fl.out, "w") as f:
+        json.dump(results, f, indent=1)
+  _print_table(fl.mode, results, fl.impls)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  jax.config.config_with_absl()
+  app.run(main)

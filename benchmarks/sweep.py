@@ -1,0 +1,148 @@
+r"""Configuration sweeps on the GPU: every variant against the default, same inputs, one process.
+
+    python -m benchmarks.sweep --what=gate,forward,train --specs=paper_16k,paper_16k_skew
+
+* ``gate``: the gate kernel (``gate_pack``) per ``GateConfig`` (device time, CUPTI); every
+  variant's words / counts must equal the default's bit for bit. XLA's relu(x @ w_gate)
+  without packing for scale.
+* ``forward``: the inference forward per ``ForwardConfig``.
+* ``train``: forward + backward (``jax.grad`` of sum(y * ct) + 2e-5 l1) per ``HybridConfig``
+  variant of the training kernels (which kernel computes dh, groups, rows loaded ahead),
+  with the dense FFN's time for the ratio.
+Variants that fail to compile (SMEM, registers) are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from benchmarks import specs as specs_lib
+from benchmarks import timing
+from pallas_kernels import _common as common
+from pallas_kernels import ffn_mgpu
+from pallas_kernels import gate_pack_mgpu as gp
+from pallas_kernels import reference
+from pallas_kernels import sparse_up_down_mgpu
+from twell_jax import mosaic
+
+_WHAT = flags.DEFINE_list("what", ["train"], "gate, forward and / or train")
+_SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_skew"], "benchmarks.specs names")
+_OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+
+_G = common.GatherConfig
+GATE_VARIANTS = {
+    "default": gp.GateConfig(),
+    "no_packer_wg": gp.GateConfig(epilogue_wg=False, max_concurrent_steps=4, extract_ways=2),
+    "chunk128": gp.GateConfig(pack_chunk=128),
+    "stages2": gp.GateConfig(max_concurrent_steps=2),
+}
+FORWARD_VARIANTS = {
+    "default": ffn_mgpu.ForwardConfig(),
+    "x_f32": ffn_mgpu.ForwardConfig(up_down=sparse_up_down_mgpu.UpDownConfig(x_mode="f32")),
+}
+TRAIN_VARIANTS = {
+    "default": {},
+    "dh_rows": dict(dh_in_columns=False),
+    "down_dh_g2": dict(down_dh=_G(group=2)),
+    "wgrads_ahead": dict(wgrads=_G(rows_ahead=True)),
+    "row_kernels_g2": dict(up_down=_G(group=2), dx=_G(group=2)),
+}
+
+
+def _same(a, b) -> bool:
+  return all(bool(jnp.array_equal(u, v)) for u, v in
+             zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def sweep_gate(spec, x, wg, wu, wd) -> dict:
+  del wd
+  w = wg if spec.gated else wu
+  out = {"xla_gate_ms": timing.device_ms(jax.jit(lambda a, b: jnp.maximum(a @ b, 0)), x, w)}
+  base = None
+  for name, cfg in GATE_VARIANTS.items():
+    f = jax.jit(lambda a, b, cfg=cfg: gp.gate_pack(a, b, config=cfg))
+    try:
+      got = jax.block_until_ready(f(x, w))
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+      continue
+    base = got if base is None else base
+    out[name] = {"device_ms": timing.device_ms(f, x, w), "same_bits": _same(got, base)}
+  return out
+
+
+def sweep_forward(spec, x, wg, wu, wd) -> dict:
+  del spec
+  out = {"dense_ms": timing.wall_ms(jax.jit(lambda *a: reference.dense_ffn(*a)[0]),
+                                    x, wg, wu, wd, iters=20)}
+  base = None
+  for name, cfg in FORWARD_VARIANTS.items():
+    f = jax.jit(lambda *a, cfg=cfg: ffn_mgpu.ffn_forward(*a, config=cfg)[0])
+    y = jax.block_until_ready(f(x, wg, wu, wd))
+    base = y if base is None else base
+    ms = timing.wall_ms(f, x, wg, wu, wd, iters=20)
+    out[name] = {"ms": ms, "ratio": ms / out["dense_ms"], "same_bits": _same(y, base)}
+  return out
+
+
+def sweep_train(spec, x, wg, wu, wd) -> dict:
+  ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+
+  def grad_fn(ffn):
+    def loss(*w):
+      y, l1 = ffn(*w)
+      return jnp.sum(y.astype(jnp.float32) * ct) + 2e-5 * l1
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+  def dense(*w):
+    y, h, _ = reference.dense_ffn(*w)
+    return y, jnp.sum(jnp.abs(h.astype(jnp.float32))) / x.shape[0]
+
+  out = {"dense_ms": timing.wall_ms(grad_fn(dense), x, wg, wu, wd, iters=20)}
+  base_cfg = mosaic.default_config(spec.m, spec.d, spec.h, ell_width=spec.ell_width,
+                                   tail_rows=spec.tail_rows)
+  base = None
+  for name, kw in TRAIN_VARIANTS.items():
+    cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, **kw))
+    f = grad_fn(lambda *w, cfg=cfg: (lambda y, st: (y, st.l1))(
+        *mosaic.ffn_with_config(cfg, *w)))
+    try:
+      g = jax.block_until_ready(f(x, wg, wu, wd))
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+      continue
+    base = g if base is None else base
+    ms = timing.wall_ms(f, x, wg, wu, wd, iters=20)
+    out[name] = {"ms": ms, "ratio": ms / out["dense_ms"], "device_ms":
+                 timing.device_ms(f, x, wg, wu, wd), "same_bits": _same(g, base)}
+  return out
+
+
+SWEEPS = {"gate": sweep_gate, "forward": sweep_forward, "train": sweep_train}
+
+
+def main(argv):
+  del argv
+  print("device:", jax.devices()[0].device_kind, flush=True)
+  results = []
+  for spec_name in _SPECS.value:
+    spec = specs_lib.get(spec_name)
+    arrays = spec.inputs()
+    for what in _WHAT.value:
+      r = {"spec": spec_name, "sweep": what, **SWEEPS[what](spec, *arrays)}
+      results.append(r)
+      print(json.dumps(r), flush=True)
+      if _OUT.value:
+        with open(_OUT.value, "w") as f:
+          json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

@@ -1,0 +1,77 @@
+"""The one timer of the benchmarks: wall clock of synchronized calls, CUPTI device time.
+
+* ``wall_ms``: median wall-clock ms of synchronized calls after warm-up (what a caller waits).
+* ``device_ms``: median device time of one call, all its kernels summed (mosaic's CUPTI
+  profiler), or None where CUPTI is unavailable.
+* ``pipelined_ms``: mean ms per call of back-to-back calls with one final sync (host dispatch
+  overlaps the device, as in a training loop; host syncs inside the call still show).
+* ``kernel_breakdown``: per-kernel device time in launch order.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def wall_ms(f, *args, iters: int) -> float:
+  jax.block_until_ready(f(*args))
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(ts)
+
+
+def device_ms(f, *args, iterations: int = 10) -> float | None:
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  try:
+    _, rt = profiler.measure(f, iterations=iterations)(*args)
+  except Exception as e:  # pylint: disable=broad-except  # CUPTI may be unavailable
+    print(f"  (profiler.measure failed: {type(e).__name__}: {str(e)[:200]})")
+    return None
+  if rt is None:
+    return None
+  return statistics.median(rt) if isinstance(rt, list) else float(rt)
+
+
+def pipelined_ms(f, *args, iters: int) -> float:
+  jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  outs = [f(*args) for _ in range(iters)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def kernel_breakdown(f, *args, iterations: int = 5) -> list[tuple[str, float]] | None:
+  """[(kernel name, median ms)] of one call, or None where CUPTI is unavailable."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  try:
+    _, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"  (kernel_breakdown failed: {type(e).__name__}: {str(e)[:200]})")
+    return None
+  if not per_iter:
+    return None
+  if iterations == 1:
+    per_iter = [per_iter]
+  return [(name, statistics.median(it[i][1] for it in per_iter))
+          for i, (name, _) in enumerate(per_iter[0])]
+
+
+def summarize_breakdown(label: str, table, top: int = 12) -> dict:
+  """Prints the largest kernels of a breakdown; returns {"kernels", "kernel_sum_ms"}."""
+  if not table:
+    return {}
+  total = sum(t for _, t in table)
+  print(f"  {label}: {len(table)} kernels, {total:.3f} ms device time")
+  merged: dict[str, float] = {}
+  for name, t in table:
+    merged[name] = merged.get(name, 0.0) + t
+  for name, t in sorted(merged.items(), key=lambda kv: -kv[1])[:top]:
+    print(f"    {t:8.4f} ms  {name[:90]}")
+  return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}

@@ -1,0 +1,115 @@
+"""Training forward, sparse part (Mosaic GPU, Hopper): ``ell_up_down``, the sampled up
+projection and the sparse down projection on the ELL pattern, writing the up values as a
+residual for the backward.
+
+Per token row r with ELL entries k < n_r (column j = cols[r, k], gate value p = p[r, k] > 0):
+    gated:      u_k = bf16(x_r . W_up^T[j])     (f32 dot, rounded like XLA's bf16 GEMM output)
+                h_k = bf16(p_k * u_k)
+    non-gated:  h_k = p_k                        (p is relu(x W_up) itself; no u)
+    y_r  = bf16(sum_k h_k * W_down[j, :])        (f32 accumulation)
+    l1_r = sum_k |h_k|                           (f32)
+Outputs: y [M, D] bf16, u [M, Wk] f32 (gated; slots k >= n_r hold garbage: the caller masks),
+l1 [M] f32. Rows with n_r == 0 (empty rows, and heavy rows, which the caller computes on its
+dense tail) get y = 0 and l1 = 0.
+
+Mapping (like ``sparse_up_down_mgpu``): one CTA (one warpgroup, 128 threads) per row; x_r and
+the f32 accumulator live in registers (D/128 values per thread), ELL columns/values are scalar GMEM
+reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long
+contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and ``w_down`` [H, D]. ``group`` entries are
+processed side by side per step, so 2 * group row loads are in flight (twice that with
+``rows_ahead``, which issues the next step's rows before this step's work); slots past n_r hold
+column 0 and p = 0 (the caller pads the ELL arrays to a multiple of ``group`` slots).
+No tensor cores. Requires D % 128 == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _common as common
+
+_F32 = jnp.float32
+
+
+def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
+            y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str,
+            rows_ahead: bool = False):
+  r = lax.axis_index("r")
+  n = n_gmem[r]
+  x = common.hold_row(x_gmem, r, x_mode) if gated else None
+  acc0 = common.zeros_like_row(wd_gmem[0, :])
+
+  last = cols_gmem.shape[1] - 1
+
+  def load(gi):
+    ks = common.group_slots(gi, group, last)
+    return [cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks]
+
+  def fetch(loaded):
+    js = loaded[0]
+    return [wd_gmem[j, :] for j in js], ([wup_gmem[j, :] for j in js] if gated else None)
+
+  def step(gi, loaded, rows, carry):
+    acc, l1 = carry
+    _, ps = loaded
+    wds, wus = rows
+    ks = [gi * group + q for q in range(group)]
+    for q in range(group):
+      if gated:
+        u = jnp.sum(common.row_at(x, x_gmem, r) * wus[q].astype(_F32))
+        u = u.astype(jnp.bfloat16).astype(_F32)
+        u_gmem[r, ks[q]] = u
+        h = (ps[q] * u).astype(jnp.bfloat16).astype(_F32)
+      else:
+        h = ps[q]
+      acc = acc + h * wds[q].astype(_F32)
+      l1 = l1 + jnp.abs(h)
+    return acc, l1
+
+  n_groups = (n + (group - 1)) // group
+  acc, l1 = common.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)),
+                                        fetch=fetch, fetch_ahead=rows_ahead)
+  y_gmem[r, :] = acc.astype(y_gmem.dtype)
+  l1_gmem[r] = l1
+
+
+def ell_up_down(x, cols, p, n, w_up_t, w_down, *,
+                config: common.GatherConfig = common.GatherConfig(), interpret=False):
+  """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks.
+
+  x [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p [M, Wk] bf16 (0 in unused slots);
+  n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % config.group == 0,
+  D % 128 == 0. With ``config.rows_ahead`` the weight rows are in flight while the step before
+  stores its u values.
+  """
+  m, d = x.shape
+  h, d2 = w_down.shape
+  wk = cols.shape[1]
+  gated = w_up_t is not None
+  group = config.group
+  if d != d2 or d % 128 or wk % group or cols.shape != (m, wk) or p.shape != (m, wk):
+    raise ValueError(f"ell_up_down: bad shapes {x.shape=} {cols.shape=} {p.shape=} "
+                     f"{w_down.shape=} {group=}")
+  if gated and w_up_t.shape != (h, d):
+    raise ValueError(f"ell_up_down: {w_up_t.shape=} must be {(h, d)}")
+  if not gated:
+    w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_kernel, gated=gated, group=group, x_mode=config.row_mode,
+                          rows_ahead=config.rows_ahead),
+        out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
+                  jax.ShapeDtypeStruct((m, wk if gated else 1), _F32),
+                  jax.ShapeDtypeStruct((m,), _F32)),
+        grid=(m,),
+        grid_names=("r",),
+        compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_up_down" if gated else "twell_train_down",
+    )
+    return f(x, cols, p, n, w_up_t, w_down)

@@ -1,0 +1,344 @@
+"""Training backward, sparse part (Mosaic GPU, Hopper): gather kernels over the ELL pattern
+(rows) and its CSC (columns).
+
+Per token row r and ELL entry k < n_r with column j, gate value p, (gated) up value u and
+h = bf16(p * u) (non-gated: h = p), and c = d(loss)/d(l1) / M (the L1 term):
+    dh_k = dy_r . W_down[j, :] + c * sign(h_k)
+    gated:      du_k = dh_k * p_k ;  dg_k = dh_k * u_k
+                dx_r = sum_k du_k W_up^T[j, :] + dg_k W_gate^T[j, :]
+    non-gated:  dg_k = dh_k ;  dx_r = sum_k dg_k W_up^T[j, :]
+Weight gradients, per hidden column j over the entries of column j in column order (CSC:
+``col_ptr`` [H + 1] into entry arrays sorted by column, ``rows`` their tokens):
+    dW_up^T[j] = sum_e du_e x[rows_e];  dW_gate^T[j] = sum_e dg_e x[rows_e];
+    dW_down[j] = sum_e h_e dy[rows_e]
+
+Kernels:
+  * ``csc_down_dh`` (columns): dh, du, dg and dW_down in one pass: per column, W_down[j] sits
+    in registers and each entry's dy row serves both the dot of dh and dW_down.
+  * ``column_sums`` (columns): out_i[j] = sum_e coef_i[e] a[rows_e], e.g. dW_up^T and
+    dW_gate^T from the x rows.
+  * ``ell_dh`` (rows): dh -> du, dg on the row side (gathers W_down rows): the alternative to
+    ``csc_down_dh`` for the dh part.
+  * ``ell_dx`` (rows): dx from du / dg (gathers W_up^T / W_gate^T rows).
+All: one CTA (one warpgroup, 128 threads) per row or column, D-long f32 accumulators in
+registers (D/128 per thread), scalar GMEM reads for indices and coefficients issued one step
+ahead, D-long contiguous row reads, no atomics (every output row written once by its CTA), no
+tensor cores. Tuned choices per kernel: ``_common.GatherConfig``. Requires D % 128 == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _common as common
+
+_F32 = jnp.float32
+
+
+def _sign(v):
+  return jnp.where(v > 0, 1.0, jnp.where(v < 0, -1.0, 0.0)).astype(_F32)
+
+
+def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
+               du_gmem, dg_gmem, *, gated: bool, group: int, dy_mode: str):
+  """Row-side dh on the pattern -> du, dg (gathers W_down rows)."""
+  r = lax.axis_index("r")
+  n = n_gmem[r]
+  c = c_gmem[0]
+  dy = common.hold_row(dy_gmem, r, dy_mode)
+  last = cols_gmem.shape[1] - 1
+
+  def load(gi):
+    ks = common.group_slots(gi, group, last)
+    return ([cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks],
+            [u_gmem[r, k].astype(_F32) for k in ks] if gated else None)
+
+  def step(gi, loaded, carry):
+    js, ps, us = loaded
+    ks = [gi * group + q for q in range(group)]
+    wds = [wd_gmem[j, :] for j in js]
+    for q in range(group):
+      h = (ps[q] * us[q]).astype(jnp.bfloat16).astype(_F32) if gated else ps[q]
+      dh = jnp.sum(common.row_at(dy, dy_gmem, r) * wds[q].astype(_F32)) + c * _sign(h)
+      dh = jnp.where(ps[q] > 0, dh, 0.0)
+      if gated:
+        du_gmem[r, ks[q]] = dh * ps[q]
+        dg_gmem[r, ks[q]] = dh * us[q]
+      else:
+        dg_gmem[r, ks[q]] = dh
+    return carry
+
+  common.prefetched_fori_loop((n + (group - 1)) // group, load, step, 0)
+
+
+def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, *,
+               gated: bool, group: int, rows_ahead: bool = False):
+  """dx = sum_k du_k W_up^T[j_k] + dg_k W_gate^T[j_k] (gathers W_up^T, W_gate^T rows)."""
+  r = lax.axis_index("r")
+  n = n_gmem[r]
+  acc0 = common.zeros_like_row(wup_gmem[0, :])
+  last = cols_gmem.shape[1] - 1
+
+  def load(gi):
+    ks = common.group_slots(gi, group, last)
+    # Slots k >= n may hold anything (csc_down_dh does not write them): masked to 0.
+    coef = lambda ref: [jnp.where(k < n, ref[r, k], 0.0) for k in ks]
+    return [cols_gmem[r, k] for k in ks], coef(dg_gmem), coef(du_gmem) if gated else None
+
+  def fetch(loaded):
+    js = loaded[0]
+    return [wup_gmem[j, :] for j in js], ([wg_gmem[j, :] for j in js] if gated else None)
+
+  def step(gi, loaded, rows, acc):
+    _, dgs, dus = loaded
+    wus, wgs = rows
+    for q in range(group):
+      if gated:
+        acc = acc + dus[q] * wus[q].astype(_F32) + dgs[q] * wgs[q].astype(_F32)
+      else:
+        acc = acc + dgs[q] * wus[q].astype(_F32)
+    return acc
+
+  acc = common.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0,
+                                    fetch=fetch, fetch_ahead=rows_ahead)
+  dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
+
+
+def ell_dh(dy, cols, p, u, n, c, w_down, *, config: common.GatherConfig = common.GatherConfig(),
+           interpret=False):
+  """(du [M, Wk] f32 or None (non-gated), dg [M, Wk] f32) on the row side: slots k >= n[r]
+  are not written.
+
+  dy [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p, u [M, Wk] bf16 (0 in unused
+  slots; u None when non-gated); n [M] int32; c [1] f32 (the L1 coefficient dl1 / M);
+  w_down [H, D]. Wk % config.group == 0.
+  """
+  m, d = dy.shape
+  h, d2 = w_down.shape
+  wk = cols.shape[1]
+  gated = u is not None
+  group = config.group
+  if d != d2 or d % 128 or wk % group or p.shape != (m, wk) or (gated and u.shape != (m, wk)):
+    raise ValueError(f"ell_dh: bad shapes {dy.shape=} {cols.shape=} {p.shape=} "
+                     f"{w_down.shape=} {group=}")
+  if not gated:
+    u = jnp.zeros((8, 8), p.dtype)              # unused placeholder operand
+  coef_t = jax.ShapeDtypeStruct((m, wk), _F32)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_dh_kernel, gated=gated, group=group, dy_mode=config.row_mode),
+        out_type=(coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
+        grid=(m,), grid_names=("r",), compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_bwd_dh" + ("" if gated else "_ng"))
+    du, dg = f(dy, cols, p, u, n, c.astype(_F32).reshape(1), w_down)
+  return (du if gated else None), dg
+
+
+def _column_loads(rows_gmem, coef_refs, start, end, gi, group: int, last, via_gmem=None):
+  """Scalar loads of CSC entry group ``gi`` of a column: (token rows [group], per ref of
+  ``coef_refs`` its coefficients [group] as f32, 0 past the column's end, None for a None ref;
+  the indices they were read at [group]). Coefficients are read at the entry e itself, or at
+  ``via_gmem[e]`` (e.g. the entry's ELL slot) when given."""
+  es, valid = common.column_slots(start, end, gi, group, last)
+  at = es if via_gmem is None else [via_gmem[e] for e in es]
+  rows = [rows_gmem[e] for e in es]
+  return rows, [None if ref is None else
+                [jnp.where(valid[q], ref[at[q]].astype(_F32), 0.0) for q in range(group)]
+                for ref in coef_refs], at
+
+
+def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
+                     rows_ahead: bool = False):
+  """out_i[j] = sum_{ptr[j] <= e < ptr[j + 1]} coef_i[e] a[rows_e] for ``n_out`` coefficient
+  arrays sharing one gathered operand ``a``."""
+  coefs, outs = refs[:n_out], refs[n_out:]
+  j = lax.axis_index("j")
+  start = ptr_gmem[j]
+  end = ptr_gmem[j + 1]
+  last = rows_gmem.shape[0] - 1
+  acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
+
+  def load(gi):
+    return _column_loads(rows_gmem, coefs, start, end, gi, group, last)[:2]
+
+  def step(gi, loaded, rows, accs):
+    _, cs = loaded
+    accs = list(accs)
+    for q in range(group):
+      aq = rows[q].astype(_F32)
+      for i in range(n_out):
+        accs[i] = accs[i] + cs[i][q] * aq
+    return tuple(accs)
+
+  n_groups = (end - start + (group - 1)) // group
+  accs = common.prefetched_fori_loop(n_groups, load, step, acc0,
+                                     fetch=lambda loaded: [a_gmem[mm, :] for mm in loaded[0]],
+                                     fetch_ahead=rows_ahead)
+  for out, acc in zip(outs, accs):
+    out[j, :] = acc.astype(out.dtype)
+
+
+def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
+                         c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
+                         dg_ell_gmem, *, gated: bool, group: int, rows_ahead: bool):
+  """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
+  (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
+  the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
+  computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
+  writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
+  dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
+  side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
+  at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
+  scatter kernel has to put them back."""
+  j = lax.axis_index("j")
+  start = ptr_gmem[j]
+  end = ptr_gmem[j + 1]
+  c = c_gmem[0]
+  last = rows_gmem.shape[0] - 1
+  wdj = wd_gmem[j, :].astype(_F32)
+  acc0 = common.zeros_like_row(wd_gmem[j, :])
+
+  def load(gi):
+    # p / u read at each entry's ELL slot (one step ahead, like every scalar here): no XLA
+    # gather has to lay them out in CSC order. The slots are kept for the ELL-order stores.
+    ms, (ps, us), slots = _column_loads(rows_gmem, (p_gmem, u_gmem if gated else None),
+                                        start, end, gi, group, last, via_gmem=ids_gmem)
+    return ms, slots, ps, us
+
+  def step(gi, loaded, dy_rows, acc):
+    _, slots, ps, us = loaded
+    # h as the forward rounded it (ell_up_down: bf16(p u) in the residuals' dtype).
+    hs = ([(ps[q] * us[q]).astype(p_gmem.dtype).astype(_F32) for q in range(group)]
+          if gated else ps)
+    dys = [row.astype(_F32) for row in dy_rows]
+    dots = [jnp.sum(dyq * wdj) for dyq in dys]
+    for q in range(group):
+      e = start + gi * group + q
+      dyq = dys[q]
+      dh = dots[q] + c * _sign(hs[q])
+      dh = jnp.where(ps[q] > 0, dh, 0.0)
+      # Slots past the column's end belong to the next column (or to nothing): no store.
+      @pl.when(e < end)
+      def _():
+        slot = slots[q]
+        if gated:
+          du, dg = dh * ps[q], dh * us[q]
+          du_gmem[e] = du
+          du_ell_gmem[slot] = du
+        else:
+          dg = dh
+        dg_gmem[e] = dg
+        dg_ell_gmem[slot] = dg
+      acc = acc + hs[q] * dyq
+    return acc
+
+  n_groups = (end - start + (group - 1)) // group
+  acc = common.prefetched_fori_loop(n_groups, load, step, acc0,
+                                    fetch=lambda loaded: [dy_gmem[mm, :] for mm in loaded[0]],
+                                    fetch_ahead=rows_ahead)
+  dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
+
+
+def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
+                config: common.GatherConfig = common.GatherConfig(), out_dtype=_F32,
+                interpret=False):
+  """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
+  None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
+
+  dy [M, D] bf16; w_down [H, D] bf16; col_ptr [H + 1] int32; rows [E] int32 (token of each
+  CSC entry); ids [E] int32: each CSC entry's flat index in the ELL arrays of shape
+  ``ell_shape`` (rows * slots >= E); p, u [``ell_shape``] the gate and up values in ELL order
+  (bf16, as the forward saved them; u None when non-gated; h = p u is rounded to their dtype,
+  as the forward rounded it; only slots that some CSC entry e < col_ptr[H] names are read);
+  c [1] f32 (the L1 coefficient, as in ``ell_dh``).
+  du / dg come in CSC order (entries e >= col_ptr[H] not written) and in
+  ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
+  mask them, as ``ell_dx`` does). dh equals ``ell_dh``'s bit for bit (same products, same
+  reduction).
+  """
+  m, d = dy.shape
+  hh = col_ptr.shape[0] - 1
+  e = rows.shape[0]
+  gated = u is not None
+  n_ell = ell_shape[0] * ell_shape[1]
+  if (w_down.shape != (hh, d) or d % 128 or tuple(p.shape) != tuple(ell_shape)
+      or (gated and u.shape != p.shape) or ids.shape != (e,) or n_ell < e):
+    raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
+                     f"{rows.shape=} {p.shape=} {None if u is None else u.shape=} "
+                     f"{ids.shape=} {ell_shape=}")
+  p = p.reshape(n_ell)
+  u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
+  coef_t = jax.ShapeDtypeStruct((e,), _F32)
+  ell_t = jax.ShapeDtypeStruct((n_ell,), _F32)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_cols_down_dh_kernel, gated=gated, group=config.group,
+                          rows_ahead=config.rows_ahead),
+        out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
+                  coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
+                  ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
+        grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
+    )
+    dwd, du, dg, du_ell, dg_ell = f(dy, w_down, col_ptr, rows, p, u,
+                                    c.astype(_F32).reshape(1), ids)
+  return (dwd, (du if gated else None), dg,
+          du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
+
+
+def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *,
+           config: common.GatherConfig = common.GatherConfig(), dx_dtype=_F32,
+           interpret=False):
+  """dx [M, D] = sum_{k < n[r]} du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over the ELL
+  entries (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); slots
+  k >= n[r] of du / dg are ignored, so du / dg may come from ``ell_dh`` or ``csc_down_dh``."""
+  m, wk = cols.shape
+  h, d = w_up_t.shape
+  gated = w_gate_t is not None
+  group = config.group
+  if wk % group or dg.shape != (m, wk) or (gated and du.shape != (m, wk)) or d % 128:
+    raise ValueError(f"ell_dx: bad shapes {cols.shape=} {dg.shape=} {w_up_t.shape=} {group=}")
+  if not gated:
+    du = jnp.zeros((1, 1), _F32)
+    w_gate_t = jnp.zeros((8, 128), w_up_t.dtype)
+  with common.interpret_context(bool(interpret)):
+    f = plgpu.kernel(
+        functools.partial(_dx_kernel, gated=gated, group=group, rows_ahead=config.rows_ahead),
+        out_type=jax.ShapeDtypeStruct((m, d), dx_dtype), grid=(m,), grid_names=("r",),
+        compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret),
+        kernel_name="twell_train_bwd_dx" + ("" if gated else "_ng"))
+    return f(cols, n, du, dg, w_up_t, w_gate_t)
+
+
+def column_sums(a, col_ptr, rows, *coefs, config: common.GatherConfig = common.GatherConfig(),
+                out_dtype=_F32, name: str = "twell_train_column_sums", interpret=False):
+  """out_i [H, D] ``out_dtype``, out_i[j] = sum_{col_ptr[j] <= e < col_ptr[j + 1]}
+  coefs[i][e] a[rows[e]] (summed in f32 in entry order, rounded once as written).
+
+  a [M, D] bf16 (x for dW_up^T / dW_gate^T, dy for dW_down); col_ptr [H + 1] int32; rows [E]
+  int32 (token of each entry, sorted by column); coefs: [E] f32 arrays in the same order.
+  Several coefficient arrays share each gathered row (one gather for dW_up^T and dW_gate^T).
+  """
+  m, d = a.shape
+  hh = col_ptr.shape[0] - 1
+  e = rows.shape[0]
+  if d % 128 or not coefs or any(c.shape != (e,) for c in coefs):
+    raise ValueError(f"column_sums: bad shapes {a.shape=} {rows.shape=} "
+                     f"{[c.shape for c in coefs]}")
+  with common.interpret_context(bool(interpret)):
+    return plgpu.kernel(
+        functools.partial(_cols_one_kernel, n_out=len(coefs), group=config.group,
+                          rows_ahead=config.rows_ahead),
+        out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
+        grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
+        interpret=common.interpret_params(interpret), kernel_name=name,
+    )(a, col_ptr, rows, *coefs)

@@ -1,0 +1,145 @@
+"""The inference forward (pallas_kernels/ffn_mgpu.py) and its fused up/down kernel
+(pallas_kernels/sparse_up_down_mgpu.py) against the f32 reference.
+
+Inputs from `twell_jax.testing.ffn_inputs` with fixed seeds: uniform and skewed activity (a
+feature firing on most rows, most features dead, near-dense rows), heavy rows over the TwELL
+tile capacity, all-zero rows, odd shapes, more overflowing rows than the dense path holds.
+"""
+
+from __future__ import annotations
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_test_util as ktu
+from pallas_kernels import _common as common
+from pallas_kernels import ffn_mgpu
+from pallas_kernels import gate_pack_mgpu
+from pallas_kernels import reference
+from pallas_kernels import sparse_up_down_mgpu
+
+
+def check_forward(tc, x, wg, wu, wd, y, stats):
+  ref, h = reference.reference_ffn(x, wg, wu, wd)
+  y32 = np.asarray(y, np.float32)
+  ref = np.asarray(ref)
+  tc.assertLess(ktu.rel(y32, ref), 1.5e-2)
+  # Element-wise, with an absolute tolerance that grows with the row's magnitude (heavy rows
+  # reach |y| ~ 1e3, where one bf16 ulp of an h term is larger than any fixed tolerance).
+  row_scale = np.maximum(1.0, np.abs(ref).max(axis=1, keepdims=True))
+  bad = np.abs(y32 - ref) > 6e-2 * np.abs(ref) + 2e-2 * row_scale
+  tc.assertFalse(bad.any(), f"{bad.sum()} elements off, first at {np.argwhere(bad)[:3]}")
+  # Stats against the reference (gate activity from the f32 pre-activations).
+  f = lambda a: a.astype(jnp.float32)
+  pre = jnp.dot(f(x), f(wg if wg is not None else wu), precision=jax.lax.Precision.HIGHEST)
+  act = np.asarray(pre > 0)
+  hp = common.round_up(act.shape[1], 256)
+  tile_cnt = np.pad(act, ((0, 0), (0, hp - act.shape[1]))).reshape(act.shape[0], -1, 256).sum(-1)
+  np.testing.assert_allclose(float(stats["nnz_per_token"]), act.sum(1).mean(), rtol=1e-3)
+  tc.assertEqual(int(stats["max_tile_nnz"]), int(tile_cnt.max()))
+  tc.assertEqual(int(stats["overflow_rows"]), int((tile_cnt > 32).any(1).sum()))
+  np.testing.assert_array_equal(np.asarray(stats["fired"]), act.any(0))
+  np.testing.assert_allclose(float(stats["l1"]), float(np.abs(np.asarray(h)).sum(1).mean()),
+                             rtol=2e-2)
+
+
+class ForwardTestBase(ktu.KernelTestBase):
+
+  @parameterized.named_parameters(
+      dict(testcase_name="gated_aligned", m=256, d=128, h=512, active=8.0),
+      dict(testcase_name="gated_odd_m_padded_dh_heavy", m=203, d=96, h=300, active=10.0,
+           heavy=0.03, empty=0.03),
+      dict(testcase_name="nongated_heavy_fix_path", m=128, d=64, h=512, active=6.0,
+           heavy=0.05, gated=False),
+      dict(testcase_name="gated_capacity_exceeded_dense_fallback", m=130, d=128, h=256,
+           active=4.0, heavy=0.6, capacity=64),
+      dict(testcase_name="gated_thousands_active", m=128, d=64, h=2304, active=20.0,
+           heavy=0.04),
+      dict(testcase_name="gated_all_zero_x", m=64, d=64, h=256, empty=1.0),
+      # Real L1-trained layers: a feature on 70% of the rows, 90% of the features dead,
+      # heavy-tailed rows (some nearly all-active among the alive features).
+      dict(testcase_name="gated_skewed", m=256, d=128, h=768, active=10.0, heavy=0.02,
+           skew=dict(dead_fraction=0.9, hottest=0.7, row_spread=0.6)),
+  )
+  def test_forward_exact(self, m, d, h, active=8.0, heavy=0.0, empty=0.0, gated=True,
+                         capacity=None, skew=None):
+    x, wg, wu, wd = ktu.inputs(m, d, h, active=active, heavy=heavy, empty=empty, gated=gated,
+                               seed=m + h, **(skew or {}))
+    cfg = ffn_mgpu.ForwardConfig(overflow_capacity=capacity)
+    y, stats = ffn_mgpu.ffn_forward(x, wg, wu, wd, config=cfg, interpret=self.INTERPRET)
+    self.assertEqual(y.shape, (m, d))
+    self.assertEqual(y.dtype, jnp.bfloat16)
+    check_forward(self, x, wg, wu, wd, y, stats)
+    if capacity is not None:
+      self.assertGreater(int(stats["overflow_rows"]), capacity)
+    if heavy >= 0.03:
+      self.assertGreater(int(stats["overflow_rows"]), 0)
+
+  @parameterized.parameters(True, False)
+  def test_up_down_row_modes_agree(self, gated):
+    """Where x_r lives (f32 / bf16 registers, or reloaded) never changes a bit."""
+    x, wg, wu, wd = ktu.inputs(128, 128, 768, active=10.0, heavy=0.05, empty=0.02,
+                               gated=gated, seed=4)
+    words, counts = gate_pack_mgpu.gate_pack(x, wg if gated else wu, interpret=self.INTERPRET)
+    row_ok = (counts.reshape(128, 3, common.COUNT_LANES)[..., 0] <= 32).all(1).astype(jnp.int32)
+    args = (x, words, counts, row_ok, wu.T if gated else None, wd)
+    base = sparse_up_down_mgpu.sparse_up_down(*args, interpret=self.INTERPRET)
+    for mode in ("bf16", "f32"):
+      got = sparse_up_down_mgpu.sparse_up_down(
+          *args, config=sparse_up_down_mgpu.UpDownConfig(x_mode=mode), interpret=self.INTERPRET)
+      for a, b in zip(got, base):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=mode)
+
+  def test_rejects_bad_input(self):
+    x, wg, wu, wd = ktu.inputs(64, 64, 256)
+    with self.assertRaisesRegex(ValueError, "w_down"):
+      ffn_mgpu.ffn_forward(x, wg, wu, wd.T, interpret=self.INTERPRET)
+    with self.assertRaisesRegex(ValueError, "bfloat16"):
+      ffn_mgpu.ffn_forward(x.astype(jnp.float32), wg, wu, wd, interpret=self.INTERPRET)
+    with self.assertRaisesRegex(ValueError, "overflow_capacity"):
+      ffn_mgpu.ForwardConfig(overflow_capacity=0)
+    with self.assertRaisesRegex(ValueError, "x_mode"):
+      sparse_up_down_mgpu.UpDownConfig(x_mode="registers")
+
+
+class ForwardInterpretTest(ForwardTestBase):
+  INTERPRET = True
+
+  def test_no_races(self):
+    x, wg, wu, wd = ktu.inputs(128, 128, 256, active=8.0, seed=5)
+    words, counts = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
+    row_ok = jnp.ones((128,), jnp.int32)
+    ktu.assert_race_free(lambda p: sparse_up_down_mgpu.sparse_up_down(
+        x, words, counts, row_ok, wu.T, wd, interpret=p))
+
+
+class ForwardLoweringTest(parameterized.TestCase):
+  """Builds the Mosaic GPU modules for CUDA on any host (no GPU needed)."""
+
+  @parameterized.product(gated=(True, False), x_mode=("reload", "f32", "bf16"))
+  def test_lowers_for_cuda(self, gated, x_mode):
+    x, wg, wu, wd = ktu.inputs(256, 256, 512, gated=gated)
+    cfg = ffn_mgpu.ForwardConfig(up_down=sparse_up_down_mgpu.UpDownConfig(x_mode=x_mode))
+    ktu.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a, config=cfg), x, wg, wu, wd)
+
+
+@pytest.mark.gpu
+class ForwardGpuTest(ForwardTestBase):
+  INTERPRET = False
+
+  @parameterized.parameters(
+      (4096, 0.0, 30.0, {}), (4096, 0.01, 30.0, {}), (2048, 0.0, 60.0, {}),
+      (4096, 0.01, 30.0, dict(dead_fraction=0.9, hottest=0.7, row_spread=0.6)))
+  def test_paper_shape(self, m, heavy, active, skew):
+    x, wg, wu, wd = ktu.inputs(m, 2048, 5632, active=active, heavy=heavy, seed=6, **skew)
+    y, stats = ffn_mgpu.ffn_forward(x, wg, wu, wd)
+    check_forward(self, x, wg, wu, wd, y, stats)
+
+
+if __name__ == "__main__":
+  absltest.main()

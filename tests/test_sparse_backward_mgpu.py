@@ -1,0 +1,162 @@
+"""The training backward's gather kernels (pallas_kernels/sparse_backward_mgpu.py) against numpy.
+
+Row side (ell_dh, ell_dx) and column side (column_sums, csc_down_dh) on small hand-built
+patterns with fixed seeds: empty rows and columns, full rows, a hot column, unwritten slots
+holding NaN. Interpret-mode twins run on the CPU; the GPU class needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_test_util as ktu
+from pallas_kernels import _common as common
+from pallas_kernels import sparse_backward_mgpu as bwd
+
+F32 = jnp.float32
+
+
+class BackwardKernelsTestBase(ktu.KernelTestBase):
+
+  @parameterized.parameters(True, False)
+  def test_row_dh_and_dx_match_reference(self, gated):
+    """The row-side backward (ell_dh, then ell_dx) against numpy."""
+    rng = np.random.default_rng(11)
+    m, d, h, wk = 16, 128, 256, 8
+    n = rng.integers(0, wk + 1, m).astype(np.int32)
+    n[0], n[1] = 0, wk                                   # an empty row and a full row
+    cols = np.stack([rng.choice(h, wk, replace=False) for _ in range(m)]).astype(np.int32)
+    valid = np.arange(wk)[None, :] < n[:, None]
+    cols = np.where(valid, cols, 0)
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(F32))
+    p = bf(np.where(valid, np.abs(rng.normal(size=(m, wk))) + 0.1, 0))
+    u = bf(np.where(valid, rng.normal(size=(m, wk)), 0))
+    dy, wd, wut, wgt = (bf(rng.normal(size=s_)) for s_ in ((m, d), (h, d), (h, d), (h, d)))
+    c = np.float32(0.3)
+    b16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    cols_j, n_j = jnp.asarray(cols), jnp.asarray(n)
+    du, dg = bwd.ell_dh(b16(dy), cols_j, b16(p), b16(u) if gated else None, n_j,
+                        jnp.full((1,), c, F32), b16(wd), interpret=self.INTERPRET)
+    dx = bwd.ell_dx(cols_j, n_j, du, dg, b16(wut), b16(wgt) if gated else None,
+                    interpret=self.INTERPRET)
+    hv = bf(p * u) if gated else p
+    dh = np.where(valid, np.einsum("md,mkd->mk", dy, wd[cols]) + c * np.sign(hv), 0)
+    dg_ref = dh * u if gated else dh
+    dx_ref = np.einsum("mk,mkd->md", dg_ref, wgt[cols] if gated else wut[cols])
+    if gated:
+      du_ref = dh * p
+      dx_ref += np.einsum("mk,mkd->md", du_ref, wut[cols])
+      np.testing.assert_allclose(np.where(valid, du, 0), du_ref, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.where(valid, dg, 0), dg_ref, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-3)
+
+  def test_ell_dx_ignores_unwritten_slots(self):
+    """csc_down_dh leaves ELL slots past a row's count unwritten: ell_dx must not read them
+    into dx (NaN there must not reach the result)."""
+    rng = np.random.default_rng(12)
+    m, d, h, wk = 8, 128, 256, 6
+    n = rng.integers(0, wk + 1, m).astype(np.int32)
+    n[0], n[1] = 0, wk
+    cols = jnp.asarray(rng.integers(0, h, (m, wk)), jnp.int32)
+    valid = np.arange(wk)[None, :] < n[:, None]
+    du, dg = (rng.normal(size=(m, wk)).astype(F32) for _ in range(2))
+    wut, wgt = (jnp.asarray(rng.normal(size=(h, d)), jnp.bfloat16) for _ in range(2))
+    run = lambda a, b: bwd.ell_dx(cols, jnp.asarray(n), jnp.asarray(a), jnp.asarray(b),
+                                  wut, wgt, interpret=self.INTERPRET)
+    clean = run(np.where(valid, du, 0), np.where(valid, dg, 0))
+    dirty = run(np.where(valid, du, np.nan), np.where(valid, dg, np.nan))
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+    self.assertTrue(np.isfinite(np.asarray(clean)).all())
+
+  def test_column_kernels_match_reference_and_round_once(self):
+    """The column-side kernels against numpy: column_sums and csc_down_dh, whose gate / up
+    values are read from ELL-order arrays through ids (so the ELL layout here is a shuffled
+    one, with slots no entry names holding NaN). Every kernel sums in f32 and rounds once as
+    it writes: the bf16 outputs are the f32 outputs rounded. Column 1 holds most entries
+    (a hot feature), column 0 none."""
+    rng = np.random.default_rng(13)
+    m, d, h, e = 8, 128, 6, 20
+    rows = rng.integers(0, m, e).astype(np.int32)
+    counts = rng.multinomial(e, np.array([0.0, 0.6] + [0.1] * (h - 2)))
+    counts[0] = 0                                      # an empty column
+    counts[1] += e - counts.sum()
+    col_ptr = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+    seg = np.repeat(np.arange(h), counts)
+    x, dy, wd = (rng.normal(size=s_).astype(F32) for s_ in ((m, d), (m, d), (h, d)))
+    b16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    bf = lambda a: np.asarray(b16(a).astype(F32))
+    x, dy, wd = bf(x), bf(dy), bf(wd)
+    # CSC entry i sits at ELL slot ids[i] of a [4, 8] layout (32 slots; 12 unused: NaN).
+    ell_shape = (4, 8)
+    ids = rng.permutation(32)[:e].astype(np.int32)
+    p_csc = bf(np.where(rng.random(e) < 0.2, 0.0, np.abs(rng.normal(size=e)) + 0.1))
+    u_csc = bf(rng.normal(size=e))
+    p_ell, u_ell = (np.full(32, np.nan, F32) for _ in range(2))
+    p_ell[ids], u_ell[ids] = p_csc, u_csc
+    c = 0.3
+    du, dg = (rng.normal(size=e).astype(F32) for _ in range(2))
+    hh = bf(p_csc * u_csc)
+    ref = lambda coef, a: np.stack([(coef[seg == j, None] * a[rows[seg == j]]).sum(0)
+                                    for j in range(h)])
+    dh = np.where(p_csc > 0, np.einsum("ed,ed->e", dy[rows], wd[seg]) + c * np.sign(hh), 0)
+    args = lambda *a: tuple(jnp.asarray(v) for v in a)
+    rows_j = jnp.asarray(rows)
+    runs = {}
+    # group 2, and rows loaded one step ahead at group 1 (every column's loop runs past its end).
+    for name, cfg in (("", common.GatherConfig(group=2)),
+                      ("_ahead", common.GatherConfig(rows_ahead=True))):
+      runs["x" + name] = (functools.partial(
+          lambda dt, cfg: bwd.column_sums(b16(x), col_ptr, rows_j, *args(du, dg), config=cfg,
+                                          out_dtype=dt, interpret=self.INTERPRET), cfg=cfg),
+                          (ref(du, x), ref(dg, x)))
+      runs["dy" + name] = (functools.partial(
+          lambda dt, cfg: bwd.column_sums(b16(dy), col_ptr, rows_j, jnp.asarray(hh),
+                                          config=cfg, out_dtype=dt,
+                                          interpret=self.INTERPRET), cfg=cfg),
+                           (ref(hh, dy),))
+      runs["down_dh" + name] = (functools.partial(
+          lambda dt, cfg: bwd.csc_down_dh(
+              b16(dy), b16(wd), col_ptr, rows_j, b16(p_ell).reshape(ell_shape),
+              b16(u_ell).reshape(ell_shape), jnp.full((1,), c, F32), jnp.asarray(ids),
+              ell_shape, config=cfg, out_dtype=dt, interpret=self.INTERPRET), cfg=cfg),
+          (ref(hh, dy), dh * p_csc, dh * u_csc))
+    for name, (run, refs) in runs.items():
+      full, rounded = run(F32), run(jnp.bfloat16)
+      for i, (a, r) in enumerate(zip(full, refs)):
+        np.testing.assert_allclose(np.asarray(a), r, rtol=1e-4, atol=1e-4, err_msg=f"{name} {i}")
+      self.assertEqual(rounded[0].dtype, jnp.bfloat16, name)
+      np.testing.assert_array_equal(np.asarray(rounded[0]),
+                                    np.asarray(full[0].astype(jnp.bfloat16)), err_msg=name)
+      if name.startswith("down_dh"):   # du, dg also in ELL order, at ids
+        for a_ell, a_csc in ((full[3], full[1]), (full[4], full[2])):
+          np.testing.assert_array_equal(np.asarray(a_ell).reshape(-1)[ids], np.asarray(a_csc))
+      else:
+        for a, b in zip(full[1:], rounded[1:]):
+          np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
+
+  def test_rejects_bad_shapes(self):
+    z = jnp.zeros((8,), F32)
+    with self.assertRaisesRegex(ValueError, "column_sums"):
+      bwd.column_sums(jnp.zeros((8, 100), jnp.bfloat16), jnp.zeros((5,), jnp.int32),
+                      jnp.zeros((8,), jnp.int32), z, interpret=self.INTERPRET)
+    with self.assertRaisesRegex(ValueError, "group"):
+      common.GatherConfig(group=0)
+
+
+class BackwardKernelsInterpretTest(BackwardKernelsTestBase):
+  INTERPRET = True
+
+
+@pytest.mark.gpu
+class BackwardKernelsGpuTest(BackwardKernelsTestBase):
+  INTERPRET = False
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,115 @@
+"""The implementations of `twell_jax.ffn`, what each supports, and the automatic choice.
+
+Each implementation answers `unsupported(call)` (None when it can run the call, else the
+reason) and runs a validated call on 2-D operands, returning (y, FFNStats).
+`implementation=None` takes the first entry of `AUTO_ORDER` that supports the call:
+"mosaic_gpu" (the kernels; Hopper with bf16, or the interpreter) and else "dense". "xla",
+the sparse algorithm in plain JAX, computes the same function but is slower than dense
+everywhere it was measured (4-5x on the CPU, about 20x on an H200 at the paper's shape), so
+it runs only when named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from twell_jax import dense as dense_lib
+from twell_jax import sparse_xla
+from twell_jax import stats as stats_lib
+
+__all__ = ["Call", "IMPLEMENTATIONS", "AUTO_ORDER", "SPARSE", "get", "pick"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """The static facts of one `ffn` call (x flattened to [m, d]) that the choice depends on."""
+  m: int
+  d: int
+  h: int
+  gated: bool
+  dtype: jnp.dtype
+  activation: str
+  interpret: bool
+  ell_width: int
+  tail_rows: Optional[int]
+
+
+class Dense:
+  """Plain XLA dense FFN: the baseline; every activation, dtype and backend."""
+  name = "dense"
+  sparse = False
+
+  def unsupported(self, call: Call) -> Optional[str]:
+    del call
+    return None
+
+  def run(self, call: Call, x, w_gate, w_up, w_down):
+    return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation)
+
+
+class Xla:
+  """The sparse algorithm in plain JAX with a sparse custom VJP (any backend)."""
+  name = "xla"
+  sparse = True
+
+  def unsupported(self, call: Call) -> Optional[str]:
+    if call.activation != "relu":
+      return f"activation={call.activation!r} has no exact zeros to skip"
+    return None
+
+  def run(self, call: Call, x, w_gate, w_up, w_down):
+    return sparse_xla.sparse_ffn(x, w_gate, w_up, w_down, ell_width=call.ell_width,
+                                 tail_rows=call.tail_rows)
+
+
+class MosaicGpu:
+  """The Pallas Mosaic GPU kernels (Hopper; the Mosaic GPU interpreter with interpret=True)."""
+  name = "mosaic_gpu"
+  sparse = True
+
+  def unsupported(self, call: Call) -> Optional[str]:
+    if call.activation != "relu":
+      return f"activation={call.activation!r} has no exact zeros to skip"
+    if not call.interpret and jax.default_backend() != "gpu":
+      return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
+              "interpret=True to run the kernels in the interpreter")
+    from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, call.dtype)
+    return ffn_mgpu.supports(sds(call.m, call.d), sds(call.d, call.h) if call.gated else None,
+                             sds(call.d, call.h), sds(call.h, call.d), interpret=call.interpret)
+
+  def run(self, call: Call, x, w_gate, w_up, w_down):
+    # Imported on first use: the kernels' modules pull in Mosaic GPU (about 0.7 s).
+    from twell_jax import mosaic  # pylint: disable=import-outside-toplevel
+    return mosaic.mosaic_ffn(x, w_gate, w_up, w_down, interpret=call.interpret,
+                             ell_width=call.ell_width, tail_rows=call.tail_rows)
+
+
+IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu())}
+AUTO_ORDER = ("mosaic_gpu", "dense")
+SPARSE = tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.sparse)
+
+
+def get(name: str):
+  """The implementation called `name` (ValueError for an unknown name)."""
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATIONS)} or None; "
+                     f"got {name!r}.")
+  return IMPLEMENTATIONS[name]
+
+
+def pick(call: Call):
+  """The first implementation of AUTO_ORDER that supports `call`."""
+  for name in AUTO_ORDER:
+    if IMPLEMENTATIONS[name].unsupported(call) is None:
+      return IMPLEMENTATIONS[name]
+  raise AssertionError("the dense implementation supports every call")
+
+
+def empty_result(call: Call, dtype):
+  """(y, stats) of a call with no tokens."""
+  return jnp.zeros((0, call.d), dtype), stats_lib.empty_stats(call.h)
