@@ -78,6 +78,9 @@ class HybridConfig:
   ell_width: int          # W (ELL slots per row); rows with more actives are heavy
   tail_rows: int          # R, static capacity of the dense tail
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
+  # K, the hidden features of each batch that fire most often and run as small dense GEMMs
+  # on the tensor cores instead of through the gather kernels (0: none; see ``forward``).
+  hot_columns: int = 128
   dh_in_columns: bool = True
   up_down: common.GatherConfig = _Gather(rows_ahead=True)
   down_dh: common.GatherConfig = _Gather()
@@ -88,6 +91,8 @@ class HybridConfig:
   def __post_init__(self):
     if min(self.m, self.d, self.h, self.ell_width, self.tail_rows) < 1:
       raise ValueError(f"HybridConfig: every size must be >= 1; got {self}")
+    if self.hot_columns < 0:
+      raise ValueError(f"HybridConfig: hot_columns must be >= 0; got {self.hot_columns}")
 
   @property
   def mp(self) -> int:
@@ -100,6 +105,11 @@ class HybridConfig:
   @property
   def hp(self) -> int:
     return common.round_up(self.h, common.TILE_N)
+
+  @property
+  def k_hot(self) -> int:
+    """Hot columns per batch (``hot_columns`` capped at the padded H)."""
+    return min(self.hot_columns, self.hp)
 
   @property
   def wk(self) -> int:
@@ -197,6 +207,31 @@ def _hybrid_from_twell(cfg: HybridConfig, words, counts):
   return cols.astype(jnp.int32), p, n, heavy, cnt
 
 
+def _drop_columns(cfg: HybridConfig, cols, p, valid, drop):
+  """The ELL rows without the entries whose column is in ``drop`` [Hp] bool, compacted to the
+  front of each row in their order: (cols, p, n)."""
+  keep = valid & ~drop[cols]
+  at = jnp.where(keep, jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1, cfg.wk)
+  rows = jnp.arange(cfg.mp, dtype=jnp.int32)[:, None]
+  put = lambda a: jnp.zeros_like(a).at[rows, at].set(a, mode="drop", unique_indices=True)
+  return put(cols), put(p), jnp.sum(keep, axis=1, dtype=jnp.int32)
+
+
+def _hot_forward(cfg: HybridConfig, xp, w_in, wu, wd, hot, live):
+  """The hot columns as dense products on the rows ``live`` [Mp] (every row the ELL covers):
+  (y [Mp, Dp] f32, p [Mp, K] and u [Mp, K] (None when non-gated) in x.dtype, h [Mp, K])."""
+  dt = xp.dtype
+  dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+  g = dot(xp, jnp.take(w_in, hot, axis=1))
+  p = jnp.where(live[:, None], jnp.maximum(g, 0), 0).astype(dt)
+  if wu is not None:
+    u = dot(xp, jnp.take(wu, hot, axis=1)).astype(dt)
+    h = (p.astype(_F32) * u.astype(_F32)).astype(dt)
+  else:
+    u, h = None, p
+  return dot(h, jnp.take(wd, hot, axis=0)), p, u, h
+
+
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows."""
   m, dt = cfg.m, x.dtype
@@ -210,6 +245,20 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
   tail_index = _first_true(heavy, cfg.tail_rows, fill=cfg.mp)
   valid = slot_mask(cfg, n)
+  # Entries per hidden column: the forward's `fired` (> 0), the choice of the hot columns
+  # and the backward's CSC column pointers from one scatter (saved: Hp int32).
+  col_count = _column_counts(cfg, cols, valid)
+  # Real L1-trained layers have a few features that fire on most tokens. Their entries
+  # would make the gather kernels' longest columns (one CTA each) and most of their work;
+  # the batch's K most frequent columns run as dense [M, K] products on the tensor cores
+  # instead, and leave the ELL rows. Any choice of columns gives the same function.
+  hot = p_hot = u_hot = None
+  if cfg.k_hot:
+    hot = lax.top_k(col_count, cfg.k_hot)[1].astype(jnp.int32)
+    is_hot = jnp.zeros((cfg.hp,), bool).at[hot].set(True)
+    cols, p, n = _drop_columns(cfg, cols, p, valid, is_hot)
+    valid = slot_mask(cfg, n)
+    col_count = jnp.where(is_hot, 0, col_count)
   # Outside the conditional, so that XLA can share it with the backward's (same jit).
   wu_t = wu.T if gated else None
 
@@ -221,10 +270,15 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
   l1_ell = jnp.sum(l1_rows)
-  # Entries per hidden column: the forward's `fired` (> 0) and the backward's CSC column
-  # pointers from one scatter (saved: Hp int32).
-  col_count = _column_counts(cfg, cols, valid)
   fired_ell = col_count > 0
+  if cfg.k_hot:
+    # The hot columns on every row the ELL covers (the tail rows are dense over all of H).
+    y_hot, p_hot, u_hot, h_hot = _hot_forward(cfg, xp, w_in, wu if gated else None, wd, hot,
+                                              ~heavy)
+    # y rounded twice (the ELL part, then the sum): within one ulp of rounding once.
+    y_ell = (y_ell.astype(_F32) + y_hot).astype(dt)
+    l1_ell = l1_ell + jnp.sum(jnp.abs(h_hot.astype(_F32)))
+    fired_ell = fired_ell.at[hot].set(jnp.any(p_hot > 0, axis=0))
   r = cfg.tail_rows
   # Tail residuals (gate rows, up rows) of a branch that has none; non-gated: no up rows.
   zp = jnp.zeros((r, cfg.hp), dt)
@@ -265,7 +319,8 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   max_tile = jnp.max(cnt).astype(jnp.int32)
   stats = {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
            "overflow_rows": heavy_rows, "fired": fired}
-  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut)
+  residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
+               hot, p_hot, u_hot)
   return (y, stats), residuals
 
 
@@ -303,7 +358,8 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   VJP (see ``forward`` for why there is one conditional per direction).
   """
   dy, dl1 = cotangents[0], cotangents[1]["l1"]
-  x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut = residuals
+  (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
+   hot, p_hot, u_hot) = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -345,6 +401,9 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
                                             interpret=interpret)
   dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, config=cfg.dx, dx_dtype=dt,
                   interpret=interpret)
+  if cfg.k_hot:
+    dx, dwg_t, dwu_t, dwd = _hot_backward(xp, dyp, wg if gated else wu, wu if gated else None,
+                                          wd, c, hot, p_hot, u_hot, dx, dwg_t, dwu_t, dwd)
 
   # The kernels write the weight gradients in the parameters' dtype (rounded once from their
   # f32 sums): no f32 [H, D] round trip through memory and no convert kernels. Dense tail rows
@@ -394,6 +453,26 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   if gated:
     return dx, dw_in, dw_up, dw_down
   return dx, None, dw_in, dw_down
+
+
+def _hot_backward(xp, dyp, w_in, wu, wd, c, hot, p, u, dx, dwg_t, dwu_t, dwd):
+  """Adds the hot columns' dense products to dx and writes their weight-gradient rows (the
+  gather kernels leave those rows zero: no ELL entry names a hot column)."""
+  dt = xp.dtype
+  dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+  pf = p.astype(_F32)
+  h = (pf * u.astype(_F32)).astype(dt) if u is not None else p
+  dh = dot(dyp, jnp.take(wd, hot, axis=0).T)                           # [Mp, K]
+  dh = jnp.where(p > 0, dh + c[0] * jnp.sign(h.astype(_F32)), 0)
+  dg = (dh * u.astype(_F32) if u is not None else dh).astype(dt)
+  dx_hot = dot(dg, jnp.take(w_in, hot, axis=1).T)
+  if u is not None:
+    du = (dh * pf).astype(dt)
+    dx_hot = dx_hot + dot(du, jnp.take(wu, hot, axis=1).T)
+    dwu_t = dwu_t.at[hot].set(dot(du.T, xp).astype(dwu_t.dtype))
+  dwg_t = dwg_t.at[hot].set(dot(dg.T, xp).astype(dwg_t.dtype))
+  dwd = dwd.at[hot].set(dot(h.T, dyp).astype(dwd.dtype))
+  return (dx.astype(_F32) + dx_hot).astype(dx.dtype), dwg_t, dwu_t, dwd
 
 
 def _dense_backward(residuals, dy, dl1):
