@@ -36,13 +36,16 @@ from pallas_kernels import _common as common
 _F32 = jnp.float32
 
 
-def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
+def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem,
             y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str,
-            rows_ahead: bool = False):
+            rows_ahead: bool, has_init: bool):
   r = lax.axis_index("r")
   n = n_gmem[r]
   x = common.hold_row(x_gmem, r, x_mode) if gated else None
-  acc0 = common.zeros_like_row(wd_gmem[0, :])
+  if has_init:
+    acc0 = init_gmem[r, :].astype(_F32)
+  else:
+    acc0 = common.zeros_like_row(wd_gmem[0, :])
 
   last = cols_gmem.shape[1] - 1
 
@@ -78,14 +81,15 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem,
   l1_gmem[r] = l1
 
 
-def ell_up_down(x, cols, p, n, w_up_t, w_down, *,
+def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None,
                 config: common.GatherConfig = common.GatherConfig(), interpret=False):
   """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks.
 
   x [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p [M, Wk] bf16 (0 in unused slots);
   n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % config.group == 0,
   D % 128 == 0. With ``config.rows_ahead`` the weight rows are in flight while the step before
-  stores its u values.
+  stores its u values. ``y_init`` [M, D]: added to each row's sum before it is rounded (one
+  rounding for y = y_init + the sparse products).
   """
   m, d = x.shape
   h, d2 = w_down.shape
@@ -99,10 +103,15 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *,
     raise ValueError(f"ell_up_down: {w_up_t.shape=} must be {(h, d)}")
   if not gated:
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
+  has_init = y_init is not None
+  if has_init and y_init.shape != (m, d):
+    raise ValueError(f"ell_up_down: {y_init.shape=} must be {(m, d)}")
+  if not has_init:
+    y_init = jnp.zeros((8, 128), x.dtype)       # unused placeholder operand
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, gated=gated, group=group, x_mode=config.row_mode,
-                          rows_ahead=config.rows_ahead),
+                          rows_ahead=config.rows_ahead, has_init=has_init),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m, wk if gated else 1), _F32),
                   jax.ShapeDtypeStruct((m,), _F32)),
@@ -112,4 +121,4 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *,
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_up_down" if gated else "twell_train_down",
     )
-    return f(x, cols, p, n, w_up_t, w_down)
+    return f(x, cols, p, n, w_up_t, w_down, y_init)

@@ -38,14 +38,19 @@ from pallas_kernels import sparse_up_down_mgpu
 class ForwardConfig:
   """Static choices of the forward. ``overflow_capacity``: rows the exact dense path for
   overflowing rows holds (None: ``default_overflow_capacity``); more overflowing rows switch
-  the whole batch to the dense FFN."""
+  the whole batch to the dense FFN. ``hot_columns``: K, the batch's most frequent hidden
+  features, computed as dense [M, K] GEMMs on the tensor cores; the fused kernel skips their
+  entries (0: none)."""
   overflow_capacity: int | None = None
+  hot_columns: int = 128
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
   up_down: sparse_up_down_mgpu.UpDownConfig = sparse_up_down_mgpu.UpDownConfig()
 
   def __post_init__(self):
     if self.overflow_capacity is not None and self.overflow_capacity < 1:
       raise ValueError(f"{self.overflow_capacity=} must be >= 1 or None")
+    if self.hot_columns < 0:
+      raise ValueError(f"{self.hot_columns=} must be >= 0")
 
 
 def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
@@ -132,22 +137,35 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   n_over = jnp.sum(row_over.astype(jnp.int32))
   row_ok = jnp.logical_not(row_over).astype(jnp.int32)
 
-  def fired_from_words():
-    # A scatter of every slot into [H]: 0.08 ms at the paper shape on an H100 (an OR-reduction
-    # of per-row 256-bit column masks measured the same).
-    w = words.reshape(mp, n_tiles, slots)
-    ok = ((jnp.arange(slots)[None, None, :] < cnt[..., None])
-          & (row_ok.astype(bool) & valid_row)[:, None, None])
-    col = (w >> 16) + (jnp.arange(n_tiles) * common.TILE_N)[None, :, None]
-    col = jnp.where(ok, col, hp)
-    return jnp.zeros((hp,), jnp.bool_).at[col.reshape(-1)].set(True, mode="drop")
+  w3 = words.reshape(mp, n_tiles, slots)
+  live = row_ok.astype(bool) & valid_row
+  slot_ok = ((jnp.arange(slots)[None, None, :] < cnt[..., None]) & live[:, None, None])
+  col = ((w3 >> 16) & (common.TILE_N - 1)) + (jnp.arange(n_tiles) * common.TILE_N)[None, :, None]
+  col = jnp.where(slot_ok, col, hp)
+  k_hot = min(config.hot_columns, hp)
 
   def sparse_path(fix: bool):
-    y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
-        xp, words, counts, row_ok, wup_t, wd_p, compression=compression,
-        config=config.up_down, interpret=interpret)
-    l1_rows = jnp.where(row_ok.astype(bool) & valid_row, l1_rows, 0.0)
-    fired = fired_from_words()
+    if k_hot:
+      # Entries per hidden column (a scatter of every slot: ~0.08 ms at the paper shape on an
+      # H100); the K most frequent columns run as dense GEMMs and the kernel skips them.
+      col_count = jnp.zeros((hp,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
+      hot = lax.top_k(col_count, k_hot)[1].astype(jnp.int32)
+      is_hot = jnp.zeros((hp + 1,), bool).at[hot].set(True)
+      marked = jnp.where(is_hot[col], w3 | common.SKIP_BIT, w3).reshape(mp, -1)
+      y_hot, _, _, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, hot, live)
+      y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
+          xp, marked, counts, row_ok, wup_t, wd_p, compression=compression, y_init=y_hot,
+          skips=True, config=config.up_down, interpret=interpret)
+      l1_rows = l1_rows + jnp.sum(jnp.abs(h_hot.astype(jnp.float32)), axis=1)
+      fired = col_count > 0
+    else:
+      y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
+          xp, words, counts, row_ok, wup_t, wd_p, compression=compression,
+          config=config.up_down, interpret=interpret)
+      # A scatter of every slot into [H] (an OR-reduction of per-row 256-bit column masks
+      # measured the same).
+      fired = jnp.zeros((hp,), jnp.bool_).at[col.reshape(-1)].set(True, mode="drop")
+    l1_rows = jnp.where(live, l1_rows, 0.0)
     if fix:
       (idx,) = jnp.nonzero(row_over, size=cap, fill_value=mp)
       take = jnp.minimum(idx, mp - 1)

@@ -217,21 +217,6 @@ def _drop_columns(cfg: HybridConfig, cols, p, valid, drop):
   return put(cols), put(p), jnp.sum(keep, axis=1, dtype=jnp.int32)
 
 
-def _hot_forward(cfg: HybridConfig, xp, w_in, wu, wd, hot, live):
-  """The hot columns as dense products on the rows ``live`` [Mp] (every row the ELL covers):
-  (y [Mp, Dp] f32, p [Mp, K] and u [Mp, K] (None when non-gated) in x.dtype, h [Mp, K])."""
-  dt = xp.dtype
-  dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-  g = dot(xp, jnp.take(w_in, hot, axis=1))
-  p = jnp.where(live[:, None], jnp.maximum(g, 0), 0).astype(dt)
-  if wu is not None:
-    u = dot(xp, jnp.take(wu, hot, axis=1)).astype(dt)
-    h = (p.astype(_F32) * u.astype(_F32)).astype(dt)
-  else:
-    u, h = None, p
-  return dot(h, jnp.take(wd, hot, axis=0)), p, u, h
-
-
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows."""
   m, dt = cfg.m, x.dtype
@@ -266,17 +251,17 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
   # synchronization per conditional).
-  y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd,
+  y_hot = None
+  if cfg.k_hot:
+    # The hot columns on every row the ELL covers (the tail rows are dense over all of H);
+    # their products start the ELL kernel's sums.
+    y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, hot, ~heavy)
+  y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
   l1_ell = jnp.sum(l1_rows)
   fired_ell = col_count > 0
   if cfg.k_hot:
-    # The hot columns on every row the ELL covers (the tail rows are dense over all of H).
-    y_hot, p_hot, u_hot, h_hot = _hot_forward(cfg, xp, w_in, wu if gated else None, wd, hot,
-                                              ~heavy)
-    # y rounded twice (the ELL part, then the sum): within one ulp of rounding once.
-    y_ell = (y_ell.astype(_F32) + y_hot).astype(dt)
     l1_ell = l1_ell + jnp.sum(jnp.abs(h_hot.astype(_F32)))
     fired_ell = fired_ell.at[hot].set(jnp.any(p_hot > 0, axis=0))
   r = cfg.tail_rows
@@ -399,11 +384,18 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
     dwu_t, (dwg_t,) = None, bwd.column_sums(xp, col_ptr, rows_s, dg_s, config=cfg.wgrads,
                                             out_dtype=dt, name="twell_train_wgrad_up_ng",
                                             interpret=interpret)
-  dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, config=cfg.dx, dx_dtype=dt,
-                  interpret=interpret)
+  dx_hot = None
   if cfg.k_hot:
-    dx, dwg_t, dwu_t, dwd = _hot_backward(xp, dyp, wg if gated else wu, wu if gated else None,
-                                          wd, c, hot, p_hot, u_hot, dx, dwg_t, dwu_t, dwd)
+    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, hot, p_hot, u_hot)
+    # The gather kernels leave the hot rows zero: no ELL entry names a hot column.
+    k = cfg.k_hot
+    dwg_t = dwg_t.at[hot].set(dw_hot[:k].astype(dwg_t.dtype))
+    if gated:
+      dwu_t = dwu_t.at[hot].set(dw_hot[k:].astype(dwu_t.dtype))
+    dwd = dwd.at[hot].set(dwd_hot.astype(dwd.dtype))
+  # The hot columns' dx products start the dx kernel's sums.
+  dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, dx_init=dx_hot, config=cfg.dx,
+                  dx_dtype=dt, interpret=interpret)
 
   # The kernels write the weight gradients in the parameters' dtype (rounded once from their
   # f32 sums): no f32 [H, D] round trip through memory and no convert kernels. Dense tail rows
@@ -455,24 +447,21 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   return dx, None, dw_in, dw_down
 
 
-def _hot_backward(xp, dyp, w_in, wu, wd, c, hot, p, u, dx, dwg_t, dwu_t, dwd):
-  """Adds the hot columns' dense products to dx and writes their weight-gradient rows (the
-  gather kernels leave those rows zero: no ELL entry names a hot column)."""
+def _hot_backward(xp, dyp, wg, wu, wd, c, hot, p, u):
+  """The hot columns' backward as dense products: (dx part [Mp, Dp] x.dtype, weight-gradient
+  rows [K or 2K, Dp] f32 (dW_in^T, then dW_up^T when gated), dW_down rows [K, Dp] f32)."""
   dt = xp.dtype
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
   pf = p.astype(_F32)
   h = (pf * u.astype(_F32)).astype(dt) if u is not None else p
   dh = dot(dyp, jnp.take(wd, hot, axis=0).T)                           # [Mp, K]
   dh = jnp.where(p > 0, dh + c[0] * jnp.sign(h.astype(_F32)), 0)
-  dg = (dh * u.astype(_F32) if u is not None else dh).astype(dt)
-  dx_hot = dot(dg, jnp.take(w_in, hot, axis=1).T)
+  coefs = [(dh * u.astype(_F32) if u is not None else dh).astype(dt)]
   if u is not None:
-    du = (dh * pf).astype(dt)
-    dx_hot = dx_hot + dot(du, jnp.take(wu, hot, axis=1).T)
-    dwu_t = dwu_t.at[hot].set(dot(du.T, xp).astype(dwu_t.dtype))
-  dwg_t = dwg_t.at[hot].set(dot(dg.T, xp).astype(dwg_t.dtype))
-  dwd = dwd.at[hot].set(dot(h.T, dyp).astype(dwd.dtype))
-  return (dx.astype(_F32) + dx_hot).astype(dx.dtype), dwg_t, dwu_t, dwd
+    coefs.append((dh * pf).astype(dt))
+  d_cat = jnp.concatenate(coefs, axis=1) if len(coefs) > 1 else coefs[0]
+  dx = jnp.dot(d_cat, reference.column_weights(wg, wu, hot).T)
+  return dx, dot(d_cat.T, xp), dot(h.T, dyp)
 
 
 def _dense_backward(residuals, dy, dl1):

@@ -9,6 +9,10 @@ accumulates in f32 and rounds its output to x.dtype), h rounded to x.dtype. Its 
 made of x.dtype GEMMs on the tensor cores too. The kernels take this path, exactly, for rows
 beyond their static capacities, and the library's dense implementation is this function.
 
+``dense_ffn_columns`` is the same computation restricted to a subset of the hidden features
+(the FFN is a sum over them): the kernels run a batch's most frequent features this way, as
+small GEMMs on the tensor cores, and the rest through their gathers.
+
 ``reference_ffn`` computes everything in f32 at HIGHEST precision: what the tests compare the
 kernels against.
 """
@@ -38,6 +42,31 @@ def dense_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
   y = jnp.dot(h, w_down)
   active = pre > 0 if activation == "relu" else h != 0
   return y, h, active
+
+
+def column_weights(w_gate, w_up, cols):
+  """[D, K] columns ``cols`` of the relu'd product's weight (w_gate, or w_up when non-gated),
+  then those of w_up when gated: [D, 2K], so that one GEMM reads x once."""
+  parts = [jnp.take(w_up if w_gate is None else w_gate, cols, axis=1)]
+  if w_gate is not None:
+    parts.append(jnp.take(w_up, cols, axis=1))
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def dense_ffn_columns(x, w_gate, w_up, w_down, cols, rows):
+  """The relu FFN of ``dense_ffn`` restricted to the hidden features ``cols`` [K] and to the
+  rows where ``rows`` [M] is True (the others get zeros): (y [M, D], p [M, K], u [M, K] or
+  None (non-gated), h [M, K]), all in x.dtype; p = relu(x W_gate)[:, cols] (of x W_up when
+  non-gated), u = (x W_up)[:, cols], h = p * u."""
+  dt, k = x.dtype, cols.shape[0]
+  gu = jnp.dot(x, column_weights(w_gate, w_up, cols), preferred_element_type=jnp.float32)
+  p = jnp.where(rows[:, None], jnp.maximum(gu[:, :k], 0), 0).astype(dt)
+  if w_gate is not None:
+    u = gu[:, k:].astype(dt)
+    h = (p.astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
+  else:
+    u, h = None, p
+  return jnp.dot(h, jnp.take(w_down, cols, axis=0)), p, u, h
 
 
 def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):

@@ -77,12 +77,15 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
   common.prefetched_fori_loop((n + (group - 1)) // group, load, step, 0)
 
 
-def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, dx_gmem, *,
-               gated: bool, group: int, rows_ahead: bool = False):
+def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, init_gmem, dx_gmem, *,
+               gated: bool, group: int, rows_ahead: bool, has_init: bool):
   """dx = sum_k du_k W_up^T[j_k] + dg_k W_gate^T[j_k] (gathers W_up^T, W_gate^T rows)."""
   r = lax.axis_index("r")
   n = n_gmem[r]
-  acc0 = common.zeros_like_row(wup_gmem[0, :])
+  if has_init:
+    acc0 = init_gmem[r, :].astype(_F32)
+  else:
+    acc0 = common.zeros_like_row(wup_gmem[0, :])
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
@@ -294,12 +297,13 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
           du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
 
 
-def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *,
+def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
            config: common.GatherConfig = common.GatherConfig(), dx_dtype=_F32,
            interpret=False):
-  """dx [M, D] = sum_{k < n[r]} du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over the ELL
-  entries (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); slots
-  k >= n[r] of du / dg are ignored, so du / dg may come from ``ell_dh`` or ``csc_down_dh``."""
+  """dx [M, D] = dx_init + sum_{k < n[r]} du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over
+  the ELL entries (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); slots
+  k >= n[r] of du / dg are ignored, so du / dg may come from ``ell_dh`` or ``csc_down_dh``.
+  ``dx_init`` [M, D] (optional) is added before the one rounding to ``dx_dtype``."""
   m, wk = cols.shape
   h, d = w_up_t.shape
   gated = w_gate_t is not None
@@ -309,14 +313,20 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *,
   if not gated:
     du = jnp.zeros((1, 1), _F32)
     w_gate_t = jnp.zeros((8, 128), w_up_t.dtype)
+  has_init = dx_init is not None
+  if has_init and dx_init.shape != (m, d):
+    raise ValueError(f"ell_dx: {dx_init.shape=} must be {(m, d)}")
+  if not has_init:
+    dx_init = jnp.zeros((8, 128), w_up_t.dtype)   # unused placeholder operand
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_dx_kernel, gated=gated, group=group, rows_ahead=config.rows_ahead),
+        functools.partial(_dx_kernel, gated=gated, group=group, rows_ahead=config.rows_ahead,
+                          has_init=has_init),
         out_type=jax.ShapeDtypeStruct((m, d), dx_dtype), grid=(m,), grid_names=("r",),
         compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_bwd_dx" + ("" if gated else "_ng"))
-    return f(cols, n, du, dg, w_up_t, w_gate_t)
+    return f(cols, n, du, dg, w_up_t, w_gate_t, dx_init)
 
 
 def column_sums(a, col_ptr, rows, *coefs, config: common.GatherConfig = common.GatherConfig(),

@@ -47,7 +47,7 @@ def _row_start(x_gmem, wd_gmem, r, gated: bool, x_mode: str = "f32"):
 
 def _decode(t, w):
   """Packed word of tile t -> (hidden column j, value as f32)."""
-  j = t * common.TILE_N + lax.shift_right_logical(w, 16)
+  j = t * common.TILE_N + (lax.shift_right_logical(w, 16) & (common.TILE_N - 1))
   return j, lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
 
 
@@ -90,18 +90,29 @@ def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, e
   return state
 
 
-def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, y_gmem, l1_gmem,
-            *, slots: int, n_tiles: int, gated: bool, x_mode: str):
+def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init_gmem, y_gmem,
+            l1_gmem, *, slots: int, n_tiles: int, gated: bool, x_mode: str, has_init: bool,
+            skips: bool):
   r = lax.axis_index("r")
   x, acc0 = _row_start(x_gmem, wd_gmem, r, gated, x_mode)
+  if has_init:
+    acc0 = init_gmem[r, :].astype(jnp.float32)
 
   def entry(t, k, w, state):
     del k
-    acc, l1 = state
     j, g = _decode(t, w)
-    wd = wd_gmem[j, :]
-    h = _sampled_h(x, x_gmem, r, wup_gmem, j, g) if gated else g
-    return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h)
+
+    def work(state):
+      acc, l1 = state
+      wd = wd_gmem[j, :]
+      h = _sampled_h(x, x_gmem, r, wup_gmem, j, g) if gated else g
+      return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h)
+
+    if not skips:
+      return work(state)
+    # A marked entry's column is computed elsewhere: no row loads (the branch is uniform
+    # across the CTA, which works on one row).
+    return lax.cond((w & common.SKIP_BIT) != 0, lambda s: s, work, state)
 
   acc, l1 = _walk_entries(words_gmem, counts_gmem, r, rowok_gmem[r] != 0, slots=slots,
                           n_tiles=n_tiles, entry=entry, init=(acc0, jnp.float32(0.0)))
@@ -125,11 +136,15 @@ class UpDownConfig:
 
 
 def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
-                   config: UpDownConfig = UpDownConfig(), interpret=False):
+                   y_init=None, skips: bool = False, config: UpDownConfig = UpDownConfig(),
+                   interpret=False):
   """y [M, D] x.dtype and l1 [M] f32 from the packed gate (``gate_pack_mgpu.gate_pack``).
 
   x [M, D]; words [M, T*S], counts [M, T*8] int32 (S = 256 / compression); row_ok [M] int32
   (0: skip the row, it is computed elsewhere); w_up_t [H, D] (None: non-gated), w_down [H, D].
+  ``y_init`` [M, D] (optional) is added to each row's sum before its one rounding. ``skips``:
+  words with ``SKIP_BIT`` set are passed over (their columns computed elsewhere); l1 counts
+  only the entries processed.
   """
   m, d = x.shape
   h, d2 = w_down.shape
@@ -143,10 +158,15 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
   slots = common.TILE_N // compression
   if not gated:
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
+  has_init = y_init is not None
+  if has_init and y_init.shape != (m, d):
+    raise ValueError(f"sparse_up_down: {y_init.shape=} must be {(m, d)}")
+  if not has_init:
+    y_init = jnp.zeros((8, 128), x.dtype)       # unused placeholder operand
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, slots=slots, n_tiles=h // common.TILE_N, gated=gated,
-                          x_mode=config.x_mode),
+                          x_mode=config.x_mode, has_init=has_init, skips=skips),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m,),
@@ -155,4 +175,4 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
         interpret=common.interpret_params(interpret),
         kernel_name="twell_up_down" if gated else "twell_down",
     )
-    return f(x, words, counts, row_ok, w_up_t, w_down)
+    return f(x, words, counts, row_ok, w_up_t, w_down, y_init)

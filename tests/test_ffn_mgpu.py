@@ -80,6 +80,22 @@ class ForwardTestBase(ktu.KernelTestBase):
       self.assertGreater(int(stats["overflow_rows"]), 0)
 
   @parameterized.parameters(True, False)
+  def test_hot_columns_change_nothing_but_rounding(self, gated):
+    """K = 0 (every entry through the fused kernel), 8 and 192 hot columns: same y, l1 and
+    fired, on skewed inputs with heavy rows (the overflow path joins in)."""
+    x, wg, wu, wd = ktu.inputs(128, 64, 512, active=12.0, heavy=0.03, gated=gated, seed=9,
+                               dead_fraction=0.6, hottest=0.8, row_spread=0.4)
+    run = lambda k: ffn_mgpu.ffn_forward(x, wg, wu, wd, interpret=self.INTERPRET,
+                                         config=ffn_mgpu.ForwardConfig(hot_columns=k))
+    y0, st0 = run(0)
+    for k in (8, 192):
+      y, st = run(k)
+      self.assertLess(ktu.rel(y, y0), 1e-2, k)
+      np.testing.assert_allclose(float(st["l1"]), float(st0["l1"]), rtol=1e-3)
+      for key in ("fired", "overflow_rows", "max_tile_nnz", "nnz_per_token"):
+        np.testing.assert_array_equal(np.asarray(st[key]), np.asarray(st0[key]), key)
+
+  @parameterized.parameters(True, False)
   def test_up_down_row_modes_agree(self, gated):
     """Where x_r lives (f32 / bf16 registers, or reloaded) never changes a bit."""
     x, wg, wu, wd = ktu.inputs(128, 128, 768, active=10.0, heavy=0.05, empty=0.02,
@@ -103,6 +119,8 @@ class ForwardTestBase(ktu.KernelTestBase):
       ffn_mgpu.ffn_forward(x.astype(jnp.float32), wg, wu, wd, interpret=self.INTERPRET)
     with self.assertRaisesRegex(ValueError, "overflow_capacity"):
       ffn_mgpu.ForwardConfig(overflow_capacity=0)
+    with self.assertRaisesRegex(ValueError, "hot_columns"):
+      ffn_mgpu.ForwardConfig(hot_columns=-1)
     with self.assertRaisesRegex(ValueError, "x_mode"):
       sparse_up_down_mgpu.UpDownConfig(x_mode="registers")
 
