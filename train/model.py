@@ -70,6 +70,9 @@ class ModelConfig:
   remat: bool = False
   scan_layers: bool = False
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
+  # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
+  # set by the trainer's per-layer choice (`train.layer_choice`), not by config files.
+  ffn_layer_implementations: tuple | None = None
 
   def __post_init__(self):
     if self.d_model % self.n_heads:
@@ -79,6 +82,10 @@ class ModelConfig:
           f"{self.n_heads=} must be divisible by {self.n_kv_heads=}")
     if (self.d_model // self.n_heads) % 2:
       raise ValueError("head dim must be even for RoPE")
+    per_layer = self.ffn_layer_implementations
+    if per_layer is not None and len(per_layer) != self.n_layers:
+      raise ValueError(f"ffn_layer_implementations has {len(per_layer)} entries for "
+                       f"{self.n_layers} layers")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={self.attention!r} not in {ATTENTION_IMPLEMENTATIONS}")
     for name in ("dtype", "param_dtype"):
@@ -96,6 +103,17 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
+
+  def layer_groups(self) -> list[tuple[int, int, str | None]]:
+    """Runs of consecutive layers with one FFN implementation: [(start, stop, name)]."""
+    names = self.ffn_layer_implementations or (self.ffn_implementation,) * self.n_layers
+    groups = []
+    for l, name in enumerate(names):
+      if groups and groups[-1][2] == name:
+        groups[-1] = (groups[-1][0], l + 1, name)
+      else:
+        groups.append((l, l + 1, name))
+    return groups
 
 
 class RMSNorm(nnx.Module):
@@ -195,21 +213,30 @@ class Transformer(nnx.Module):
         DTYPES[self.cfg.dtype])
 
   def logits(self, x):
+    """logits [B, T, V] f32 of the final hidden state x (normalized here): a compute-dtype
+    GEMM with f32 accumulation. Training never forms them (`train.losses`)."""
     x = self.final_norm(x)
-    return jnp.einsum("btd,vd->btv", x.astype(jnp.float32),
-                      self.embed[...].astype(jnp.float32))
+    return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype),
+                      preferred_element_type=jnp.float32)
 
-  def __call__(self, tokens):
+  def features(self, tokens):
+    """(final hidden state [B, T, D] before the final norm, per-layer FFNStats)."""
     x = self.embed_tokens(tokens)
     all_stats = []
-    for block in self.blocks:
+    names = [name for start, stop, name in self.cfg.layer_groups()
+             for _ in range(start, stop)]
+    for block, name in zip(self.blocks, names):
+      block.ffn.implementation = name
       if self.cfg.remat:
         x, stats = nnx.remat(lambda blk, h: blk(h))(block, x)
       else:
         x, stats = block(x)
       all_stats.append(stats)
     # Stack per-layer stats: every FFNStats leaf gains a leading [L] axis.
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *all_stats)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *all_stats)
+
+  def __call__(self, tokens):
+    x, stacked = self.features(tokens)
     return self.logits(x), stacked
 
 
@@ -256,22 +283,40 @@ class LanguageModel:
       raise ValueError("bind() needs scan_layers=False; use apply()")
     return _merge(self._graphdef, self._template, params)
 
-  def apply(self, params: dict, tokens: jax.Array):
+  def _features(self, params: dict, tokens: jax.Array):
+    """(outer Transformer module, final hidden state before the final norm, stats)."""
     if not self.cfg.scan_layers:
-      return self.bind(params)(tokens)
+      model = self.bind(params)
+      return (model, *model.features(tokens))
     outer_params = {k: v for k, v in params.items() if k != "blocks"}
     outer = _merge(self._graphdef, self._template, outer_params)
+    x, group_stats = outer.embed_tokens(tokens), []
+    # One scan per run of layers with the same FFN implementation (a static choice).
+    for start, stop, name in self.cfg.layer_groups():
+      def layer(x, block_params, name=name):
+        block = _merge(self._block_graphdef, self._block_template,
+                       block_params)
+        block.ffn.implementation = name
+        return block(x)
 
-    def layer(x, block_params):
-      block = _merge(self._block_graphdef, self._block_template,
-                     block_params)
-      return block(x)
+      if self.cfg.remat:
+        layer = jax.checkpoint(layer)
+      group = jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"])
+      x, stats = jax.lax.scan(layer, x, group)
+      group_stats.append(stats)
+    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *group_stats)
+    return outer, x, stats
 
-    if self.cfg.remat:
-      layer = jax.checkpoint(layer)
-    x, stats = jax.lax.scan(layer, outer.embed_tokens(tokens),
-                            params["blocks"])
+  def apply(self, params: dict, tokens: jax.Array):
+    """(logits [B, T, V] f32, per-layer FFNStats)."""
+    outer, x, stats = self._features(params, tokens)
     return outer.logits(x), stats
+
+  def hidden(self, params: dict, tokens: jax.Array):
+    """(normalized final hidden state [B, T, D] in the compute dtype, per-layer FFNStats):
+    what the tied LM head multiplies by `params["embed"]` (see `train.losses`)."""
+    outer, x, stats = self._features(params, tokens)
+    return outer.final_norm(x), stats
 
   def ffn_inputs(self, params: dict, tokens: jax.Array) -> jax.Array:
     """Each layer's FFN input (the normalized residual stream) [L, B, T, D] for `tokens`.

@@ -22,21 +22,24 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from train import losses
 from train import optim
 from train import sparsity
 
 
-def _ce(logits, targets):
-  return optax.losses.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets)
+def _flat(h, tokens):
+  """(h [N, D], next-token targets [N]) of a [b, T + 1] token batch's hidden states."""
+  return h.reshape(-1, h.shape[-1]), tokens[:, 1:].reshape(-1)
 
 
 def make_loss_fn(lm, cfg):
   d_ff = lm.cfg.d_ff
 
   def loss_fn(params, tokens, l1_coeff):
-    logits, stats = lm.apply(params, tokens[:, :-1])
-    ce = jnp.mean(_ce(logits, tokens[:, 1:]))
+    h, stats = lm.hidden(params, tokens[:, :-1])
+    x, targets = _flat(h, tokens)
+    # The LM head in the compute dtype, in chunks, never as f32 [tokens, vocab] logits.
+    ce = losses.cross_entropy_sum(x, params["embed"], targets) / targets.shape[0]
     l1 = sparsity.l1_term(stats.l1, d_ff, cfg.l1_normalization)
     return ce + l1_coeff * l1, (ce, l1, stats)
 
@@ -109,8 +112,9 @@ def make_eval_step(lm):
   """eval_step(params, tokens [b, T+1]) -> sums to accumulate over batches."""
 
   def eval_step(params, tokens):
-    logits, stats = lm.apply(params, tokens[:, :-1])
-    ce = _ce(logits, tokens[:, 1:])
+    h, stats = lm.hidden(params, tokens[:, :-1])
+    x, targets = _flat(h, tokens)
+    ce = losses.per_token_cross_entropy(x, params["embed"], targets)
     return {
         "ce_sum": jnp.sum(ce), "tokens": jnp.float32(ce.size),
         "active_per_token": stats.nnz_per_token,   # [L], mean over tokens
