@@ -1,0 +1,174 @@
+r"""Kernels on captured real activations: per layer, the sparse FFN against XLA dense.
+
+    python -m benchmarks.captured --out=captured.json            # on a Hopper GPU
+    python -m benchmarks.captured --shape=tiny --impl=xla --steps=30 --extreme_steps=10
+
+1. Trains the paper 0.5B shape (D=2048, H=5632, 8 layers) in-process to two levels of FFN
+   activity (`benchmarks.trained`: paper-like and extreme), cached on the machine's disk.
+2. Captures each layer's real FFN input for one held-out batch (8 x 2048 tokens) and its
+   weights.
+3. Per layer, in one process: the activity statistics (`twell_jax.testing.activity_stats`:
+   active per token, dead fraction, top-1% share, hottest feature, row-length percentiles),
+   the calibrated generator's statistics for the same layer beside them, and the forward and
+   forward + backward of the sparse implementation against dense on the captured inputs.
+Prints a per-layer table per level and the means; writes everything to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import kernels
+from benchmarks import specs as specs_lib
+from benchmarks import timing
+from benchmarks import trained
+from pallas_kernels import reference
+import twell_jax as tj
+from twell_jax import testing
+
+F32 = jnp.float32
+
+
+def _define_flags():
+  flags.DEFINE_string("shape", "paper_0p5b", "model shape: paper_0p5b, or tiny (CPU)")
+  flags.DEFINE_list("levels", ["paper", "extreme"], "activity levels (benchmarks.trained)")
+  flags.DEFINE_integer("steps", 1500, "training steps to the paper-like level")
+  flags.DEFINE_integer("extreme_steps", 400, "further steps with the stronger L1")
+  flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation to time")
+  flags.DEFINE_integer("iters", 20, "timed calls per measurement")
+  flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
+  flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def capture(cfg, params):
+  """(FFN inputs [L, M, D], stacked FFN weights {w_gate, w_up, w_down} [L, ...]) in the
+  compute dtype, for one held-out batch of cfg.batch_size x cfg.data.seq_len tokens."""
+  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  mc = model_lib.ModelConfig.from_config(cfg.model)
+  lm = model_lib.LanguageModel(mc)
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.eval_split), data_lib.make_tokenizer(cfg.data),
+      seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 1)
+  tokens = jnp.asarray(packer.next_batch()[:, :-1])
+  xs = jax.jit(lm.ffn_inputs)(params, tokens)
+  dt = model_lib.DTYPES[mc.dtype]
+  ws = {k: v.astype(dt) for k, v in model_lib.stacked_ffn(params, mc.n_layers).items()}
+  return xs.reshape(mc.n_layers, -1, mc.d_model), ws
+
+
+def fit_generator(stats: dict, m: int, d: int, h: int) -> dict:
+  """ffn_inputs arguments reproducing a layer's statistics: its mean activity, dead fraction
+  and hottest feature directly; the row spread by a search over a grid, matched on
+  p99 / p50 of the row lengths (at m rows, with the layer's d and h)."""
+  args = dict(active_fraction=stats["active_per_token"] / h,
+              dead_fraction=stats["dead_fraction"],
+              hottest=max(stats["hottest_fraction"], 1e-6))
+  want = np.log((stats["row_p99"] + 1) / (stats["row_p50"] + 1))
+  best, best_err = 0.0, None
+  for spread in (0.0, 0.2, 0.35, 0.5, 0.7, 0.9, 1.2):
+    st = generated_stats(dict(args, row_spread=spread), m, d, h)
+    err = abs(np.log((st["row_p99"] + 1) / (st["row_p50"] + 1)) - want)
+    if best_err is None or err < best_err:
+      best, best_err = spread, err
+  return dict(args, row_spread=best)
+
+
+def generated_stats(args: dict, m: int, d: int, h: int) -> dict:
+  x, wg, _, _ = testing.ffn_inputs(jax.random.key(0), m, d, h, **args)
+  act = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32) > 0)(x, wg)
+  return testing.activity_stats(np.asarray(act))
+
+
+def time_layer(x, wg, wu, wd, impl: str, iters: int) -> dict:
+  """Forward and forward + backward, dense and `impl`, on one layer's captured input."""
+  spec = specs_lib.Spec(x.shape[0], x.shape[1], wu.shape[1])
+  out = {}
+  sparse_fwd = jax.jit(lambda *a: tj.ffn(*a, implementation=impl))
+  dense_fwd = jax.jit(lambda *a: reference.dense_ffn(*a)[0])
+  out["fwd_dense_ms"] = timing.wall_ms(dense_fwd, x, wg, wu, wd, iters=iters)
+  out["fwd_sparse_ms"] = timing.wall_ms(sparse_fwd, x, wg, wu, wd, iters=iters)
+  ct = jax.random.normal(jax.random.key(1), x.shape, F32)
+  for name, im in (("dense", "dense"), ("sparse", impl)):
+    g = jax.jit(jax.grad(kernels.loss_fn(im, spec, ct), argnums=(0, 1, 2, 3)))
+    out[f"fwd_bwd_{name}_ms"] = timing.wall_ms(g, x, wg, wu, wd, iters=iters)
+  out["fwd_ratio"] = out["fwd_sparse_ms"] / out["fwd_dense_ms"]
+  out["fwd_bwd_ratio"] = out["fwd_bwd_sparse_ms"] / out["fwd_bwd_dense_ms"]
+  y = sparse_fwd(x, wg, wu, wd)
+  ref, _ = reference.reference_ffn(x, wg, wu, wd)
+  out["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
+  return out
+
+
+def run_level(shape: str, level: str, fl) -> dict:
+  t0 = time.time()
+  cfg, params = trained.trained_params(shape, level, steps=fl.steps,
+                                       extreme_steps=fl.extreme_steps, cache_dir=fl.cache_dir)
+  t_train = time.time() - t0
+  xs, ws = capture(cfg, params)
+  n_layers, m, d = xs.shape
+  h = ws["w_up"].shape[-1]
+  layers = []
+  for l in range(n_layers):
+    x, wg, wu, wd = xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l]
+    act = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32) > 0)(x, wg)
+    st = testing.activity_stats(np.asarray(act))
+    gen_args = fit_generator(st, min(m, 4096), d, h)
+    row = {"layer": l, "captured": st, "generator": gen_args,
+           "generated": generated_stats(gen_args, min(m, 4096), d, h),
+           **time_layer(x, wg, wu, wd, fl.impl, fl.iters)}
+    layers.append(row)
+    print(f"  {level} layer {l}: active {st['active_per_token']:.1f} dead "
+          f"{st['dead_fraction']:.2f} top1% {st['top1pct_share']:.2f} hottest "
+          f"{st['hottest_fraction']:.2f} rows p50/p99/max {st['row_p50']:.0f}/"
+          f"{st['row_p99']:.0f}/{st['row_max']} | fwd {row['fwd_ratio']:.3f} fwd+bwd "
+          f"{row['fwd_bwd_ratio']:.3f}", flush=True)
+  mean = lambda k: float(np.mean([r[k] for r in layers]))
+  return {"level": level, "shape": shape, "train_or_load_s": round(t_train, 1),
+          "layers": layers, "mean_fwd_ratio": mean("fwd_ratio"),
+          "mean_fwd_bwd_ratio": mean("fwd_bwd_ratio"),
+          "max_fwd_ratio": max(r["fwd_ratio"] for r in layers),
+          "max_fwd_bwd_ratio": max(r["fwd_bwd_ratio"] for r in layers)}
+
+
+def _print_table(results: list[dict]) -> None:
+  stat_keys = ("active_per_token", "dead_fraction", "top1pct_share", "hottest_fraction",
+               "row_p50", "row_p99", "row_max")
+  for res in results:
+    print(f"\n{res['level']} ({res['shape']}): mean fwd {res['mean_fwd_ratio']:.3f}, "
+          f"fwd+bwd {res['mean_fwd_bwd_ratio']:.3f} (worst layer {res['max_fwd_ratio']:.3f} / "
+          f"{res['max_fwd_bwd_ratio']:.3f})")
+    print(f"{'layer':>5} {'':>9}" + "".join(f"{k[:10]:>11}" for k in stat_keys)
+          + f"{'fwd':>8}{'fwd+bwd':>9}")
+    for r in res["layers"]:
+      for src in ("captured", "generated"):
+        vals = "".join(f"{r[src][k]:>11.3g}" for k in stat_keys)
+        tail = f"{r['fwd_ratio']:>8.3f}{r['fwd_bwd_ratio']:>9.3f}" if src == "captured" else ""
+        print(f"{r['layer']:>5} {src:>9}{vals}{tail}")
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  device = jax.devices()[0].device_kind
+  print("device:", device, flush=True)
+  results = []
+  for level in fl.levels:
+    results.append({"device": device, **run_level(fl.shape, level, fl)})
+    if fl.out:
+      with open(fl.out, "w") as f:
+        json.dump(results, f, indent=1)
+  _print_table(results)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  jax.config.config_with_absl()
+  app.run(main)

@@ -1,0 +1,243 @@
+r"""End to end: the sparse model against the same model with a dense SiLU FFN, in one process.
+
+    python -m benchmarks.e2e --out=e2e.json                      # on a Hopper GPU
+    python -m benchmarks.e2e --shapes=tiny --steps=3 --iters=2   # the CPU smoke mode
+
+Both models are the project's own (`train/model.py`) at the paper's shapes (D=2048,
+H=5632, 32 heads, context 2048, the 32k vocabulary) with the same attention (cuDNN flash
+attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights are realistic:
+the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
+the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
+runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
+(`train.layer_choice`); the dense model runs SiLU (the paper's baseline), the same weights.
+
+Measured per shape, as sparse / dense ratios in one process:
+  * training tokens/s (8 x 2048 tokens per step, AdamW, no rematerialization: both fit),
+  * peak training memory (XLA's memory analysis of the compiled step),
+  * prefill tokens/s of the backbone at 16 x 2048 and 64 x 2048 tokens (as the paper times),
+  * energy per token where NVML reads the board's power (sampled every 50 ms).
+Writes the JSON that benchmarks/results/<device>/e2e.json keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from benchmarks import trained
+
+_LAYERS = {"0p5b": 8, "1p5b": 28, "tiny": 2}
+
+
+def _define_flags():
+  flags.DEFINE_list("shapes", ["0p5b", "1p5b"], "0p5b, 1p5b (paper shapes) or tiny (CPU)")
+  flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
+  flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
+  flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse implementation")
+  flags.DEFINE_float("sparse_below", None, "per-layer choice threshold (default: "
+                     "train.layer_choice's)")
+  flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
+  flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+class PowerSampler:
+  """Board power (W) every 50 ms through NVML while active; None where NVML is missing."""
+
+  def __init__(self):
+    try:
+      import pynvml  # pylint: disable=import-outside-toplevel
+      pynvml.nvmlInit()
+      self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # pylint: disable=broad-except  # no NVML: no energy figures
+      self._nvml = None
+    self._samples, self._stop = [], threading.Event()
+
+  def __enter__(self):
+    if self._nvml is not None:
+      self._stop.clear()
+      self._samples = []
+      self._thread = threading.Thread(target=self._run, daemon=True)
+      self._thread.start()
+    return self
+
+  def _run(self):
+    while not self._stop.is_set():
+      self._samples.append(self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3)
+      time.sleep(0.05)
+
+  def __exit__(self, *exc):
+    if self._nvml is not None:
+      self._stop.set()
+      self._thread.join()
+
+  @property
+  def mean_watts(self) -> float | None:
+    return float(np.mean(self._samples)) if self._samples else None
+
+
+def _timed(fn, args, iters: int, tokens: int) -> dict:
+  """Wall time per call of `fn(*args)` (synchronized) with power sampled over the loop."""
+  with PowerSampler() as power:
+    ms = timing.wall_ms(fn, *args, iters=iters)
+  out = {"ms": ms, "tokens_per_s": tokens / ms * 1e3}
+  if power.mean_watts is not None:
+    out["watts"] = power.mean_watts
+    out["joules_per_token"] = power.mean_watts * ms / 1e3 / tokens
+  return out
+
+
+def _config(shape: str):
+  if shape == "tiny":
+    return trained.config_for("tiny")
+  cfg = trained.config_for("paper_0p5b")
+  cfg.model.n_layers = _LAYERS[shape]
+  return cfg
+
+
+def _expand_layers(params, n_layers: int):
+  """The trained layers repeated to n_layers (scan layout: leaves with a leading [L])."""
+  blocks = jax.tree.map(lambda a: a[jnp.arange(n_layers) % a.shape[0]], params["blocks"])
+  return {**params, "blocks": blocks}
+
+
+def _model(cfg, mc):
+  """(LanguageModel, optimizer, jitted train step) of a model config."""
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train import optim  # pylint: disable=import-outside-toplevel
+  from train import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  lm = model_lib.LanguageModel(mc)
+  tx = optim.make_optimizer(cfg)
+  return lm, tx, jax.jit(steps_lib.make_train_step(lm, tx, cfg), donate_argnums=0)
+
+
+def _state(lm, tx, params, n_layers, seed=0):
+  from train import sparsity  # pylint: disable=import-outside-toplevel
+  params = jax.tree.map(jnp.copy, params)      # the step donates its state
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
+          "rng": jax.random.key_data(jax.random.key(seed)),
+          "since": sparsity.init_since(n_layers, lm.cfg.d_ff)}
+
+
+def _batches(cfg, rows: int, n: int):
+  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split), data_lib.make_tokenizer(cfg.data),
+      seq_len=cfg.data.seq_len, rows=rows, seed=cfg.seed + 7)
+  return [jnp.asarray(packer.next_batch()) for _ in range(n)]
+
+
+def run_shape(shape: str, fl) -> dict:
+  from train import layer_choice  # pylint: disable=import-outside-toplevel
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  base_shape = "tiny" if shape == "tiny" else "paper_0p5b"
+  _, params = trained.trained_params(base_shape, "paper", steps=fl.steps,
+                                     extreme_steps=0, cache_dir=fl.cache_dir)
+  cfg = _config(shape)
+  n_layers = cfg.model.n_layers
+  if shape != "tiny":
+    params = _expand_layers(params, n_layers)
+  mc_sparse = model_lib.ModelConfig.from_config(cfg.model)
+  mc_dense = dataclasses.replace(mc_sparse, ffn_activation="silu", ffn_implementation="dense")
+  b, t = cfg.batch_size, cfg.data.seq_len
+  train_batches = _batches(cfg, b, 2)
+  res = {"shape": shape, "layers": n_layers, "batch": b, "seq_len": t,
+         "attention": model_lib.attention_implementation(mc_sparse)}
+
+  # The sparse model's per-layer choice from the trained weights' measured activity.
+  probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
+  _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
+  active = np.asarray(stats.nnz_per_token)
+  kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
+                                               dense_above=max(fl.sparse_below,
+                                                               layer_choice.DEFAULT_DENSE_ABOVE))
+  choice = layer_choice.LayerChoice(n_layers, sparse=fl.sparse, **kw)
+  choice.update(active)
+  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations)
+  res["active_per_token"] = [float(a) for a in active]
+  res["sparse_layers"] = choice.describe()
+  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)} -> layers "
+        f"{choice.describe()}", flush=True)
+
+  tokens = b * t
+  for name, mc, l1 in (("sparse", mc_sparse, cfg.l1_coeff), ("dense", mc_dense, 0.0)):
+    run_cfg = cfg.copy_and_resolve_references()
+    run_cfg.l1_coeff = l1
+    lm, tx, step = _model(run_cfg, mc)
+    state = _state(lm, tx, params, n_layers)
+    batch = train_batches[0][None]
+    compiled = step.lower(state, batch).compile()
+    mem = compiled.memory_analysis()
+    res[f"{name}_peak_bytes"] = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                    + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+
+    def train_loop(state, batch, step=step, n=fl.iters):
+      for _ in range(n):
+        state, m = step(state, batch)
+      return state, m
+
+    state, _ = step(state, batch)                      # warm-up (and compile)
+    jax.block_until_ready(state)
+    with PowerSampler() as power:
+      t0 = time.perf_counter()
+      state, m = train_loop(state, batch)
+      jax.block_until_ready(state)
+      ms = (time.perf_counter() - t0) * 1e3 / fl.iters
+    res[f"{name}_train"] = {"ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
+                            "loss": float(m["loss"])}
+    if power.mean_watts is not None:
+      res[f"{name}_train"]["joules_per_token"] = power.mean_watts * ms / 1e3 / tokens
+    del state
+    # Prefill: the backbone (embedding, blocks, final norm), as the paper times it.
+    fwd = jax.jit(lambda p, x, lm=lm: lm.hidden(p, x)[0])
+    for rows in (16, 64) if shape != "tiny" else (2,):
+      toks = jnp.asarray(np.concatenate([np.asarray(bb) for bb in _batches(cfg, rows, 1)]))
+      res[f"{name}_prefill_{rows}x{t}"] = _timed(fwd, (params, toks[:, :-1]), fl.iters,
+                                                 rows * t)
+    print(f"  {shape} {name}: train {ms:.1f} ms/step, peak "
+          f"{res[f'{name}_peak_bytes'] / 2**30:.1f} GiB", flush=True)
+
+  res["train_speedup"] = (res["sparse_train"]["tokens_per_s"]
+                          / res["dense_train"]["tokens_per_s"])
+  res["peak_memory_ratio"] = res["sparse_peak_bytes"] / res["dense_peak_bytes"]
+  for rows in (16, 64) if shape != "tiny" else (2,):
+    key = f"prefill_{rows}x{t}"
+    res[f"prefill_speedup_{rows}x{t}"] = (res[f"sparse_{key}"]["tokens_per_s"]
+                                          / res[f"dense_{key}"]["tokens_per_s"])
+  if "joules_per_token" in res["dense_train"]:
+    res["train_energy_ratio"] = (res["sparse_train"]["joules_per_token"]
+                                 / res["dense_train"]["joules_per_token"])
+  return res
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  device = jax.devices()[0].device_kind
+  print("device:", device, flush=True)
+  results = {"device": device, "jax": jax.__version__}
+  for shape in fl.shapes:
+    results[shape] = run_shape(shape, fl)
+    if fl.out:
+      with open(fl.out, "w") as f:
+        json.dump(results, f, indent=1)
+  print(f"\n{'shape':<8}{'train':>8}{'prefill16':>11}{'prefill64':>11}{'memory':>9}  layers")
+  for shape in fl.shapes:
+    r = results[shape]
+    p = [v for k, v in r.items() if k.startswith("prefill_speedup")]
+    print(f"{shape:<8}{r['train_speedup']:>8.3f}" + "".join(f"{v:>11.3f}" for v in p)
+          + f"{r['peak_memory_ratio']:>9.3f}  {r['sparse_layers']}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  jax.config.config_with_absl()
+  app.run(main)

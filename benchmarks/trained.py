@@ -1,0 +1,124 @@
+"""Models trained in-process to a chosen FFN activity, cached on the machine's disk.
+
+Real L1-trained activations are the benchmarks' target, and no checkpoint can be downloaded,
+so the benchmarks train the project's own model (`train/`) on the offline corpus with the
+byte tokenizer until sparsity emerges:
+
+  * "paper": the paper-like level (about 25-40 active features per token on average), from
+    scratch with L1 `PAPER_L1` for `steps` steps;
+  * "extreme": under 10 per token, continuing from the paper level's weights with the
+    stronger `EXTREME_L1` (fresh optimizer state).
+
+The dense ReLU FFN trains while activity is high (it is the fastest there, and the weights do
+not depend on the implementation). Parameters are cached as `<cache_dir>/<name>.npz`, so a
+second call on a machine that is still warm skips the training. `config_for` gives the
+model + data config of a shape (`paper_0p5b`, `tiny` for CPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAPER_L1 = 3e-5
+EXTREME_L1 = 3e-4
+DEFAULT_CACHE = "/tmp/twell_trained"
+
+
+def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = None):
+  """Training config of `shape` on the offline corpus with the byte tokenizer."""
+  if shape == "paper_0p5b":
+    from configs import paper_0p5b  # pylint: disable=import-outside-toplevel
+    c = paper_0p5b.get_config()
+    c.data.update(dataset="twell_stdlib_text", tokenizer="byte", use_tfds=False)
+    c.batch_size, c.grad_accum_steps = batch or 8, 1
+    c.model.remat = False
+    c.learning_rate, c.warmup_steps = 1e-3, 100
+  elif shape == "tiny":
+    from configs import tiny  # pylint: disable=import-outside-toplevel
+    c = tiny.get_config()
+    c.data.use_tfds = False
+    c.model.dtype = "bfloat16"
+    c.batch_size = batch or 8
+  else:
+    raise ValueError(f"unknown shape {shape!r}; expected paper_0p5b or tiny")
+  if seq_len:
+    c.data.seq_len = seq_len
+  c.model.ffn_implementation = "dense"
+  c.model.ffn_activation = "relu"
+  c.l1_warmup_steps = 0
+  c.eval_every, c.checkpoint_every = 0, 0
+  return c
+
+
+def _save(path: str, params) -> None:
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+
+
+def _load(path: str, like):
+  with np.load(path) as data:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves = [jnp.asarray(data[jax.tree_util.keystr(k)]) for k, _ in flat]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def train(cfg, steps: int, *, params=None, log_every: int = 100):
+  """Trains `steps` steps from `params` (None: a fresh init); returns (params, last metrics)."""
+  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train import train_lib  # pylint: disable=import-outside-toplevel
+  tr = train_lib.Trainer(cfg)
+  state = jax.jit(tr.init_state, out_shardings=tr.replicated)(jax.random.key(cfg.seed))
+  if params is not None:
+    state = {**state, "params": params, "opt_state": tr.tx.init(params)}
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
+      seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed)
+  step_fn = tr.jit_train_step()
+  shape = (1, cfg.batch_size, cfg.data.seq_len + 1)
+  t0, metrics = time.time(), {}
+  for i in range(steps):
+    state, metrics = step_fn(state, tr.put_batch(packer.next_batch().reshape(shape),
+                                                 tr.batch_sharding))
+    if (i + 1) % log_every == 0 or i + 1 == steps:
+      m = jax.device_get(metrics)
+      act = " ".join(f"{a:.1f}" for a in np.asarray(m["active_per_token"]))
+      print(f"  step {i + 1}/{steps} ({time.time() - t0:.0f}s) loss {float(m['loss']):.3f} "
+            f"ce {float(m['cross_entropy']):.3f} active/token {act}", flush=True)
+  return state["params"], jax.device_get(metrics)
+
+
+def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
+                   cache_dir: str = DEFAULT_CACHE):
+  """(config, params) of `shape` trained to `level` ("paper" or "extreme"), cached."""
+  if level not in ("paper", "extreme"):
+    raise ValueError(f"level must be 'paper' or 'extreme'; got {level!r}")
+  from train import train_lib  # pylint: disable=import-outside-toplevel
+  cfg = config_for(shape)
+  cfg.l1_coeff = PAPER_L1 if level == "paper" else EXTREME_L1
+  os.makedirs(cache_dir, exist_ok=True)
+  name = f"{shape}_paper_{steps}" if level == "paper" else (
+      f"{shape}_extreme_{steps}_{extreme_steps}")
+  path = os.path.join(cache_dir, name + ".npz")
+  like = jax.eval_shape(train_lib.Trainer(cfg).lm.init_params, jax.random.key(0))
+  if os.path.exists(path):
+    logging.info("trained weights from the cache: %s", path)
+    return cfg, _load(path, like)
+  t0 = time.time()
+  if level == "paper":
+    print(f"training {shape} to the paper-like level: {steps} steps, L1 {PAPER_L1}", flush=True)
+    params, _ = train(cfg, steps)
+  else:
+    _, start = trained_params(shape, "paper", steps=steps, extreme_steps=extreme_steps,
+                              cache_dir=cache_dir)
+    print(f"training {shape} on to the extreme level: {extreme_steps} steps, L1 {EXTREME_L1}",
+          flush=True)
+    params, _ = train(cfg, extreme_steps, params=start)
+  print(f"  trained in {time.time() - t0:.0f}s", flush=True)
+  _save(path, params)
+  return cfg, params
