@@ -16,6 +16,7 @@ Prints a per-layer table per level and the means; writes everything to --out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -26,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels
-from benchmarks import specs as specs_lib
 from benchmarks import timing
 from benchmarks import trained
 from pallas_kernels import reference
 import twell_jax as tj
+from twell_jax import mosaic
 from twell_jax import testing
 
 F32 = jnp.float32
@@ -43,6 +44,8 @@ def _define_flags():
   flags.DEFINE_integer("extreme_steps", 400, "further steps with the stronger L1")
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation to time")
   flags.DEFINE_integer("iters", 20, "timed calls per measurement")
+  flags.DEFINE_list("hot_variants", [], "also time forward + backward with these numbers of "
+                    "hot columns (mosaic_gpu)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -87,22 +90,51 @@ def generated_stats(args: dict, m: int, d: int, h: int) -> dict:
   return testing.activity_stats(np.asarray(act))
 
 
-def time_layer(x, wg, wu, wd, impl: str, iters: int) -> dict:
-  """Forward and forward + backward, dense and `impl`, on one layer's captured input."""
-  spec = specs_lib.Spec(x.shape[0], x.shape[1], wu.shape[1])
+_JITTED: dict = {}
+
+
+def _jitted(kind: str, impl: str, hot: int | None = None):
+  """One jitted function per measurement kind, reused across layers (one compile each)."""
+  key = (kind, impl, hot)
+  if key not in _JITTED:
+    if kind == "fwd":
+      fn = ((lambda *a: reference.dense_ffn(*a)[0]) if impl == "dense"
+            else (lambda *a: tj.ffn(*a, implementation=impl)))
+    else:
+      ct = jax.random.normal(jax.random.key(1), (kind[1], kind[2]), F32)
+
+      def loss(x, wg, wu, wd):
+        if hot is None:
+          y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True)
+        else:
+          m, d = x.shape
+          cfg = mosaic.default_config(m, d, wu.shape[1])
+          cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hot_columns=hot))
+          y, st = mosaic.ffn_with_config(cfg, x, wg, wu, wd)
+        return jnp.sum(y.astype(F32) * ct) + kernels.LAMBDA * st.l1
+      fn = jax.grad(loss, argnums=(0, 1, 2, 3))
+    _JITTED[key] = jax.jit(fn)
+  return _JITTED[key]
+
+
+def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=()) -> dict:
+  """Forward and forward + backward, dense and `impl`, on one layer's captured input; with
+  `hot_variants`, forward + backward of the kernels per number of hot columns too."""
   out = {}
-  sparse_fwd = jax.jit(lambda *a: tj.ffn(*a, implementation=impl))
-  dense_fwd = jax.jit(lambda *a: reference.dense_ffn(*a)[0])
-  out["fwd_dense_ms"] = timing.wall_ms(dense_fwd, x, wg, wu, wd, iters=iters)
-  out["fwd_sparse_ms"] = timing.wall_ms(sparse_fwd, x, wg, wu, wd, iters=iters)
-  ct = jax.random.normal(jax.random.key(1), x.shape, F32)
-  for name, im in (("dense", "dense"), ("sparse", impl)):
-    g = jax.jit(jax.grad(kernels.loss_fn(im, spec, ct), argnums=(0, 1, 2, 3)))
-    out[f"fwd_bwd_{name}_ms"] = timing.wall_ms(g, x, wg, wu, wd, iters=iters)
+  args = (x, wg, wu, wd)
+  out["fwd_dense_ms"] = timing.wall_ms(_jitted("fwd", "dense"), *args, iters=iters)
+  out["fwd_sparse_ms"] = timing.wall_ms(_jitted("fwd", impl), *args, iters=iters)
+  kind = ("fwd_bwd",) + tuple(x.shape)
+  out["fwd_bwd_dense_ms"] = timing.wall_ms(_jitted(kind, "dense"), *args, iters=iters)
+  out["fwd_bwd_sparse_ms"] = timing.wall_ms(_jitted(kind, impl), *args, iters=iters)
+  for k in hot_variants:
+    out[f"fwd_bwd_hot{k}_ms"] = timing.wall_ms(_jitted(kind, "mosaic_gpu", k), *args,
+                                               iters=iters)
+    out[f"fwd_bwd_hot{k}_ratio"] = out[f"fwd_bwd_hot{k}_ms"] / out["fwd_bwd_dense_ms"]
   out["fwd_ratio"] = out["fwd_sparse_ms"] / out["fwd_dense_ms"]
   out["fwd_bwd_ratio"] = out["fwd_bwd_sparse_ms"] / out["fwd_bwd_dense_ms"]
-  y = sparse_fwd(x, wg, wu, wd)
-  ref, _ = reference.reference_ffn(x, wg, wu, wd)
+  y = _jitted("fwd", impl)(*args)
+  ref, _ = reference.reference_ffn(*args)
   out["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
   return out
 
@@ -123,13 +155,16 @@ def run_level(shape: str, level: str, fl) -> dict:
     gen_args = fit_generator(st, min(m, 4096), d, h)
     row = {"layer": l, "captured": st, "generator": gen_args,
            "generated": generated_stats(gen_args, min(m, 4096), d, h),
-           **time_layer(x, wg, wu, wd, fl.impl, fl.iters)}
+           **time_layer(x, wg, wu, wd, fl.impl, fl.iters,
+                        [int(k) for k in fl.hot_variants])}
     layers.append(row)
     print(f"  {level} layer {l}: active {st['active_per_token']:.1f} dead "
           f"{st['dead_fraction']:.2f} top1% {st['top1pct_share']:.2f} hottest "
           f"{st['hottest_fraction']:.2f} rows p50/p99/max {st['row_p50']:.0f}/"
           f"{st['row_p99']:.0f}/{st['row_max']} | fwd {row['fwd_ratio']:.3f} fwd+bwd "
-          f"{row['fwd_bwd_ratio']:.3f}", flush=True)
+          f"{row['fwd_bwd_ratio']:.3f}"
+          + "".join(f" hot{k} {row[f'fwd_bwd_hot{k}_ratio']:.3f}" for k in fl.hot_variants),
+          flush=True)
   mean = lambda k: float(np.mean([r[k] for r in layers]))
   return {"level": level, "shape": shape, "train_or_load_s": round(t_train, 1),
           "layers": layers, "mean_fwd_ratio": mean("fwd_ratio"),
