@@ -9,11 +9,16 @@ attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights 
 the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
 the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
 runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
-(`train.layer_choice`); the dense model runs SiLU (the paper's baseline), the same weights.
+(`train.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
+(the paper's baseline), the same weights.
 
 Measured per shape, as sparse / dense ratios in one process:
-  * training tokens/s (8 x 2048 tokens per step, AdamW, no rematerialization: both fit),
+  * training tokens/s (8 x 2048 tokens per step, AdamW; median of synchronized steps), each
+    model without rematerialization where its step fits in 92% of the device memory, else
+    with it (the sparse model's smaller residuals buy the faster choice),
   * peak training memory (XLA's memory analysis of the compiled step),
+  * with --profile=<shape>, one step's device time by kind of kernel (attention, GEMMs, sparse FFN
+    kernels, other),
   * prefill tokens/s of the backbone at 16 x 2048 and 64 x 2048 tokens (as the paper times),
   * energy per token where NVML reads the board's power (sampled every 50 ms).
 Writes the JSON that benchmarks/results/<device>/e2e.json keeps.
@@ -46,6 +51,8 @@ def _define_flags():
   flags.DEFINE_float("sparse_below", None, "per-layer choice threshold (default: "
                      "train.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
+  flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
+                    "by kind of kernel (CUPTI; needs a second copy of the state)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -135,6 +142,72 @@ def _batches(cfg, rows: int, n: int):
   return [jnp.asarray(packer.next_batch()) for _ in range(n)]
 
 
+def _prefill_rows(shape: str) -> tuple[int, ...]:
+  return (2,) if shape == "tiny" else (16, 64)
+
+
+def _memory_limit() -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def _peak_bytes(compiled) -> int:
+  mem = compiled.memory_analysis()
+  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+             - mem.alias_size_in_bytes)
+
+
+def _time_steps(step, state, batch, iters: int):
+  """Synchronized wall ms of each of `iters` training steps after two warm-up steps (the
+  median is robust to a step that retraces), and the mean board power over them (or None):
+  (ms list, watts, state, metrics)."""
+  for _ in range(2):
+    state, m = step(state, batch)
+  jax.block_until_ready(state)
+  ms = []
+  with PowerSampler() as power:
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      state, m = step(state, batch)
+      jax.block_until_ready(state)
+      ms.append((time.perf_counter() - t0) * 1e3)
+  return ms, power.mean_watts, state, m
+
+
+def _kernel_kind(name: str) -> str:
+  n = name.lower()
+  if "twell" in n or "mosaic" in n:
+    return "sparse FFN kernels"
+  if "cudnn" in n or "flash" in n or "fmha" in n or "sdpa" in n:
+    return "attention (cuDNN)"
+  if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90", "triton_gemm")):
+    return "GEMMs"
+  return "other (fusions, copies, reductions)"
+
+
+def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
+  """Device time of one training step by kind of kernel (CUPTI), from a non-donating step."""
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train import optim  # pylint: disable=import-outside-toplevel
+  from train import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  lm = model_lib.LanguageModel(mc)
+  tx = optim.make_optimizer(run_cfg)
+  step = jax.jit(steps_lib.make_train_step(lm, tx, run_cfg))
+  state = _state(lm, tx, params, n_layers)
+  table = timing.kernel_breakdown(step, state, batch, iterations=2)
+  if not table:
+    return {}
+  kinds: dict[str, float] = {}
+  for name, t in table:
+    kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + t
+  out = timing.summarize_breakdown(label, table, top=15)
+  out.pop("kernels", None)
+  out["by_kind_ms"] = kinds
+  out["launches"] = len(table)
+  print("    by kind: " + ", ".join(f"{k} {v:.1f} ms" for k, v in kinds.items()), flush=True)
+  return out
+
+
 def run_shape(shape: str, fl) -> dict:
   from train import layer_choice  # pylint: disable=import-outside-toplevel
   from train import model as model_lib  # pylint: disable=import-outside-toplevel
@@ -152,7 +225,8 @@ def run_shape(shape: str, fl) -> dict:
   res = {"shape": shape, "layers": n_layers, "batch": b, "seq_len": t,
          "attention": model_lib.attention_implementation(mc_sparse)}
 
-  # The sparse model's per-layer choice from the trained weights' measured activity.
+  # The sparse model's per-layer choices (training, inference) from the trained weights'
+  # measured activity.
   probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
   _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
   active = np.asarray(stats.nnz_per_token)
@@ -161,54 +235,57 @@ def run_shape(shape: str, fl) -> dict:
                                                                layer_choice.DEFAULT_DENSE_ABOVE))
   choice = layer_choice.LayerChoice(n_layers, sparse=fl.sparse, **kw)
   choice.update(active)
+  infer_choice = layer_choice.LayerChoice.for_inference(active, sparse=fl.sparse)
   mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations)
+  mc_prefill = {"sparse": dataclasses.replace(
+      mc_sparse, ffn_layer_implementations=infer_choice.implementations), "dense": mc_dense}
   res["active_per_token"] = [float(a) for a in active]
   res["sparse_layers"] = choice.describe()
+  res["sparse_layers_prefill"] = infer_choice.describe()
   print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)} -> layers "
-        f"{choice.describe()}", flush=True)
+        f"{choice.describe()} (training), {infer_choice.describe()} (prefill)", flush=True)
 
   tokens = b * t
+  limit = _memory_limit()
   for name, mc, l1 in (("sparse", mc_sparse, cfg.l1_coeff), ("dense", mc_dense, 0.0)):
     run_cfg = cfg.copy_and_resolve_references()
     run_cfg.l1_coeff = l1
-    lm, tx, step = _model(run_cfg, mc)
-    state = _state(lm, tx, params, n_layers)
     batch = train_batches[0][None]
-    compiled = step.lower(state, batch).compile()
-    mem = compiled.memory_analysis()
-    res[f"{name}_peak_bytes"] = int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                                    + mem.output_size_in_bytes - mem.alias_size_in_bytes)
-
-    def train_loop(state, batch, step=step, n=fl.iters):
-      for _ in range(n):
-        state, m = step(state, batch)
-      return state, m
-
-    state, _ = step(state, batch)                      # warm-up (and compile)
-    jax.block_until_ready(state)
-    with PowerSampler() as power:
-      t0 = time.perf_counter()
-      state, m = train_loop(state, batch)
-      jax.block_until_ready(state)
-      ms = (time.perf_counter() - t0) * 1e3 / fl.iters
-    res[f"{name}_train"] = {"ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
-                            "loss": float(m["loss"])}
-    if power.mean_watts is not None:
-      res[f"{name}_train"]["joules_per_token"] = power.mean_watts * ms / 1e3 / tokens
+    # Without rematerialization where the step fits (the faster choice), else with it.
+    for remat in (False, True):
+      mc_run = dataclasses.replace(mc, remat=remat)
+      lm, tx, step = _model(run_cfg, mc_run)
+      state = _state(lm, tx, params, n_layers)
+      peak = _peak_bytes(step.lower(state, batch).compile())
+      if limit is None or peak <= 0.92 * limit:
+        break
+      print(f"  {shape} {name}: {peak / 2**30:.1f} GiB without remat > 92% of "
+            f"{limit / 2**30:.1f} GiB: remat on", flush=True)
+    res[f"{name}_peak_bytes"], res[f"{name}_remat"] = peak, remat
+    ms_steps, watts, state, m = _time_steps(step, state, batch, fl.iters)
+    ms = float(np.median(ms_steps))
+    res[f"{name}_train"] = {"ms_per_step": ms, "ms_per_step_all": ms_steps,
+                            "tokens_per_s": tokens / ms * 1e3, "loss": float(m["loss"])}
+    if watts is not None:
+      res[f"{name}_train"]["joules_per_token"] = watts * ms / 1e3 / tokens
     del state
+    if shape in fl.profile:
+      res[f"{name}_train_profile"] = _step_profile(f"{shape} {name} step", run_cfg, mc_run,
+                                                   params, n_layers, batch)
     # Prefill: the backbone (embedding, blocks, final norm), as the paper times it.
-    fwd = jax.jit(lambda p, x, lm=lm: lm.hidden(p, x)[0])
-    for rows in (16, 64) if shape != "tiny" else (2,):
+    lm_prefill = model_lib.LanguageModel(mc_prefill[name])
+    fwd = jax.jit(lambda p, x, lm=lm_prefill: lm.hidden(p, x)[0])
+    for rows in _prefill_rows(shape):
       toks = jnp.asarray(np.concatenate([np.asarray(bb) for bb in _batches(cfg, rows, 1)]))
       res[f"{name}_prefill_{rows}x{t}"] = _timed(fwd, (params, toks[:, :-1]), fl.iters,
                                                  rows * t)
-    print(f"  {shape} {name}: train {ms:.1f} ms/step, peak "
-          f"{res[f'{name}_peak_bytes'] / 2**30:.1f} GiB", flush=True)
+    print(f"  {shape} {name}: train {ms:.1f} ms/step (remat {remat}), peak "
+          f"{peak / 2**30:.1f} GiB", flush=True)
 
   res["train_speedup"] = (res["sparse_train"]["tokens_per_s"]
                           / res["dense_train"]["tokens_per_s"])
   res["peak_memory_ratio"] = res["sparse_peak_bytes"] / res["dense_peak_bytes"]
-  for rows in (16, 64) if shape != "tiny" else (2,):
+  for rows in _prefill_rows(shape):
     key = f"prefill_{rows}x{t}"
     res[f"prefill_speedup_{rows}x{t}"] = (res[f"sparse_{key}"]["tokens_per_s"]
                                           / res[f"dense_{key}"]["tokens_per_s"])

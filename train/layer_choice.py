@@ -9,8 +9,13 @@ one threshold). The decision is made on the host from the step metrics the train
 fetches, every `every` steps, and changes the model's static per-layer implementations, so
 the step is recompiled only when a layer switches (a few times per run), and no conditional
 runs on the device. The reference implementation switches at 50 active features per token
-every 20 forward calls; the defaults here come from the kernel benchmarks (the sparse
-forward + backward beats dense below about 50 active per token at the paper's shape).
+every 20 forward calls.
+
+The thresholds come from the captured-activation benchmark (`benchmarks.captured`, H100,
+paper shape, per layer, over dense): the training kernels (forward + backward) win at every
+captured layer, up to 85 active per token (0.64), so training switches to sparse below 90; the
+inference forward has no hot-column GEMMs and wins only below about 48 active per token
+(0.87-0.96 at 40-47, 1.24 at 85), so `for_inference` uses the lower threshold.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import dataclasses
 
 import numpy as np
 
-DEFAULT_SPARSE_BELOW = 40.0
-DEFAULT_DENSE_ABOVE = 56.0
+DEFAULT_SPARSE_BELOW = 90.0
+DEFAULT_DENSE_ABOVE = 110.0
+INFERENCE_SPARSE_BELOW = 48.0
 
 
 @dataclasses.dataclass
@@ -39,6 +45,16 @@ class LayerChoice:
                        f"({self.dense_above})")
     if self.current is None:
       self.current = [self.dense] * self.n_layers
+
+  @classmethod
+  def for_inference(cls, active_per_token, sparse: str = "mosaic_gpu") -> "LayerChoice":
+    """The per-layer choice for a forward-only model with fixed weights: sparse below
+    `INFERENCE_SPARSE_BELOW` active features per token (one decision, no hysteresis)."""
+    active = np.asarray(active_per_token, np.float64).reshape(-1)
+    choice = cls(active.shape[0], sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
+                 dense_above=INFERENCE_SPARSE_BELOW)
+    choice.update(active)
+    return choice
 
   def update(self, active_per_token) -> bool:
     """Applies one decision from the layers' active features per token; True if any changed."""
