@@ -29,6 +29,7 @@ import numpy as np
 from benchmarks import kernels
 from benchmarks import timing
 from benchmarks import trained
+from pallas_kernels import ffn_mgpu
 from pallas_kernels import reference
 import twell_jax as tj
 from twell_jax import mosaic
@@ -46,6 +47,8 @@ def _define_flags():
   flags.DEFINE_integer("iters", 20, "timed calls per measurement")
   flags.DEFINE_list("hot_variants", [], "also time forward + backward with these numbers of "
                     "hot columns (mosaic_gpu)")
+  flags.DEFINE_list("fwd_hot_variants", [], "also time the inference forward with these "
+                    "numbers of hot columns (pallas_kernels.ffn_mgpu.ForwardConfig)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -97,7 +100,10 @@ def _jitted(kind: str, impl: str, hot: int | None = None):
   """One jitted function per measurement kind, reused across layers (one compile each)."""
   key = (kind, impl, hot)
   if key not in _JITTED:
-    if kind == "fwd":
+    if kind == "fwd" and hot is not None:
+      fwd_cfg = ffn_mgpu.ForwardConfig(hot_columns=hot)
+      fn = lambda *a: ffn_mgpu.ffn_forward(*a, config=fwd_cfg)[0]
+    elif kind == "fwd":
       fn = ((lambda *a: reference.dense_ffn(*a)[0]) if impl == "dense"
             else (lambda *a: tj.ffn(*a, implementation=impl)))
     else:
@@ -117,9 +123,11 @@ def _jitted(kind: str, impl: str, hot: int | None = None):
   return _JITTED[key]
 
 
-def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=()) -> dict:
+def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=(),
+               fwd_hot_variants=()) -> dict:
   """Forward and forward + backward, dense and `impl`, on one layer's captured input; with
-  `hot_variants`, forward + backward of the kernels per number of hot columns too."""
+  `hot_variants` / `fwd_hot_variants`, forward + backward / the inference forward of the
+  kernels per number of hot columns too."""
   out = {}
   args = (x, wg, wu, wd)
   out["fwd_dense_ms"] = timing.wall_ms(_jitted("fwd", "dense"), *args, iters=iters)
@@ -131,6 +139,9 @@ def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=()) -> dict:
     out[f"fwd_bwd_hot{k}_ms"] = timing.wall_ms(_jitted(kind, "mosaic_gpu", k), *args,
                                                iters=iters)
     out[f"fwd_bwd_hot{k}_ratio"] = out[f"fwd_bwd_hot{k}_ms"] / out["fwd_bwd_dense_ms"]
+  for k in fwd_hot_variants:
+    out[f"fwd_hot{k}_ms"] = timing.wall_ms(_jitted("fwd", "mosaic_gpu", k), *args, iters=iters)
+    out[f"fwd_hot{k}_ratio"] = out[f"fwd_hot{k}_ms"] / out["fwd_dense_ms"]
   out["fwd_ratio"] = out["fwd_sparse_ms"] / out["fwd_dense_ms"]
   out["fwd_bwd_ratio"] = out["fwd_bwd_sparse_ms"] / out["fwd_bwd_dense_ms"]
   y = _jitted("fwd", impl)(*args)
@@ -156,14 +167,16 @@ def run_level(shape: str, level: str, fl) -> dict:
     row = {"layer": l, "captured": st, "generator": gen_args,
            "generated": generated_stats(gen_args, min(m, 4096), d, h),
            **time_layer(x, wg, wu, wd, fl.impl, fl.iters,
-                        [int(k) for k in fl.hot_variants])}
+                        [int(k) for k in fl.hot_variants],
+                        [int(k) for k in fl.fwd_hot_variants])}
     layers.append(row)
     print(f"  {level} layer {l}: active {st['active_per_token']:.1f} dead "
           f"{st['dead_fraction']:.2f} top1% {st['top1pct_share']:.2f} hottest "
           f"{st['hottest_fraction']:.2f} rows p50/p99/max {st['row_p50']:.0f}/"
           f"{st['row_p99']:.0f}/{st['row_max']} | fwd {row['fwd_ratio']:.3f} fwd+bwd "
           f"{row['fwd_bwd_ratio']:.3f}"
-          + "".join(f" hot{k} {row[f'fwd_bwd_hot{k}_ratio']:.3f}" for k in fl.hot_variants),
+          + "".join(f" hot{k} {row[f'fwd_bwd_hot{k}_ratio']:.3f}" for k in fl.hot_variants)
+          + "".join(f" fwd hot{k} {row[f'fwd_hot{k}_ratio']:.3f}" for k in fl.fwd_hot_variants),
           flush=True)
   mean = lambda k: float(np.mean([r[k] for r in layers]))
   return {"level": level, "shape": shape, "train_or_load_s": round(t_train, 1),

@@ -50,7 +50,7 @@ for part in "${parts[@]}"; do
       timeout ${T_CAPTURED:-560} python3 -m benchmarks.captured --out="$OUT/captured.json" \
         ${CAPTURED_FLAGS} 2>&1 | tee "$OUT/captured.log" | quiet | tail -60 ;;
     e2e)
-      timeout ${T_E2E:-560} python3 -m benchmarks.e2e --out="$OUT/e2e.json" ${E2E_FLAGS} \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_E2E:-560} python3 -m benchmarks.e2e --out="$OUT/e2e.json" ${E2E_FLAGS} \
         2>&1 | tee "$OUT/e2e.log" | quiet | tail -60 ;;
     tests)
       XLA_FLAGS="--xla_gpu_autotune_level=0" timeout -s INT ${T_TESTS:-300} python3 -m pytest -q \
