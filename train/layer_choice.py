@@ -75,6 +75,58 @@ class LayerChoice:
   def implementations(self) -> tuple[str, ...]:
     return tuple(self.current)
 
-  def describe(self) -> str:
-    """'S' for a sparse layer, 'D' for a dense one, in layer order."""
-    return "".join("S" if name == self.sparse else "D" for name in self.current)
+  def describe(self, names=None) -> str:
+    """'S' for a sparse layer, 'D' for a dense one, in layer order (of `names`, default the
+    current choice)."""
+    return "".join("S" if name == self.sparse else "D" for name in (names or self.current))
+
+
+class BackgroundSteps:
+  """Compiled train steps per tuple of layer implementations, compiled on a worker thread.
+
+  A switch must not stall training: the new step compiles (tens of seconds at the paper's
+  shape) while the current one keeps running, and `ready` hands it over once it is built.
+  `build(names)` returns the compiled step for `names`; executables are kept, so switching
+  back costs nothing. `background=False` builds in `request` (the switch lands on the
+  decision step: reproducible).
+  """
+
+  def __init__(self, build, background: bool = True):
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    self._build = build
+    self._background = background
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._done: dict[tuple, object] = {}
+    self._pending: tuple | None = None
+    self._future = None
+
+  def get_now(self, names: tuple):
+    """The step for `names`, compiled in this thread if it is not built yet."""
+    if names not in self._done:
+      self._done[names] = self._build(names)
+    return self._done[names]
+
+  def request(self, names: tuple) -> None:
+    """Starts building the step for `names` (replaces an earlier request not yet handed over)."""
+    self._pending = names
+    if names in self._done:
+      return
+    if self._background:
+      self._future = self._pool.submit(self._build, names)
+    else:
+      self._done[names] = self._build(names)
+
+  def ready(self):
+    """(names, step) of the requested step once it is built, else None."""
+    if self._pending is None:
+      return None
+    names = self._pending
+    if names not in self._done:
+      if not self._future.done():
+        return None
+      self._done[names] = self._future.result()
+    self._pending = None
+    return names, self._done[names]
+
+  def close(self):
+    self._pool.shutdown(wait=True)

@@ -13,6 +13,7 @@ replicated, batches are sharded along the batch axis and XLA inserts the
 gradient all-reduce. Each process reads its own share of the documents.
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from train import checkpointing
 from train import data as data_lib
+from train import layer_choice as layer_choice_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import optim
@@ -88,11 +90,33 @@ class Trainer:
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
     return checkpointing.abstract_of(shapes, self.replicated)
 
-  def jit_train_step(self):
-    step = steps_lib.make_train_step(self.lm, self.tx, self.cfg)
+  def jit_train_step(self, layer_implementations=None):
+    """The jitted step; `layer_implementations` (L names) overrides the model's FFNs."""
+    lm = self.lm
+    if layer_implementations is not None:
+      lm = model_lib.LanguageModel(dataclasses.replace(
+          self.model_cfg, ffn_layer_implementations=tuple(layer_implementations)))
+    step = steps_lib.make_train_step(lm, self.tx, self.cfg)
     return jax.jit(step, in_shardings=(self.replicated, self.batch_sharding),
                    out_shardings=(self.replicated, self.replicated),
                    donate_argnums=0)
+
+  def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
+    """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
+    lc, mc = self.cfg.get("layer_choice"), self.model_cfg
+    if (lc is None or not lc.enabled or mc.ffn_implementation is not None
+        or mc.ffn_activation != "relu"):
+      return None
+    sparse = lc.sparse
+    if sparse == "auto":
+      tokens = (self.cfg.batch_size // self.cfg.grad_accum_steps // self.mesh.size
+                * self.cfg.data.seq_len)
+      sparse = ffn_implementation_in_use(self, tokens)
+    if sparse == "dense":
+      return None
+    return layer_choice_lib.LayerChoice(mc.n_layers, sparse=sparse,
+                                        sparse_below=lc.sparse_below,
+                                        dense_above=lc.dense_above)
 
   def put_batch(self, local: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local)
@@ -184,10 +208,14 @@ def _my_data_state(saved: dict) -> dict:
   return states[jax.process_index()]
 
 
-def _meta(cfg, step: int) -> dict:
+def _meta(cfg, step: int, layer_implementations=None) -> dict:
   import twell_jax  # pylint: disable=g-import-not-at-top
-  return {"step": int(step), "config": cfg.to_dict(),
+  meta = {"step": int(step), "config": cfg.to_dict(),
           "twell_jax_version": getattr(twell_jax, "__version__", "?")}
+  if layer_implementations is not None:
+    # The per-layer FFN choice in use: a resumed run continues with it (same numerics).
+    meta["layer_implementations"] = list(layer_implementations)
+  return meta
 
 
 def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
@@ -239,22 +267,54 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   if start == 0 and is_main:
     writer.write_text(0, "config", "```\n" + str(cfg) + "\n```")
-  train_step = tr.jit_train_step()
   eval_data = tr.eval_batches() if cfg.eval_every > 0 else None
   prefetch = data_lib.Prefetcher(packer, depth=cfg.data.prefetch)
   progress = metrics_lib.Progress(cfg.num_train_steps, start)
   shape = (cfg.grad_accum_steps, rows // cfg.grad_accum_steps,
            cfg.data.seq_len + 1)
+  choice = tr.layer_choice()
+  if choice is None:
+    train_step, steps, running = tr.jit_train_step(), None, None
+  else:
+    # Compiled ahead of time for the state's and the batch's exact types, so that a step
+    # built on the worker thread is handed over without a retrace.
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    state_spec = jax.tree.map(like, state)
+    batch_spec = jax.ShapeDtypeStruct(
+        (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
+        np.int32, sharding=tr.batch_sharding)
+    steps = layer_choice_lib.BackgroundSteps(
+        lambda names: tr.jit_train_step(names).lower(state_spec, batch_spec).compile(),
+        background=cfg.layer_choice.background)
+    saved = ((restored or {}).get("meta") or {}).get("layer_implementations")
+    if saved is not None and len(saved) == choice.n_layers:
+      choice.current = list(saved)
+    running = choice.implementations
+    train_step = steps.get_now(running)
+    logging.info("Per-layer FFN choice: dense until a layer's active features per token "
+                 "fall below %g, then %s (back above %g)", choice.sparse_below,
+                 choice.sparse, choice.dense_above)
   last = {}
   t_last, tokens_since = time.time(), 0
   try:
     for step in range(start, cfg.num_train_steps):
       batch, data_state = next(prefetch)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, m = train_step(state, tr.put_batch(batch.reshape(shape),
+        state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
                                                   tr.batch_sharding))
-      done = step + 1
+      done, ran = step + 1, running
       tokens_since += cfg.batch_size * cfg.data.seq_len
+      if choice is not None:
+        if done % cfg.layer_choice.every == 0 or done == start + 1:
+          if choice.update(jax.device_get(m["active_per_token"])):
+            logging.info("step %d: FFN per layer -> %s (compiling in the background)",
+                         done, choice.describe())
+            steps.request(choice.implementations)
+        handed = steps.ready()
+        if handed is not None:
+          running, train_step = handed
+          logging.info("step %d: now running FFN per layer %s", done,
+                       choice.describe(running))
       if (done % cfg.log_every == 0 or done == cfg.num_train_steps
           or done == start + 1):  # The first step shows the starting point.
         m = jax.device_get(m)
@@ -265,8 +325,10 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         tps = tokens_since / max(now - t_last, 1e-9)
         t_last, tokens_since = now, 0
         m = dict(m, tokens_per_s=tps, params=n_params)
-        logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, tps,
-                                      progress))
+        if ran is not None:
+          m["sparse_layers"] = sum(name != "dense" for name in ran)
+        logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, tps, progress)
+                     + ("" if ran is None else f" | ffn {choice.describe(ran)}"))
         last = metrics_lib.flatten_metrics(m)
         writer.write_scalars(done, last)
       if eval_data is not None and (done % cfg.eval_every == 0
@@ -282,9 +344,11 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
       if cfg.checkpoint_every > 0 and (final or mngr.should_save(done)):
         checkpointing.save(mngr, done, state,
                            {"processes": _all_process_states(data_state)},
-                           _meta(cfg, done), force=final)
+                           _meta(cfg, done, running), force=final)
     writer.flush()
   finally:
+    if steps is not None:
+      steps.close()
     prefetch.close()
     mngr.wait_until_finished()
     mngr.close()
