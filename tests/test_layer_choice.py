@@ -46,6 +46,12 @@ class LayerChoiceTest(absltest.TestCase):
 
 class BackgroundStepsTest(absltest.TestCase):
 
+  def _wait(self, steps):
+    deadline = time.time() + 10
+    while (handed := steps.ready()) is None and time.time() < deadline:
+      time.sleep(0.01)
+    return handed
+
   def test_request_hands_over_when_built_and_keeps_executables(self):
     gate, built = threading.Event(), []
 
@@ -59,14 +65,35 @@ class BackgroundStepsTest(absltest.TestCase):
       steps.request(("a",))
       self.assertIsNone(steps.ready())                  # still compiling: keep going
       gate.set()
-      deadline = time.time() + 10
-      while (handed := steps.ready()) is None and time.time() < deadline:
-        time.sleep(0.01)
-      self.assertEqual(handed, (("a",), "step('a',)"))
+      self.assertEqual(self._wait(steps), (("a",), "step('a',)"))
       self.assertIsNone(steps.ready())                  # handed over once
       steps.request(("a",))                             # built before: no second build
       self.assertEqual(steps.ready(), (("a",), "step('a',)"))
       self.assertEqual(built, [("a",)])
+    finally:
+      steps.close()
+
+  def test_newer_requests_supersede_queued_ones(self):
+    gate, built = threading.Event(), []
+
+    def build(names):
+      gate.wait(10)
+      built.append(names)
+      return names[0]
+
+    steps = layer_choice.BackgroundSteps(build)
+    try:
+      steps.request(("a",))          # starts building
+      time.sleep(0.1)
+      steps.request(("b",))          # queued ...
+      steps.request(("c",))          # ... and replaced before it starts
+      gate.set()
+      # "a" (in flight) is handed over when built, then "c"; "b" is never built.
+      first = self._wait(steps)
+      if first == (("a",), "a"):
+        first = self._wait(steps)
+      self.assertEqual(first, (("c",), "c"))
+      self.assertEqual(built, [("a",), ("c",)])
     finally:
       steps.close()
 

@@ -85,20 +85,32 @@ class BackgroundSteps:
   """Compiled train steps per tuple of layer implementations, compiled on a worker thread.
 
   A switch must not stall training: the new step compiles (tens of seconds at the paper's
-  shape) while the current one keeps running, and `ready` hands it over once it is built.
-  `build(names)` returns the compiled step for `names`; executables are kept, so switching
-  back costs nothing. `background=False` builds in `request` (the switch lands on the
-  decision step: reproducible).
+  shape) while the current one keeps running, and `ready` hands over the newest requested
+  step that is built (a request that arrives while another builds replaces the queued one;
+  the one in flight is still handed over when done, being closer to the latest choice than
+  the step running). Executables are kept, so switching back costs nothing.
+  `background=False` builds in `request` (the switch lands on the decision step:
+  reproducible).
+
+  Lowering a Pallas kernel is Python work that holds the GIL; while a build runs the
+  interpreter's switch interval is shortened, so that the training loop's dispatch is not
+  kept waiting behind it (the device would idle).
   """
+
+  _BUILD_SWITCH_INTERVAL_S = 2e-4
 
   def __init__(self, build, background: bool = True):
     import concurrent.futures  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
     self._build = build
     self._background = background
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._lock = threading.Lock()
     self._done: dict[tuple, object] = {}
-    self._pending: tuple | None = None
-    self._future = None
+    self._seq = 0                    # requests so far
+    self._newest_built = (0, None)   # (request number, names) of the newest built request
+    self._handed = 0                 # request number handed over last
+    self._queued = []
 
   def get_now(self, names: tuple):
     """The step for `names`, compiled in this thread if it is not built yet."""
@@ -106,27 +118,43 @@ class BackgroundSteps:
       self._done[names] = self._build(names)
     return self._done[names]
 
+  def _built(self, seq: int, names: tuple, step) -> None:
+    with self._lock:
+      self._done[names] = step
+      if seq > self._newest_built[0]:
+        self._newest_built = (seq, names)
+
+  def _build_in_background(self, seq: int, names: tuple) -> None:
+    import sys  # pylint: disable=import-outside-toplevel
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
+    try:
+      self._built(seq, names, self._build(names))
+    finally:
+      sys.setswitchinterval(interval)
+
   def request(self, names: tuple) -> None:
-    """Starts building the step for `names` (replaces an earlier request not yet handed over)."""
-    self._pending = names
+    """Asks for the step of `names` (built in the background unless built before)."""
+    self._seq += 1
     if names in self._done:
-      return
-    if self._background:
-      self._future = self._pool.submit(self._build, names)
+      self._built(self._seq, names, self._done[names])
+    elif self._background:
+      for future in self._queued:
+        future.cancel()                # not started yet: superseded
+      self._queued = [self._pool.submit(self._build_in_background, self._seq, names)]
     else:
-      self._done[names] = self._build(names)
+      self._built(self._seq, names, self._build(names))
 
   def ready(self):
-    """(names, step) of the requested step once it is built, else None."""
-    if self._pending is None:
-      return None
-    names = self._pending
-    if names not in self._done:
-      if not self._future.done():
+    """(names, step) of the newest built request not handed over yet, else None."""
+    with self._lock:
+      seq, names = self._newest_built
+      if seq <= self._handed:
         return None
-      self._done[names] = self._future.result()
-    self._pending = None
-    return names, self._done[names]
+      self._handed = seq
+      return names, self._done[names]
 
   def close(self):
+    for future in self._queued:
+      future.cancel()
     self._pool.shutdown(wait=True)
