@@ -111,6 +111,7 @@ class BackgroundSteps:
     self._newest_built = (0, None)   # (request number, names) of the newest built request
     self._handed = 0                 # request number handed over last
     self._queued = []
+    self.last_build_s = None         # seconds the last background build took
 
   def get_now(self, names: tuple):
     """The step for `names`, compiled in this thread if it is not built yet."""
@@ -126,10 +127,12 @@ class BackgroundSteps:
 
   def _build_in_background(self, seq: int, names: tuple) -> None:
     import sys  # pylint: disable=import-outside-toplevel
-    interval = sys.getswitchinterval()
+    import time  # pylint: disable=import-outside-toplevel
+    interval, t0 = sys.getswitchinterval(), time.perf_counter()
     sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
     try:
       self._built(seq, names, self._build(names))
+      self.last_build_s = time.perf_counter() - t0
     finally:
       sys.setswitchinterval(interval)
 

@@ -313,8 +313,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         handed = steps.ready()
         if handed is not None:
           running, train_step = handed
-          logging.info("step %d: now running FFN per layer %s", done,
-                       choice.describe(running))
+          logging.info("step %d: now running FFN per layer %s (last build %s s)", done,
+                       choice.describe(running), steps.last_build_s)
       if (done % cfg.log_every == 0 or done == cfg.num_train_steps
           or done == start + 1):  # The first step shows the starting point.
         m = jax.device_get(m)
