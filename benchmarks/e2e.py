@@ -138,7 +138,7 @@ def _state(lm, tx, params, n_layers, seed=0):
           "since": sparsity.init_since(n_layers, lm.cfg.d_ff)}
 
 
-def _batches(cfg, rows: int, n: int):
+def batches(cfg, rows: int, n: int):
   from train import data as data_lib  # pylint: disable=import-outside-toplevel
   packer = data_lib.PackedBatches(
       data_lib.make_source(cfg.data, cfg.data.train_split), data_lib.make_tokenizer(cfg.data),
@@ -178,7 +178,7 @@ def _time_steps(step, state, batch, iters: int):
   return ms, power.mean_watts, state, m
 
 
-def _kernel_kind(name: str) -> str:
+def kernel_kind(name: str) -> str:
   n = name.lower()
   if "twell" in n or "mosaic" in n:
     return "sparse FFN kernels"
@@ -203,7 +203,7 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
     return {}
   kinds: dict[str, float] = {}
   for name, t in table:
-    kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + t
+    kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
   out = timing.summarize_breakdown(label, table, top=15)
   out.pop("kernels", None)
   out["by_kind_ms"] = kinds
@@ -225,7 +225,7 @@ def run_shape(shape: str, fl) -> dict:
   mc_sparse = model_lib.ModelConfig.from_config(cfg.model)
   mc_dense = dataclasses.replace(mc_sparse, ffn_activation="silu", ffn_implementation="dense")
   b, t = cfg.batch_size, cfg.data.seq_len
-  train_batches = _batches(cfg, b, 2)
+  train_batches = batches(cfg, b, 2)
   res = {"shape": shape, "layers": n_layers, "batch": b, "seq_len": t,
          "attention": model_lib.attention_implementation(mc_sparse)}
 
@@ -280,7 +280,7 @@ def run_shape(shape: str, fl) -> dict:
     lm_prefill = model_lib.LanguageModel(mc_prefill[name])
     fwd = jax.jit(lambda p, x, lm=lm_prefill: lm.hidden(p, x)[0])
     for rows in _prefill_rows(shape):
-      toks = jnp.asarray(np.concatenate([np.asarray(bb) for bb in _batches(cfg, rows, 1)]))
+      toks = jnp.asarray(np.concatenate([np.asarray(bb) for bb in batches(cfg, rows, 1)]))
       res[f"{name}_prefill_{rows}x{t}"] = _timed(fwd, (params, toks[:, :-1]), fl.iters,
                                                  rows * t)
     print(f"  {shape} {name}: train {ms:.1f} ms/step (remat {remat}), peak "

@@ -15,6 +15,7 @@
 #   tests     the GPU tests (pytest -m gpu)
 #   registers ptxas register / spill report of every kernel
 #   l2        the L2 row-gather ceiling probe
+#   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained weights)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,6 +63,9 @@ for part in "${parts[@]}"; do
         | sort | uniq -c | tee "$OUT/registers.txt" ;;
     l2)
       timeout 200 python3 -m benchmarks.probes.l2_rows --out="$OUT/l2_rows.json" 2>&1 | quiet | tail -20 ;;
+    profile)
+      timeout ${T_PROFILE:-500} python3 -m benchmarks.probes.forward_profile \
+        --out="$OUT/forward_profile.json" 2>&1 | tee "$OUT/profile.log" | quiet | tail -150 ;;
     *) echo "unknown part: $part" ;;
   esac
 done
