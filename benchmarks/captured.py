@@ -10,13 +10,14 @@ r"""Kernels on captured real activations: per layer, the sparse FFN against XLA 
 3. Per layer, in one process: the activity statistics (`twell_jax.testing.activity_stats`:
    active per token, dead fraction, top-1% share, hottest feature, row-length percentiles),
    the calibrated generator's statistics for the same layer beside them, and the forward and
-   forward + backward of the sparse implementation against dense on the captured inputs.
+   forward + backward of the sparse implementation against dense on the captured inputs, with
+   the layer's features sorted by activity and the features firing on more than about 1% of
+   the tokens computed densely (`twell_jax.features.calibrate`), and without that (K 0).
 Prints a per-layer table per level and the means; writes everything to --out.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -29,10 +30,9 @@ import numpy as np
 from benchmarks import kernels
 from benchmarks import timing
 from benchmarks import trained
-from pallas_kernels import ffn_mgpu
 from pallas_kernels import reference
 import twell_jax as tj
-from twell_jax import mosaic
+from twell_jax import features as tj_features
 from twell_jax import testing
 
 F32 = jnp.float32
@@ -45,10 +45,8 @@ def _define_flags():
   flags.DEFINE_integer("extreme_steps", 400, "further steps with the stronger L1")
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation to time")
   flags.DEFINE_integer("iters", 20, "timed calls per measurement")
-  flags.DEFINE_list("hot_variants", [], "also time forward + backward with these numbers of "
-                    "hot columns (mosaic_gpu)")
-  flags.DEFINE_list("fwd_hot_variants", [], "also time the inference forward with these "
-                    "numbers of hot columns (pallas_kernels.ffn_mgpu.ForwardConfig)")
+  flags.DEFINE_list("hot_variants", [], "also time forward and forward + backward with these "
+                    "numbers of hot features (multiples of 256)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -96,55 +94,46 @@ def generated_stats(args: dict, m: int, d: int, h: int) -> dict:
 _JITTED: dict = {}
 
 
-def _jitted(kind: str, impl: str, hot: int | None = None):
-  """One jitted function per measurement kind, reused across layers (one compile each)."""
+def _jitted(kind, impl: str, hot: int = 0):
+  """One jitted function per measurement kind, implementation and number of hot features,
+  reused across layers (one compile each)."""
   key = (kind, impl, hot)
   if key not in _JITTED:
-    if kind == "fwd" and hot is not None:
-      fwd_cfg = ffn_mgpu.ForwardConfig(hot_columns=hot)
-      fn = lambda *a: ffn_mgpu.ffn_forward(*a, config=fwd_cfg)[0]
-    elif kind == "fwd":
+    if kind == "fwd":
       fn = ((lambda *a: reference.dense_ffn(*a)[0]) if impl == "dense"
-            else (lambda *a: tj.ffn(*a, implementation=impl)))
+            else (lambda *a: tj.ffn(*a, implementation=impl, hot_features=hot)))
     else:
       ct = jax.random.normal(jax.random.key(1), (kind[1], kind[2]), F32)
 
       def loss(x, wg, wu, wd):
-        if hot is None:
-          y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True)
-        else:
-          m, d = x.shape
-          cfg = mosaic.default_config(m, d, wu.shape[1])
-          cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hot_columns=hot))
-          y, st = mosaic.ffn_with_config(cfg, x, wg, wu, wd)
+        y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True,
+                       hot_features=hot)
         return jnp.sum(y.astype(F32) * ct) + kernels.LAMBDA * st.l1
       fn = jax.grad(loss, argnums=(0, 1, 2, 3))
     _JITTED[key] = jax.jit(fn)
   return _JITTED[key]
 
 
-def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=(),
-               fwd_hot_variants=()) -> dict:
-  """Forward and forward + backward, dense and `impl`, on one layer's captured input; with
-  `hot_variants` / `fwd_hot_variants`, forward + backward / the inference forward of the
-  kernels per number of hot columns too."""
-  out = {}
+def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=()) -> dict:
+  """Forward and forward + backward, dense and `impl`, on one layer's captured input, with
+  the layer's features sorted by their activity on it and the calibrated number of hot
+  features (`twell_jax.features.calibrate`: what a model that keeps its features sorted
+  runs); also without hot features, and with each of `hot_variants`."""
+  wg, wu, wd, k = tj_features.calibrate(x, wg, wu, wd)
+  out = {"hot_features": k}
   args = (x, wg, wu, wd)
-  out["fwd_dense_ms"] = timing.wall_ms(_jitted("fwd", "dense"), *args, iters=iters)
-  out["fwd_sparse_ms"] = timing.wall_ms(_jitted("fwd", impl), *args, iters=iters)
   kind = ("fwd_bwd",) + tuple(x.shape)
+  out["fwd_dense_ms"] = timing.wall_ms(_jitted("fwd", "dense"), *args, iters=iters)
   out["fwd_bwd_dense_ms"] = timing.wall_ms(_jitted(kind, "dense"), *args, iters=iters)
-  out["fwd_bwd_sparse_ms"] = timing.wall_ms(_jitted(kind, impl), *args, iters=iters)
-  for k in hot_variants:
-    out[f"fwd_bwd_hot{k}_ms"] = timing.wall_ms(_jitted(kind, "mosaic_gpu", k), *args,
-                                               iters=iters)
-    out[f"fwd_bwd_hot{k}_ratio"] = out[f"fwd_bwd_hot{k}_ms"] / out["fwd_bwd_dense_ms"]
-  for k in fwd_hot_variants:
-    out[f"fwd_hot{k}_ms"] = timing.wall_ms(_jitted("fwd", "mosaic_gpu", k), *args, iters=iters)
-    out[f"fwd_hot{k}_ratio"] = out[f"fwd_hot{k}_ms"] / out["fwd_dense_ms"]
-  out["fwd_ratio"] = out["fwd_sparse_ms"] / out["fwd_dense_ms"]
-  out["fwd_bwd_ratio"] = out["fwd_bwd_sparse_ms"] / out["fwd_bwd_dense_ms"]
-  y = _jitted("fwd", impl)(*args)
+  for label, hot in [("", k), ("_k0", 0)] + [(f"_hot{v}", v) for v in hot_variants]:
+    if label and hot == k:
+      continue
+    out[f"fwd{label}_sparse_ms"] = timing.wall_ms(_jitted("fwd", impl, hot), *args, iters=iters)
+    out[f"fwd_bwd{label}_sparse_ms"] = timing.wall_ms(_jitted(kind, impl, hot), *args,
+                                                      iters=iters)
+    out[f"fwd{label}_ratio"] = out[f"fwd{label}_sparse_ms"] / out["fwd_dense_ms"]
+    out[f"fwd_bwd{label}_ratio"] = out[f"fwd_bwd{label}_sparse_ms"] / out["fwd_bwd_dense_ms"]
+  y = _jitted("fwd", impl, k)(*args)
   ref, _ = reference.reference_ffn(*args)
   out["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
   return out
@@ -166,17 +155,15 @@ def run_level(shape: str, level: str, fl) -> dict:
     gen_args = fit_generator(st, min(m, 4096), d, h)
     row = {"layer": l, "captured": st, "generator": gen_args,
            "generated": generated_stats(gen_args, min(m, 4096), d, h),
-           **time_layer(x, wg, wu, wd, fl.impl, fl.iters,
-                        [int(k) for k in fl.hot_variants],
-                        [int(k) for k in fl.fwd_hot_variants])}
+           **time_layer(x, wg, wu, wd, fl.impl, fl.iters, [int(k) for k in fl.hot_variants])}
     layers.append(row)
     print(f"  {level} layer {l}: active {st['active_per_token']:.1f} dead "
           f"{st['dead_fraction']:.2f} top1% {st['top1pct_share']:.2f} hottest "
           f"{st['hottest_fraction']:.2f} rows p50/p99/max {st['row_p50']:.0f}/"
-          f"{st['row_p99']:.0f}/{st['row_max']} | fwd {row['fwd_ratio']:.3f} fwd+bwd "
-          f"{row['fwd_bwd_ratio']:.3f}"
-          + "".join(f" hot{k} {row[f'fwd_bwd_hot{k}_ratio']:.3f}" for k in fl.hot_variants)
-          + "".join(f" fwd hot{k} {row[f'fwd_hot{k}_ratio']:.3f}" for k in fl.fwd_hot_variants),
+          f"{st['row_p99']:.0f}/{st['row_max']} | K {row['hot_features']}: fwd "
+          f"{row['fwd_ratio']:.3f} fwd+bwd {row['fwd_bwd_ratio']:.3f}"
+          + (f" | K 0: fwd {row['fwd_k0_ratio']:.3f} fwd+bwd {row['fwd_bwd_k0_ratio']:.3f}"
+             if "fwd_k0_ratio" in row else ""),
           flush=True)
   mean = lambda k: float(np.mean([r[k] for r in layers]))
   return {"level": level, "shape": shape, "train_or_load_s": round(t_train, 1),

@@ -36,6 +36,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+import twell_jax
 
 from benchmarks import timing
 from benchmarks import trained
@@ -230,24 +231,34 @@ def run_shape(shape: str, fl) -> dict:
          "attention": model_lib.attention_implementation(mc_sparse)}
 
   # The sparse model's per-layer choices (training, inference) from the trained weights'
-  # measured activity.
+  # measured activity, its hidden features sorted by popularity and the hot ones per layer
+  # (`train.model.sort_ffn_features`, which the trainer keeps up while it trains).
   probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
   _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
   active = np.asarray(stats.nnz_per_token)
+  params, hot = model_lib.sort_ffn_features(params, stats.feature_counts, b * t)
+  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_hot_features=hot)
+  res["hot_features"] = list(hot)
   kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
                                                dense_above=max(fl.sparse_below,
                                                                layer_choice.DEFAULT_DENSE_ABOVE))
+  # The choice weighs what the sparse kernels would do: the cold features' gathers plus the
+  # hot features' dense columns, per token (`twell_jax.features.sparse_work`).
+  work = [twell_jax.features.sparse_work(c, b * t, k)
+          for c, k in zip(jax.device_get(stats.feature_counts), hot)]
   choice = layer_choice.LayerChoice(n_layers, sparse=fl.sparse, **kw)
-  choice.update(active)
-  infer_choice = layer_choice.LayerChoice.for_inference(active, sparse=fl.sparse)
+  choice.update(work)
+  infer_choice = layer_choice.LayerChoice.for_inference(work, sparse=fl.sparse)
   mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations)
   mc_prefill = {"sparse": dataclasses.replace(
       mc_sparse, ffn_layer_implementations=infer_choice.implementations), "dense": mc_dense}
   res["active_per_token"] = [float(a) for a in active]
+  res["sparse_work_per_token"] = work
   res["sparse_layers"] = choice.describe()
   res["sparse_layers_prefill"] = infer_choice.describe()
-  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)} -> layers "
-        f"{choice.describe()} (training), {infer_choice.describe()} (prefill)", flush=True)
+  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)}, hot features "
+        f"{' '.join(map(str, hot))} -> layers {choice.describe()} (training), "
+        f"{infer_choice.describe()} (prefill)", flush=True)
 
   tokens = b * t
   limit = _memory_limit()

@@ -9,7 +9,10 @@ r"""Kernel benchmark: the sparse FFN against XLA dense on the same inputs, in on
   random cotangent) per implementation of ``twell_jax.ffn`` (``--impls``; "dense" is the
   baseline every ratio is against), plus the bytes each saves for the backward (weights
   excluded) and the gradients' relative error against dense's.
-Inputs come from ``benchmarks.specs`` (uniform, heavy-row and skewed activity). Times are
+Inputs come from ``benchmarks.specs`` (uniform, heavy-row and skewed activity), with the hidden
+features sorted by their activity on x and the features above the 1% break-even rate computed
+as dense GEMMs (``hot_features``, ``twell_jax.features.calibrate``; 0 for uniform activity), as
+a model that keeps its features sorted runs them. Times are
 medians of synchronized calls (``benchmarks.timing.wall_ms``); ``--breakdown`` adds each
 kernel's device time (CUPTI) and the pipelined wall time. Each spec's result is printed as
 JSON and the list so far rewritten to ``--out`` after every spec. ``--interpret`` runs the
@@ -36,6 +39,7 @@ from pallas_kernels import ffn_mgpu
 from pallas_kernels import ffn_train_mgpu
 from pallas_kernels import reference
 import twell_jax as tj
+from twell_jax import features as tj_features
 from twell_jax import testing
 
 F32 = jnp.float32
@@ -66,18 +70,29 @@ def input_stats(spec: specs_lib.Spec, x, wg, wu) -> dict:
   return testing.activity_stats(np.asarray(pre))
 
 
-def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool) -> dict:
+def calibrated_inputs(spec: specs_lib.Spec):
+  """The spec's inputs with the features sorted by their activity on x, and the number of hot
+  features to compute densely (`twell_jax.features.calibrate`): what a model whose features
+  are kept sorted runs. Uniform activity gives K = 0."""
   x, wg, wu, wd = spec.inputs()
-  res = {}
+  wg, wu, wd, k = tj_features.calibrate(x, wg, wu, wd)
+  return (x, wg, wu, wd), k
+
+
+def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool) -> dict:
+  (x, wg, wu, wd), k = calibrated_inputs(spec)
+  res = {"hot_features": k}
+  fwd_cfg = ffn_mgpu.ForwardConfig(hot_features=k)
   dense = jax.jit(_dense_y)
-  sparse = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, interpret=interpret)[0])
-  with_stats = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, interpret=interpret))
+  sparse = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, config=fwd_cfg, interpret=interpret)[0])
+  with_stats = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, config=fwd_cfg, interpret=interpret))
   res["dense_ms"] = timing.wall_ms(dense, x, wg, wu, wd, iters=iters)
   res["twell_ms"] = timing.wall_ms(sparse, x, wg, wu, wd, iters=iters)
   res["twell_with_stats_ms"] = timing.wall_ms(with_stats, x, wg, wu, wd, iters=iters)
   res["ratio"] = res["twell_ms"] / res["dense_ms"]
-  # The training path's forward (hybrid ELL layout, hot columns dense), y only.
-  cfg = ffn_train_mgpu.hybrid_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows)
+  # The training path's forward (hybrid ELL layout, hot features dense), y only.
+  cfg = ffn_train_mgpu.hybrid_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
+                                     hot_features=k)
   hybrid = jax.jit(lambda *a: ffn_train_mgpu.forward(cfg, *a, interpret=interpret)[0][0])
   res["hybrid_ms"] = timing.wall_ms(hybrid, x, wg, wu, wd, iters=iters)
   res["hybrid_ratio"] = res["hybrid_ms"] / res["dense_ms"]
@@ -97,11 +112,12 @@ def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool
   return res
 
 
-def loss_fn(impl: str, spec: specs_lib.Spec, ct, interpret: bool = False):
+def loss_fn(impl: str, spec: specs_lib.Spec, ct, interpret: bool = False, hot_features: int = 0):
   """sum(y * ct) + LAMBDA * l1 of `twell_jax.ffn(implementation=impl)`."""
   def loss(x, wg, wu, wd):
     y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, interpret=interpret,
-                   ell_width=spec.ell_width, tail_rows=spec.tail_rows)
+                   ell_width=spec.ell_width, tail_rows=spec.tail_rows,
+                   hot_features=hot_features)
     return jnp.sum(y.astype(F32) * ct) + LAMBDA * st.l1
   return loss
 
@@ -119,18 +135,18 @@ def residual_bytes(loss, *args) -> int:
 
 def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
                   breakdown: bool) -> dict:
-  x, wg, wu, wd = spec.inputs()
+  (x, wg, wu, wd), k = calibrated_inputs(spec)
   ct = jax.random.normal(jax.random.key(1), x.shape, F32)
   argnums = (0, 1, 2, 3) if spec.gated else (0, 2, 3)
-  res, grads = {}, {}
+  res, grads = {"hot_features": k}, {}
   for impl in impls:
     t0 = time.time()
     try:
-      f = jax.jit(jax.grad(loss_fn(impl, spec, ct, interpret), argnums=argnums))
+      f = jax.jit(jax.grad(loss_fn(impl, spec, ct, interpret, k), argnums=argnums))
       res[f"{impl}_ms"] = timing.wall_ms(f, x, wg, wu, wd, iters=iters if impl != "xla" else 3)
       grads[impl] = f(x, wg, wu, wd)
       # The FFN's own residuals: a scalar cotangent, so the loss saves no [M, D] constant.
-      res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, 1.0, interpret),
+      res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, 1.0, interpret, k),
                                                      x, wg, wu, wd)
       if breakdown:
         res[f"{impl}_device_ms"] = timing.device_ms(f, x, wg, wu, wd)

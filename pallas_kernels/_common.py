@@ -31,6 +31,16 @@ COUNT_LANES = 8
 SKIP_BIT = 1 << 24
 
 
+def tile_max(active):
+  """Most True entries in one 256-column tile of one row of ``active`` [M, N], as int32 (0 when
+  the array is empty)."""
+  m, n = active.shape
+  if m == 0 or n == 0:
+    return jnp.zeros((), jnp.int32)
+  active = pad_to(active, (m, round_up(n, TILE_N)))
+  return jnp.max(jnp.sum(active.reshape(m, -1, TILE_N), axis=-1, dtype=jnp.int32))
+
+
 def round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 

@@ -5,15 +5,22 @@
 x [M, D] bf16, w_gate / w_up [D, H] bf16, w_down [H, D] bf16 -> y [M, D] bf16 (f32 accumulation).
 
 Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
- 1. ``gate_pack_mgpu.gate_pack``: wgmma GEMM x @ w_gate (w_up when non-gated) with ReLU and
-    TwELL packing in its epilogue (S = 256 / compression slots per row and 256-column tile;
-    true counts kept). The dense [M, H] activation is never written.
+ 0. The first K = ``ForwardConfig.hot_features`` hidden features (the hottest, once the
+    features are sorted by popularity) as dense XLA GEMMs; their products start step 2's sums.
+ 1. ``gate_pack_mgpu.gate_pack``: wgmma GEMM x @ w_gate[:, K:] (w_up when non-gated) with ReLU
+    and TwELL packing in its epilogue (S = 256 / compression slots per row and 256-column
+    tile; true counts kept). The dense [M, H] activation is never written.
  2. ``sparse_up_down_mgpu.sparse_up_down``: per row, over the packed entries, gathers W_up^T rows
     (gated) and W_down rows, computes h and accumulates y in f32.
  3. Overflow rows (some tile count > S) are skipped by step 2 and recomputed exactly by a dense
-    XLA FFN (``reference.dense_ffn``) on those rows, gathered up to a static capacity R (``overflow_capacity``); if more
-    than R rows overflow, a ``lax.switch`` runs the dense XLA FFN on the whole batch instead.
+    XLA FFN (``reference.dense_ffn``) on those rows, gathered up to a static capacity R
+    (``overflow_capacity``). One ``lax.switch`` after the kernels: no overflow, the fix-up of
+    at most R rows, or the dense XLA FFN on the whole batch (more than R overflowing rows, or
+    a NaN / infinity in the up or down weights, which the dense FFN spreads to every row).
     Nothing is truncated; ``stats["overflow_rows"]`` counts the rows that took a dense path.
+NaN and infinities propagate as through the dense FFN: a NaN gate pre-activation is packed as
+an active NaN entry (relu(NaN) = NaN), a row with a non-finite x overflows (all its gates are
+non-finite) and is recomputed densely, and non-finite weights take the dense path.
 
 Shapes: any M >= 1 (padded to a multiple of 128), D padded to a multiple of 128, H to a multiple
 of 256 with zero weights (so padding is exact: zero gate pre-activations are not active).
@@ -36,23 +43,30 @@ from pallas_kernels import sparse_up_down_mgpu
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ForwardConfig:
-  """Static choices of the forward. ``overflow_capacity``: rows the exact dense path for
-  overflowing rows holds (None: ``default_overflow_capacity``); more overflowing rows switch
-  the whole batch to the dense FFN. ``hot_columns``: K, the batch's most frequent hidden
-  features, computed as dense [M, K] GEMMs on the tensor cores; the fused kernel skips their
-  entries (0: none). Off by default: on an H100 at the paper shape its glue (a count scatter
-  over every slot, marking the words) cost more than the entries it took off the kernel,
-  uniform 0.763 -> 0.923 of dense, skewed 0.941 -> 0.992 (K = 128)."""
+  """Static choices of the forward.
+
+  ``hot_features``: K, a multiple of 256: the first K hidden features run as dense GEMMs on the
+    tensor cores (x @ [W_gate | W_up][:, :K], then h @ W_down[:K]) and the gate kernel packs
+    only the columns after them. Any K gives the same function; it pays when the first K
+    features are the ones that fire on more than about 1% of the tokens (a dense column costs
+    what a sparse one costs at that rate: 2 M D FLOPs against 2 D-long row gathers per entry),
+    which is what sorting the hidden features by popularity gives
+    (``twell_jax.sort_features``). Real L1-trained layers have tens to hundreds of such
+    features holding 90-99% of all active entries.
+  ``overflow_capacity``: rows the exact dense path for overflowing rows holds (None:
+    ``default_overflow_capacity``); more overflowing rows switch the whole batch to the dense
+    FFN.
+  """
+  hot_features: int = 0
   overflow_capacity: int | None = None
-  hot_columns: int = 0
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
   up_down: sparse_up_down_mgpu.UpDownConfig = sparse_up_down_mgpu.UpDownConfig()
 
   def __post_init__(self):
     if self.overflow_capacity is not None and self.overflow_capacity < 1:
       raise ValueError(f"{self.overflow_capacity=} must be >= 1 or None")
-    if self.hot_columns < 0:
-      raise ValueError(f"{self.hot_columns=} must be >= 0")
+    if self.hot_features < 0 or self.hot_features % common.TILE_N:
+      raise ValueError(f"{self.hot_features=} must be a multiple of {common.TILE_N}, >= 0")
 
 
 def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
@@ -96,7 +110,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
 
   ``w_up_t`` optionally passes a pre-transposed [H, D] copy of ``w_up`` (layers can hold one
   to save the transpose). Stats: "l1" (mean over tokens of sum_j |h|), "nnz_per_token",
-  "max_tile_nnz", "overflow_rows", "fired" [H] bool.
+  "max_tile_nnz", "overflow_rows", "feature_counts" [H] int32 (tokens on which each feature
+  fired).
   """
   if x.ndim != 2:
     raise ValueError(f"x must be [M, D], got shape {x.shape}")
@@ -116,9 +131,10 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   mp = common.round_up(m, gate_pack_mgpu.CTA_M)
   dp = common.round_up(d, 128)
   hp = common.round_up(h, common.TILE_N)
+  k_hot = min(config.hot_features, hp)
   compression = config.gate.compression
   slots = common.TILE_N // compression
-  n_tiles = hp // common.TILE_N
+  n_tiles = (hp - k_hot) // common.TILE_N
   cap = min(config.overflow_capacity or default_overflow_capacity(mp), mp)
 
   pad = common.pad_to
@@ -126,74 +142,75 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   wup_p = pad(w_up, (dp, hp))
   wd_p = pad(w_down, (hp, dp))
   wg_p = pad(w_gate, (dp, hp)) if gated else None
-  if gated:
-    wup_t = pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T
-  else:
-    wup_t = None
-
-  words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, config=config.gate,
-                                           interpret=interpret)
-  cnt = counts.reshape(mp, n_tiles, common.COUNT_LANES)[..., 0]
   valid_row = jnp.arange(mp) < m
+
+  # The hot features: dense GEMMs on every row (rows that overflow below are recomputed whole).
+  y_hot = None
+  hot_l1 = jnp.zeros((mp,), jnp.float32)
+  hot_active = jnp.zeros((mp, 0), bool)
+  if k_hot:
+    y_hot, p_hot, _, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, k_hot)
+    hot_l1 = jnp.sum(jnp.abs(h_hot.astype(jnp.float32)), axis=1)
+    hot_active = p_hot > 0
+  if n_tiles == 0:      # every feature is hot
+    words = counts = None
+    cnt = jnp.zeros((mp, 0), jnp.int32)
+  else:
+    words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, col_start=k_hot,
+                                             config=config.gate, interpret=interpret)
+    cnt = counts.reshape(mp, n_tiles, common.COUNT_LANES)[..., 0]
   row_over = jnp.any(cnt > slots, axis=1) & valid_row
   n_over = jnp.sum(row_over.astype(jnp.int32))
-  row_ok = jnp.logical_not(row_over).astype(jnp.int32)
+  live = ~row_over & valid_row
 
-  w3 = words.reshape(mp, n_tiles, slots)
-  live = row_ok.astype(bool) & valid_row
-  slot_ok = ((jnp.arange(slots)[None, None, :] < cnt[..., None]) & live[:, None, None])
-  col = ((w3 >> 16) & (common.TILE_N - 1)) + (jnp.arange(n_tiles) * common.TILE_N)[None, :, None]
-  col = jnp.where(slot_ok, col, hp)
-  k_hot = min(config.hot_columns, hp)
+  if n_tiles == 0:
+    y, l1_rows = y_hot, jnp.zeros((mp,), jnp.float32)
+    counts_cold = jnp.zeros((0,), jnp.int32)
+  else:
+    wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
+    y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
+        xp, words, counts, live.astype(jnp.int32), wup_t, wd_p, compression=compression,
+        col_start=k_hot, y_init=y_hot, config=config.up_down, interpret=interpret)
+    w3 = words.reshape(mp, n_tiles, slots)
+    slot_ok = (jnp.arange(slots)[None, None, :] < cnt[..., None]) & live[:, None, None]
+    col = (((w3 >> 16) & (common.TILE_N - 1))
+           + (jnp.arange(n_tiles) * common.TILE_N)[None, :, None])
+    col = jnp.where(slot_ok, col, hp - k_hot)
+    counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
+  l1_rows = jnp.where(live, l1_rows + hot_l1, 0.0)
+  feature_counts = jnp.concatenate(
+      [jnp.sum(hot_active & live[:, None], axis=0, dtype=jnp.int32), counts_cold])
 
-  def sparse_path(fix: bool):
-    if k_hot:
-      # Entries per hidden column (a scatter of every slot: ~0.08 ms at the paper shape on an
-      # H100); the K most frequent columns run as dense GEMMs and the kernel skips them.
-      col_count = jnp.zeros((hp,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
-      hot = lax.top_k(col_count, k_hot)[1].astype(jnp.int32)
-      is_hot = jnp.zeros((hp + 1,), bool).at[hot].set(True)
-      marked = jnp.where(is_hot[col], w3 | common.SKIP_BIT, w3).reshape(mp, -1)
-      y_hot, _, _, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, hot, live)
-      y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
-          xp, marked, counts, row_ok, wup_t, wd_p, compression=compression, y_init=y_hot,
-          skips=True, config=config.up_down, interpret=interpret)
-      l1_rows = l1_rows + jnp.sum(jnp.abs(h_hot.astype(jnp.float32)), axis=1)
-      fired = col_count > 0
-    else:
-      y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
-          xp, words, counts, row_ok, wup_t, wd_p, compression=compression,
-          config=config.up_down, interpret=interpret)
-      # A scatter of every slot into [H] (an OR-reduction of per-row 256-bit column masks
-      # measured the same).
-      fired = jnp.zeros((hp,), jnp.bool_).at[col.reshape(-1)].set(True, mode="drop")
-    l1_rows = jnp.where(live, l1_rows, 0.0)
-    if fix:
-      (idx,) = jnp.nonzero(row_over, size=cap, fill_value=mp)
-      take = jnp.minimum(idx, mp - 1)
-      y_o, l1_o, act_o = _dense_rows(xp[take], wg_p, wup_p, wd_p)
-      in_range = (idx < mp)
-      y = y.at[idx].set(y_o, mode="drop")
-      l1_rows = l1_rows.at[idx].set(l1_o, mode="drop")
-      fired = fired | jnp.any(act_o & in_range[:, None], axis=0)
-    return y, jnp.sum(l1_rows), fired
+  def keep(y, l1_rows, feature_counts):
+    return y, l1_rows, feature_counts
 
-  def dense_path():
+  def fix(y, l1_rows, feature_counts):
+    # The overflowing rows (at most `cap`), dense and exact.
+    (idx,) = jnp.nonzero(row_over, size=cap, fill_value=mp)
+    y_o, l1_o, act_o = _dense_rows(xp[jnp.minimum(idx, mp - 1)], wg_p, wup_p, wd_p)
+    in_range = idx < mp
+    return (y.at[idx].set(y_o, mode="drop"), l1_rows.at[idx].set(l1_o, mode="drop"),
+            feature_counts + jnp.sum(act_o & in_range[:, None], axis=0, dtype=jnp.int32))
+
+  def dense(*_):
     y, l1_rows, act = _dense_rows(xp, wg_p, wup_p, wd_p)
-    l1_rows = jnp.where(valid_row, l1_rows, 0.0)
-    fired = jnp.any(act & valid_row[:, None], axis=0)
-    return y, jnp.sum(l1_rows), fired
+    return (y, jnp.where(valid_row, l1_rows, 0.0),
+            jnp.sum(act & valid_row[:, None], axis=0, dtype=jnp.int32))
 
+  # One conditional, after the kernels: a batch with more overflowing rows than `cap`, or
+  # with a non-finite weight, takes the dense FFN.
   branch = jnp.where(n_over == 0, 0, jnp.where(n_over <= cap, 1, 2))
-  y, l1_sum, fired = lax.switch(
-      branch, [lambda: sparse_path(False), lambda: sparse_path(True), dense_path])
+  branch = jnp.where(reference.weights_nonfinite(wg_p, wup_p, wd_p), 2, branch)
+  y, l1_rows, feature_counts = lax.switch(branch, [keep, fix, dense], y, l1_rows,
+                                          feature_counts)
 
   cnt_valid = jnp.where(valid_row[:, None], cnt, 0)
+  hot_valid = hot_active & valid_row[:, None]
   stats = {
-      "l1": l1_sum / m,
-      "nnz_per_token": jnp.sum(cnt_valid).astype(jnp.float32) / m,
-      "max_tile_nnz": jnp.max(cnt_valid).astype(jnp.int32),
+      "l1": jnp.sum(l1_rows) / m,
+      "nnz_per_token": (jnp.sum(cnt_valid) + jnp.sum(hot_valid)).astype(jnp.float32) / m,
+      "max_tile_nnz": jnp.maximum(jnp.max(cnt_valid, initial=0), common.tile_max(hot_valid)),
       "overflow_rows": n_over,
-      "fired": fired[:h],
+      "feature_counts": feature_counts[:h],
   }
   return y[:m, :d], stats

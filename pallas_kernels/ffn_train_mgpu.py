@@ -5,22 +5,27 @@ argument):
     (y, stats), residuals = forward(cfg, x, w_gate, w_up, w_down, interpret=...)
     dx, dw_gate, dw_up, dw_down = backward(cfg, residuals, (dy, stats_cotangent), interpret=...)
 ``stats`` is the dict of ``ffn_mgpu.ffn_forward`` (l1, nnz_per_token, max_tile_nnz,
-overflow_rows, fired); only l1 is differentiable.
+overflow_rows, feature_counts); only l1 is differentiable.
 
 Forward:
- 1. gate GEMM with the TwELL packing epilogue (``gate_pack_mgpu.gate_pack``, wgmma): the dense
-    [M, H] gate never reaches HBM.
+ 0. The first K = ``HybridConfig.hot_features`` hidden features (the hottest, once the
+    features are sorted by popularity) as dense XLA GEMMs on the ELL rows; their products
+    start step 3's sums, and the backward does the same for them.
+ 1. gate GEMM of the other features with the TwELL packing epilogue (``gate_pack_mgpu``,
+    wgmma): the dense [M, H] gate never reaches HBM.
  2. TwELL -> hybrid layout (XLA glue on the packed [M, T*S] words): rows with at most W actives
     and no overflowing tile become ELL rows (columns, gate values; [M, W]); the other rows are
     "heavy" and go to a dense tail of static capacity R.
  3. ``ell_up_down_mgpu.ell_up_down``: sampled up projection (u on the pattern, saved), h = p * u,
     sparse down projection y, per-row L1.
  4. Tail rows (<= R): small dense XLA products on those rows, in the smallest static bucket
-    that holds them. More than R heavy rows: the dense FFN instead (exact; reported in
-    ``heavy_rows``). Bucket and fallback are one ``lax.switch``, after the sparse kernels.
+    that holds them. More than R heavy rows, or non-finite weights: the dense FFN
+    instead (exact; reported in ``heavy_rows``). Bucket and fallback are one ``lax.switch``,
+    after the sparse kernels.
 Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, entries per
-hidden column ([H], from the scatter that also gives ``fired``), the tail index and tail gate /
-up rows ([R, H]); never a dense [M, H] tensor.
+hidden column ([H], from the scatter that also gives the feature counts), the hot features'
+gate / up values ([M, K]), the tail index and tail gate / up rows ([R, H]); never a dense
+[M, H] tensor.
 
 Backward:
  1. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
@@ -30,13 +35,14 @@ Backward:
     -> du, dg and dW_down[j] (du, dg written in both CSC and ELL order); then ``column_sums``:
     dW_up, dW_gate from x rows; then ``ell_dx`` gathers W_up^T / W_gate^T rows for dx.
     (``dh_in_columns=False``: ``ell_dh`` computes dh row-side, gathering W_down rows, then
-    ``column_sums`` gives dW_down from dy rows.) No atomics.
- 3. Tail rows: dense XLA products on the forward's bucket of rows; capacity exceeded: the VJP
-    of the dense FFN, recomputed from x. Again one ``lax.switch``, after the sparse kernels.
-Static shapes throughout, no value leaves the device for the program's sake. XLA's GPU runtime
-still evaluates each conditional's branch index on the host (a small device -> host copy that
-waits for the work before it), so each direction has exactly one conditional: the sparse
-kernels run unconditionally and, in the rare batch that exceeds R, their results are dropped.
+    ``column_sums`` gives dW_down from dy rows.) No atomics. The hot features: dense GEMMs.
+ 3. Tail rows: dense XLA products on the forward's bucket of rows; capacity exceeded, or a NaN
+    or infinity in the weights, dy or the L1 cotangent (which the dense VJP spreads through
+    the zeros of h): the VJP of the dense FFN, recomputed from x. Again one ``lax.switch``,
+    after the sparse kernels.
+Static shapes throughout, no value leaves the device for the program's sake: each direction
+has exactly one conditional; the sparse kernels run unconditionally and, in the rare batch that
+takes the dense branch, their results are dropped.
 Shapes: any M, D, H (padded internally: M to 128, D to 128, H to 256 with zeros, which is exact).
 """
 
@@ -78,11 +84,11 @@ class HybridConfig:
   ell_width: int          # W (ELL slots per row); rows with more actives are heavy
   tail_rows: int          # R, static capacity of the dense tail
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
-  # K, the hidden features of each batch that fire most often and run as small dense GEMMs
-  # on the tensor cores instead of through the gather kernels (0: none; see ``forward``).
-  # 256 on activations captured from an L1-trained paper-shape model (H100, mean of 8
-  # layers, forward + backward over dense): K = 0 3.76, 128 0.80, 256 0.60.
-  hot_columns: int = 256
+  # K (a multiple of 256): the first K hidden features run as small dense GEMMs on the tensor
+  # cores instead of through the gather kernels, forward and backward (0: none). It pays for
+  # the features that fire on more than about 1% of the tokens, which sorting the features by
+  # popularity puts first (see ``ffn_mgpu.ForwardConfig.hot_features``).
+  hot_features: int = 0
   dh_in_columns: bool = True
   up_down: common.GatherConfig = _Gather(rows_ahead=True)
   down_dh: common.GatherConfig = _Gather()
@@ -93,8 +99,9 @@ class HybridConfig:
   def __post_init__(self):
     if min(self.m, self.d, self.h, self.ell_width, self.tail_rows) < 1:
       raise ValueError(f"HybridConfig: every size must be >= 1; got {self}")
-    if self.hot_columns < 0:
-      raise ValueError(f"HybridConfig: hot_columns must be >= 0; got {self.hot_columns}")
+    if self.hot_features < 0 or self.hot_features % common.TILE_N:
+      raise ValueError(f"HybridConfig: hot_features must be a multiple of {common.TILE_N}, "
+                       f">= 0; got {self.hot_features}")
 
   @property
   def mp(self) -> int:
@@ -110,8 +117,13 @@ class HybridConfig:
 
   @property
   def k_hot(self) -> int:
-    """Hot columns per batch (``hot_columns`` capped at the padded H)."""
-    return min(self.hot_columns, self.hp)
+    """The leading hot features (``hot_features`` capped at the padded H)."""
+    return min(self.hot_features, self.hp)
+
+  @property
+  def n_tiles(self) -> int:
+    """256-column tiles of the packed (cold) features."""
+    return (self.hp - self.k_hot) // common.TILE_N
 
   @property
   def wk(self) -> int:
@@ -139,11 +151,14 @@ def tail_buckets(cfg: HybridConfig) -> tuple[int, ...]:
   return tuple(sorted({0, min(r, common.round_up(-(-r // 16), 8)), min(r, common.round_up(-(-r // 4), 8)), r}))
 
 
-def _branch(cfg: HybridConfig, heavy_rows):
+def _branch(cfg: HybridConfig, heavy_rows, nonfinite):
   """The ``lax.switch`` index over [tail(rb) for rb in tail_buckets(cfg)] + [dense]: the
   smallest bucket holding the heavy rows, or the dense branch (index len(buckets)) when they
-  exceed the largest, the capacity R."""
-  return sum((heavy_rows > s_).astype(jnp.int32) for s_ in tail_buckets(cfg))
+  exceed the largest, the capacity R, or when ``nonfinite`` (a NaN or infinity that the dense
+  FFN spreads to every row: see ``reference.weights_nonfinite``)."""
+  buckets = tail_buckets(cfg)
+  index = sum((heavy_rows > s_).astype(jnp.int32) for s_ in buckets)
+  return jnp.where(nonfinite, len(buckets), index)
 
 
 def _padded(cfg: HybridConfig, x, w_gate, w_up, w_down):
@@ -159,9 +174,11 @@ def _rows(a, index):
 
 
 def _dense_ffn(x, w_gate, w_up, w_down):
-  """(y, l1, fired) of ``reference.dense_ffn``: the exact path of a batch over capacity."""
+  """(y, l1, feature counts, most actives in one 256-column tile of a row) of
+  ``reference.dense_ffn``: the exact path of a batch over capacity."""
   y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
-  return y, jnp.sum(jnp.abs(h.astype(_F32))) / x.shape[0], jnp.any(active, axis=0)
+  return (y, jnp.sum(jnp.abs(h.astype(_F32))) / x.shape[0],
+          jnp.sum(active, axis=0, dtype=jnp.int32), common.tile_max(active))
 
 
 # ----------------------------------------------------------------------------
@@ -188,9 +205,14 @@ def _first_true(mask, size: int, fill: int):
 
 
 def _hybrid_from_twell(cfg: HybridConfig, words, counts):
-  """TwELL words/counts -> (cols [Mp, Wk], p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
-  mp, t = cfg.mp, cfg.hp // common.TILE_N
+  """TwELL words/counts of the cold features -> (cols [Mp, Wk] (hidden feature indices),
+  p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
+  mp, t = cfg.mp, cfg.n_tiles
   s = cfg.gate.slots
+  if t == 0:          # every feature is hot: an empty ELL
+    zero = jnp.zeros((mp, cfg.wk), jnp.int32)
+    return (zero, zero.astype(jnp.bfloat16), jnp.zeros((mp,), jnp.int32),
+            jnp.zeros((mp,), bool), jnp.zeros((mp, 0), jnp.int32))
   cnt = counts.reshape(mp, t, common.COUNT_LANES)[..., 0]
   row_nnz = jnp.sum(cnt, axis=1)
   heavy = (row_nnz > cfg.ell_width) | jnp.any(cnt > s, axis=1)
@@ -203,20 +225,11 @@ def _hybrid_from_twell(cfg: HybridConfig, words, counts):
   slot = jnp.clip(k[None, :] - start, 0, s - 1)
   word = jnp.take_along_axis(words, tile_c * s + slot, axis=1)
   valid = slot_mask(cfg, n)
-  cols = jnp.where(valid, tile_c * common.TILE_N + lax.shift_right_logical(word, 16), 0)
+  cols = jnp.where(valid, cfg.k_hot + tile_c * common.TILE_N + lax.shift_right_logical(word, 16),
+                   0)
   bits = (word & 0xFFFF).astype(jnp.uint16)
   p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
   return cols.astype(jnp.int32), p, n, heavy, cnt
-
-
-def _drop_columns(cfg: HybridConfig, cols, p, valid, drop):
-  """The ELL rows without the entries whose column is in ``drop`` [Hp] bool, compacted to the
-  front of each row in their order: (cols, p, n)."""
-  keep = valid & ~drop[cols]
-  at = jnp.where(keep, jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1, cfg.wk)
-  rows = jnp.arange(cfg.mp, dtype=jnp.int32)[:, None]
-  put = lambda a: jnp.zeros_like(a).at[rows, at].set(a, mode="drop", unique_indices=True)
-  return put(cols), put(p), jnp.sum(keep, axis=1, dtype=jnp.int32)
 
 
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
@@ -225,27 +238,19 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
   w_in = wg if gated else wu
-  words, counts = gate_pack_mgpu.gate_pack(
-      xp, w_in, config=cfg.gate,
-      interpret=interpret)
+  k = cfg.k_hot
+  if cfg.n_tiles:
+    words, counts = gate_pack_mgpu.gate_pack(xp, w_in, col_start=k, config=cfg.gate,
+                                             interpret=interpret)
+  else:
+    words = counts = None
   cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
   tail_index = _first_true(heavy, cfg.tail_rows, fill=cfg.mp)
   valid = slot_mask(cfg, n)
-  # Entries per hidden column: the forward's `fired` (> 0), the choice of the hot columns
-  # and the backward's CSC column pointers from one scatter (saved: Hp int32).
+  # ELL entries per hidden feature: the forward's feature counts and the backward's CSC column
+  # pointers from one scatter (saved: Hp int32; zero for the hot features).
   col_count = _column_counts(cfg, cols, valid)
-  # Real L1-trained layers have a few features that fire on most tokens. Their entries
-  # would make the gather kernels' longest columns (one CTA each) and most of their work;
-  # the batch's K most frequent columns run as dense [M, K] products on the tensor cores
-  # instead, and leave the ELL rows. Any choice of columns gives the same function.
-  hot = p_hot = u_hot = None
-  if cfg.k_hot:
-    hot = lax.top_k(col_count, cfg.k_hot)[1].astype(jnp.int32)
-    is_hot = jnp.zeros((cfg.hp,), bool).at[hot].set(True)
-    cols, p, n = _drop_columns(cfg, cols, p, valid, is_hot)
-    valid = slot_mask(cfg, n)
-    col_count = jnp.where(is_hot, 0, col_count)
   # Outside the conditional, so that XLA can share it with the backward's (same jit).
   wu_t = wu.T if gated else None
 
@@ -253,19 +258,19 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
   # synchronization per conditional).
-  y_hot = None
-  if cfg.k_hot:
-    # The hot columns on every row the ELL covers (the tail rows are dense over all of H);
+  y_hot = p_hot = u_hot = None
+  feature_counts = col_count
+  l1_hot = jnp.zeros((), _F32)
+  if k:
+    # The hot features on every row the ELL covers (the tail rows are dense over all of H);
     # their products start the ELL kernel's sums.
-    y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, hot, ~heavy)
+    y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, k, ~heavy)
+    l1_hot = jnp.sum(jnp.abs(h_hot.astype(_F32)))
+    feature_counts = feature_counts.at[:k].add(jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32))
   y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
-  l1_ell = jnp.sum(l1_rows)
-  fired_ell = col_count > 0
-  if cfg.k_hot:
-    l1_ell = l1_ell + jnp.sum(jnp.abs(h_hot.astype(_F32)))
-    fired_ell = fired_ell.at[hot].set(jnp.any(p_hot > 0, axis=0))
+  l1_ell = jnp.sum(l1_rows) + l1_hot
   r = cfg.tail_rows
   # Tail residuals (gate rows, up rows) of a branch that has none; non-gated: no up rows.
   zp = jnp.zeros((r, cfg.hp), dt)
@@ -274,7 +279,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   def tail(rb):
     def f(y, u):
       if rb == 0:
-        return y[:m, :cfg.d], l1_ell / m, fired_ell[:cfg.h], (u, zp, zu)
+        return y[:m, :cfg.d], l1_ell / m, feature_counts[:cfg.h], zero_i, (u, zp, zu)
       idx = tail_index[:rb]
       xt = _rows(xp, idx)
       gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
@@ -287,27 +292,34 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
       yt = jnp.dot(ht, wd, preferred_element_type=_F32).astype(dt)
       y = y.at[idx].set(yt, mode="drop")
       l1 = (l1_ell + jnp.sum(jnp.abs(ht.astype(_F32)))) / m
-      fired = fired_ell | jnp.any(gt > 0, axis=0)
+      counts = feature_counts + jnp.sum(gt > 0, axis=0, dtype=jnp.int32)
       pad_r = lambda a: jnp.pad(a, ((0, r - rb), (0, 0)))
-      return y[:m, :cfg.d], l1, fired[:cfg.h], (u, pad_r(pt), pad_r(ut) if gated else zu)
+      return (y[:m, :cfg.d], l1, counts[:cfg.h], common.tile_max(gt > 0),
+              (u, pad_r(pt), pad_r(ut) if gated else zu))
     return f
 
   def dense(y, u):
     del y
-    y, l1, fired = _dense_ffn(x, w_gate, w_up, w_down)
-    return y.astype(dt), l1, fired, (u, zp, zu)
+    y, l1, counts, tile_top = _dense_ffn(x, w_gate, w_up, w_down)
+    return y.astype(dt), l1, counts, tile_top, (u, zp, zu)
 
-  y, l1, fired, (u, pt, ut) = lax.switch(_branch(cfg, heavy_rows),
-                                         [tail(rb) for rb in tail_buckets(cfg)] + [dense],
-                                         y_ell, u)
-  valid_rows = (jnp.arange(cfg.mp) < m)[:, None]
-  cnt = jnp.where(valid_rows, cnt, 0)
-  nnz = jnp.sum(cnt, dtype=_F32) / m
-  max_tile = jnp.max(cnt).astype(jnp.int32)
+  zero_i = jnp.zeros((), jnp.int32)
+  nonfinite = reference.weights_nonfinite(wg, wu, wd)
+  y, l1, feature_counts, tile_top, (u, pt, ut) = lax.switch(
+      _branch(cfg, heavy_rows, nonfinite), [tail(rb) for rb in tail_buckets(cfg)] + [dense],
+      y_ell, u)
+  cnt = jnp.where((jnp.arange(cfg.mp) < m)[:, None], cnt, 0)
+  # Every row's actives are in feature_counts: the ELL rows' cold entries (col_count) and hot
+  # ones (their dense GEMMs; padding rows have none), the heavy rows' from their dense tail
+  # (or the dense branch's). The tile maximum likewise: the cold tiles' true counts, the ELL
+  # rows' hot tiles, the branch's dense rows.
+  nnz = jnp.sum(feature_counts, dtype=_F32) / m
+  hot_top = zero_i if p_hot is None else common.tile_max(p_hot > 0)
+  max_tile = jnp.maximum(jnp.maximum(jnp.max(cnt, initial=0), hot_top), tile_top)
   stats = {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
-           "overflow_rows": heavy_rows, "fired": fired}
+           "overflow_rows": heavy_rows, "feature_counts": feature_counts}
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-               hot, p_hot, u_hot)
+               p_hot, u_hot, nonfinite)
   return (y, stats), residuals
 
 
@@ -346,7 +358,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   """
   dy, dl1 = cotangents[0], cotangents[1]["l1"]
   (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-   hot, p_hot, u_hot) = residuals
+   p_hot, u_hot, nonfinite) = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -388,13 +400,13 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
                                             interpret=interpret)
   dx_hot = None
   if cfg.k_hot:
-    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, hot, p_hot, u_hot)
-    # The gather kernels leave the hot rows zero: no ELL entry names a hot column.
     k = cfg.k_hot
-    dwg_t = dwg_t.at[hot].set(dw_hot[:k].astype(dwg_t.dtype))
+    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, p_hot, u_hot)
+    # The gather kernels leave the hot rows zero: no ELL entry names a hot feature.
+    dwg_t = dwg_t.at[:k].set(dw_hot[:k].astype(dwg_t.dtype))
     if gated:
-      dwu_t = dwu_t.at[hot].set(dw_hot[k:].astype(dwu_t.dtype))
-    dwd = dwd.at[hot].set(dwd_hot.astype(dwd.dtype))
+      dwu_t = dwu_t.at[:k].set(dw_hot[k:].astype(dwu_t.dtype))
+    dwd = dwd.at[:k].set(dwd_hot.astype(dwd.dtype))
   # The hot columns' dx products start the dx kernel's sums.
   dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, dx_init=dx_hot, config=cfg.dx,
                   dx_dtype=dt, interpret=interpret)
@@ -441,7 +453,10 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
     dx, dwg, dwu, dwd = _dense_backward(residuals, dy, dl1)
     return (dx, dwg, dwu, dwd) if gated else (dx, dwu, None, dwd)
 
-  dx, dw_in, dw_up, dw_down = lax.switch(_branch(cfg, heavy_rows),
+  # A NaN or infinity in dy or in the L1 cotangent reaches every weight gradient in the dense
+  # VJP (through the zeros of h): the dense branch then, as for non-finite weights.
+  nonfinite = nonfinite | jnp.any(~jnp.isfinite(dy)) | ~jnp.isfinite(dl1)
+  dx, dw_in, dw_up, dw_down = lax.switch(_branch(cfg, heavy_rows, nonfinite),
                                          [tail(rb) for rb in tail_buckets(cfg)] + [dense],
                                          dx, dwg_t, dwu_t, dwd)
   if gated:
@@ -449,20 +464,21 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   return dx, None, dw_in, dw_down
 
 
-def _hot_backward(xp, dyp, wg, wu, wd, c, hot, p, u):
-  """The hot columns' backward as dense products: (dx part [Mp, Dp] x.dtype, weight-gradient
-  rows [K or 2K, Dp] f32 (dW_in^T, then dW_up^T when gated), dW_down rows [K, Dp] f32)."""
+def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, p, u):
+  """The first k (hot) features' backward as dense products: (dx part [Mp, Dp] x.dtype,
+  weight-gradient rows [k or 2k, Dp] f32 (dW_in^T, then dW_up^T when gated), dW_down rows
+  [k, Dp] f32)."""
   dt = xp.dtype
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
   pf = p.astype(_F32)
   h = (pf * u.astype(_F32)).astype(dt) if u is not None else p
-  dh = dot(dyp, jnp.take(wd, hot, axis=0).T)                           # [Mp, K]
+  dh = dot(dyp, reference.columns(wd, k, 0).T)                         # [Mp, k]
   dh = jnp.where(p > 0, dh + c[0] * jnp.sign(h.astype(_F32)), 0)
   coefs = [(dh * u.astype(_F32) if u is not None else dh).astype(dt)]
   if u is not None:
     coefs.append((dh * pf).astype(dt))
   d_cat = jnp.concatenate(coefs, axis=1) if len(coefs) > 1 else coefs[0]
-  dx = jnp.dot(d_cat, reference.column_weights(wg, wu, hot).T)
+  dx = jnp.dot(d_cat, reference.column_weights(wg, wu, k).T)
   return dx, dot(d_cat.T, xp), dot(h.T, dyp)
 
 

@@ -117,11 +117,16 @@ TILE_N = common.TILE_N
 # test and the value bits. (Taking the bits from bf16(acc) widened back to f32 would let XLA
 # drop the rounding where excess precision is allowed, e.g. interpret mode on a GPU host.)
 _NOT_POSITIVE = -0.0
+_POSITIVE_NAN = float("nan")   # bf16 0x7FC0: sign bit clear, so it counts as positive
 
 
 def _handover_tile(acc):
-  """[64, 256] f32 -> bf16 (round to nearest) with every entry not > 0 replaced by -0.0."""
-  return jnp.where(acc > 0, acc.astype(jnp.bfloat16), jnp.bfloat16(_NOT_POSITIVE))
+  """[64, 256] f32 -> bf16 (round to nearest) with every entry not > 0 replaced by -0.0, except
+  NaN, which stays a (positive) NaN: relu(NaN) is NaN in the dense FFN, so a NaN gate is an
+  active entry whose NaN reaches the output as it does there."""
+  return jnp.where(acc > 0, acc.astype(jnp.bfloat16),
+                   jnp.where(acc != acc, jnp.bfloat16(_POSITIVE_NAN),
+                             jnp.bfloat16(_NOT_POSITIVE)))
 
 
 def _pack_tile(acc, cfg: GateConfig, cnt_smem):
@@ -248,13 +253,13 @@ def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gme
   plgpu.commit_smem_to_gmem_group()
 
 
-def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
+def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig, tile_start: int):
   m, k = x_gmem.shape
   _, n = w_gmem.shape
   slots = cfg.slots
   tile_k = cfg.tile_k
   csize = 2 if cfg.cluster_m else 1
-  m_iters, n_iters, k_iters = m // (CTA_M * csize), n // TILE_N, k // tile_k
+  m_iters, n_iters, k_iters = m // (CTA_M * csize), n // TILE_N - tile_start, k // tile_k
   transforms, words_tr, counts_tr = _smem_transforms(cfg)
 
   def get_pipeline(body, compute_context):
@@ -313,14 +318,15 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
 
       get_pipeline(mma_body, compute_context)(
           x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), :],
-          w_gmem.at[:, pl.ds(n_idx * TILE_N, TILE_N)],
+          w_gmem.at[:, pl.ds((n_idx + tile_start) * TILE_N, TILE_N)],
           allocations=pipeline_allocs,
       )
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig):
+def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig,
+                        tile_start: int):
   """Gate GEMM with a packing warpgroup (3 warpgroups, hand-written pipeline).
 
   Warpgroups 0 and 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers);
@@ -337,7 +343,7 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
   m, k = x_gmem.shape
   _, n = w_gmem.shape
   slots, tile_k, stages = cfg.slots, cfg.tile_k, cfg.max_concurrent_steps
-  m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N, k // tile_k
+  m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N - tile_start, k // tile_k
   transforms, words_tr, counts_tr = _smem_transforms(cfg)
   vals_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   packer_wg = 2
@@ -377,7 +383,7 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
           x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), pl.ds(kk * tile_k, tile_k)],
           x_smem.at[slot], produced.at[slot])
       plgpu.copy_gmem_to_smem(
-          w_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(n_idx * TILE_N, TILE_N)],
+          w_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds((n_idx + tile_start) * TILE_N, TILE_N)],
           w_smem.at[slot], produced.at[slot])
 
     @pl.when(wg < packer_wg)
@@ -452,8 +458,12 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
-  """TwELL-packed relu(x @ w). Returns (words [M, T*S] int32, counts [M, T*8] int32)."""
+def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
+              interpret=False):
+  """TwELL-packed relu(x @ w[:, col_start:]). Returns (words [M, T*S] int32,
+  counts [M, T*8] int32), T = (N - col_start) / 256 tiles; packed columns are local to the
+  packed range. ``col_start`` (a multiple of 256) leaves the leading columns out: the callers
+  compute those (the hottest features) as dense GEMMs."""
   m, k = x.shape
   k2, n = w.shape
   if k != k2:
@@ -462,11 +472,15 @@ def gate_pack(x, w, *, config: GateConfig = GateConfig(), interpret=False):
   if m % m_mult or n % TILE_N or k % config.tile_k:
     raise ValueError(f"gate_pack needs M % {m_mult} == 0, N % {TILE_N} == 0, "
                      f"K % {config.tile_k} == 0; got {x.shape=} {w.shape=}")
-  t = n // TILE_N
+  if col_start % TILE_N or not 0 <= col_start < n:
+    raise ValueError(f"gate_pack needs col_start a multiple of {TILE_N} in [0, N={n}); "
+                     f"got {col_start}")
+  t = (n - col_start) // TILE_N
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_kernel_epilogue_wg if config.epilogue_wg else _kernel, cfg=config),
+        functools.partial(_kernel_epilogue_wg if config.epilogue_wg else _kernel, cfg=config,
+                          tile_start=col_start // TILE_N),
         out_type=(jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
                   jax.ShapeDtypeStruct((m, t * common.COUNT_LANES), jnp.int32)),
         grid=(common.num_sms() // (2 if config.cluster_m else 1),),

@@ -19,7 +19,10 @@ kernels against.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 ACTIVATIONS = {
@@ -44,29 +47,54 @@ def dense_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
   return y, h, active
 
 
+def weights_nonfinite(w_gate, w_up, w_down):
+  """True when a weight holds a NaN or an infinity.
+
+  The dense FFN multiplies every weight, so such a value reaches every output row
+  (0 * inf = nan) and, backward, every row of dx; the sparse paths touch the weight rows of
+  active features only, and take the dense path instead.
+  """
+  return functools.reduce(jnp.logical_or, [jnp.any(~jnp.isfinite(w))
+                                           for w in (w_gate, w_up, w_down) if w is not None])
+
+
+def columns(w, cols, axis: int):
+  """``w``'s hidden features ``cols`` along ``axis``: an index array [K], or an int K for the
+  first K (a slice, no gather)."""
+  if isinstance(cols, int):
+    return lax.slice_in_dim(w, 0, cols, axis=axis)
+  return jnp.take(w, cols, axis=axis)
+
+
 def column_weights(w_gate, w_up, cols):
   """[D, K] columns ``cols`` of the relu'd product's weight (w_gate, or w_up when non-gated),
-  then those of w_up when gated: [D, 2K], so that one GEMM reads x once."""
-  parts = [jnp.take(w_up if w_gate is None else w_gate, cols, axis=1)]
+  then those of w_up when gated: [D, 2K], so that one GEMM reads x once. ``cols``: indices
+  [K] or an int K (the first K)."""
+  parts = [columns(w_up if w_gate is None else w_gate, cols, 1)]
   if w_gate is not None:
-    parts.append(jnp.take(w_up, cols, axis=1))
+    parts.append(columns(w_up, cols, 1))
   return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
 
-def dense_ffn_columns(x, w_gate, w_up, w_down, cols, rows):
-  """The relu FFN of ``dense_ffn`` restricted to the hidden features ``cols`` [K] and to the
-  rows where ``rows`` [M] is True (the others get zeros): (y [M, D], p [M, K], u [M, K] or
-  None (non-gated), h [M, K]), all in x.dtype; p = relu(x W_gate)[:, cols] (of x W_up when
-  non-gated), u = (x W_up)[:, cols], h = p * u."""
-  dt, k = x.dtype, cols.shape[0]
+def dense_ffn_columns(x, w_gate, w_up, w_down, cols, rows=None):
+  """The relu FFN of ``dense_ffn`` restricted to the hidden features ``cols`` (indices [K], or
+  an int K for the first K) and to the rows where ``rows`` [M] is True (the others get zeros;
+  None: every row): (y [M, D], p [M, K], u [M, K] or None (non-gated), h [M, K]), all in
+  x.dtype; p = relu(x W_gate)[:, cols] (of x W_up when non-gated), u = (x W_up)[:, cols],
+  h = p * u."""
+  dt = x.dtype
+  k = cols if isinstance(cols, int) else cols.shape[0]
   gu = jnp.dot(x, column_weights(w_gate, w_up, cols), preferred_element_type=jnp.float32)
-  p = jnp.where(rows[:, None], jnp.maximum(gu[:, :k], 0), 0).astype(dt)
+  p = jnp.maximum(gu[:, :k], 0)
+  if rows is not None:
+    p = jnp.where(rows[:, None], p, 0)
+  p = p.astype(dt)
   if w_gate is not None:
     u = gu[:, k:].astype(dt)
     h = (p.astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
   else:
     u, h = None, p
-  return jnp.dot(h, jnp.take(w_down, cols, axis=0)), p, u, h
+  return jnp.dot(h, columns(w_down, cols, 0)), p, u, h
 
 
 def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):

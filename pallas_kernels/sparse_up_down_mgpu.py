@@ -45,9 +45,10 @@ def _row_start(x_gmem, wd_gmem, r, gated: bool, x_mode: str = "f32"):
   return common.hold_row(x_gmem, r, x_mode), acc0
 
 
-def _decode(t, w):
-  """Packed word of tile t -> (hidden column j, value as f32)."""
-  j = t * common.TILE_N + (lax.shift_right_logical(w, 16) & (common.TILE_N - 1))
+def _decode(t, w, col_start: int = 0):
+  """Packed word of tile t -> (hidden column j, value as f32); the packed tiles start at
+  hidden column ``col_start``."""
+  j = col_start + t * common.TILE_N + (lax.shift_right_logical(w, 16) & (common.TILE_N - 1))
   return j, lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
 
 
@@ -92,7 +93,7 @@ def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, e
 
 def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init_gmem, y_gmem,
             l1_gmem, *, slots: int, n_tiles: int, gated: bool, x_mode: str, has_init: bool,
-            skips: bool):
+            skips: bool, col_start: int):
   r = lax.axis_index("r")
   x, acc0 = _row_start(x_gmem, wd_gmem, r, gated, x_mode)
   if has_init:
@@ -100,7 +101,7 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init
 
   def entry(t, k, w, state):
     del k
-    j, g = _decode(t, w)
+    j, g = _decode(t, w, col_start)
 
     def work(state):
       acc, l1 = state
@@ -136,12 +137,13 @@ class UpDownConfig:
 
 
 def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
-                   y_init=None, skips: bool = False, config: UpDownConfig = UpDownConfig(),
-                   interpret=False):
+                   col_start: int = 0, y_init=None, skips: bool = False,
+                   config: UpDownConfig = UpDownConfig(), interpret=False):
   """y [M, D] x.dtype and l1 [M] f32 from the packed gate (``gate_pack_mgpu.gate_pack``).
 
-  x [M, D]; words [M, T*S], counts [M, T*8] int32 (S = 256 / compression); row_ok [M] int32
-  (0: skip the row, it is computed elsewhere); w_up_t [H, D] (None: non-gated), w_down [H, D].
+  x [M, D]; words [M, T*S], counts [M, T*8] int32 (S = 256 / compression) of the hidden
+  columns from ``col_start`` on (``gate_pack``'s ``col_start``); row_ok [M] int32 (0: skip the
+  row, it is computed elsewhere); w_up_t [H, D] (None: non-gated), w_down [H, D].
   ``y_init`` [M, D] (optional) is added to each row's sum before its one rounding. ``skips``:
   words with ``SKIP_BIT`` set are passed over (their columns computed elsewhere); l1 counts
   only the entries processed.
@@ -156,6 +158,9 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
     raise ValueError(f"sparse_up_down needs D % 128 == 0 and H % 256 == 0; got {x.shape=} "
                      f"{w_down.shape=}")
   slots = common.TILE_N // compression
+  if col_start % common.TILE_N or words.shape[1] != (h - col_start) // common.TILE_N * slots:
+    raise ValueError(f"sparse_up_down: words {words.shape} must hold the {slots}-slot tiles of "
+                     f"hidden columns [{col_start}, {h}) (col_start a multiple of 256)")
   if not gated:
     w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
   has_init = y_init is not None
@@ -165,8 +170,9 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
     y_init = jnp.zeros((8, 128), x.dtype)       # unused placeholder operand
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
-        functools.partial(_kernel, slots=slots, n_tiles=h // common.TILE_N, gated=gated,
-                          x_mode=config.x_mode, has_init=has_init, skips=skips),
+        functools.partial(_kernel, slots=slots, n_tiles=(h - col_start) // common.TILE_N,
+                          gated=gated, x_mode=config.x_mode, has_init=has_init, skips=skips,
+                          col_start=col_start),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m,),

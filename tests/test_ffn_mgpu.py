@@ -42,7 +42,7 @@ def check_forward(tc, x, wg, wu, wd, y, stats):
   np.testing.assert_allclose(float(stats["nnz_per_token"]), act.sum(1).mean(), rtol=1e-3)
   tc.assertEqual(int(stats["max_tile_nnz"]), int(tile_cnt.max()))
   tc.assertEqual(int(stats["overflow_rows"]), int((tile_cnt > 32).any(1).sum()))
-  np.testing.assert_array_equal(np.asarray(stats["fired"]), act.any(0))
+  np.testing.assert_array_equal(np.asarray(stats["feature_counts"]), act.sum(0))
   np.testing.assert_allclose(float(stats["l1"]), float(np.abs(np.asarray(h)).sum(1).mean()),
                              rtol=2e-2)
 
@@ -80,20 +80,27 @@ class ForwardTestBase(ktu.KernelTestBase):
       self.assertGreater(int(stats["overflow_rows"]), 0)
 
   @parameterized.parameters(True, False)
-  def test_hot_columns_change_nothing_but_rounding(self, gated):
-    """K = 0 (every entry through the fused kernel), 8 and 192 hot columns: same y, l1 and
-    fired, on skewed inputs with heavy rows (the overflow path joins in)."""
-    x, wg, wu, wd = ktu.inputs(128, 64, 512, active=12.0, heavy=0.03, gated=gated, seed=9,
+  def test_hot_features_change_nothing_but_rounding(self, gated):
+    """K = 0 (every entry through the fused kernel), 256 and all 768 features dense: same y,
+    l1 and statistics, on skewed inputs with heavy rows (the overflow path joins in); the
+    features are sorted by popularity first, as a caller would."""
+    x, wg, wu, wd = ktu.inputs(128, 64, 768, active=12.0, heavy=0.03, gated=gated, seed=9,
                                dead_fraction=0.6, hottest=0.8, row_spread=0.4)
+    counts = ffn_mgpu.ffn_forward(x, wg, wu, wd, interpret=self.INTERPRET)[1]["feature_counts"]
+    order = jnp.argsort(-counts, stable=True)
+    wg, wu, wd = (None if wg is None else wg[:, order]), wu[:, order], wd[order]
     run = lambda k: ffn_mgpu.ffn_forward(x, wg, wu, wd, interpret=self.INTERPRET,
-                                         config=ffn_mgpu.ForwardConfig(hot_columns=k))
+                                         config=ffn_mgpu.ForwardConfig(hot_features=k))
     y0, st0 = run(0)
-    for k in (8, 192):
+    check_forward(self, x, wg, wu, wd, y0, st0)
+    for k in (256, 768):
       y, st = run(k)
       self.assertLess(ktu.rel(y, y0), 1e-2, k)
       np.testing.assert_allclose(float(st["l1"]), float(st0["l1"]), rtol=1e-3)
-      for key in ("fired", "overflow_rows", "max_tile_nnz", "nnz_per_token"):
+      for key in ("feature_counts", "max_tile_nnz", "nnz_per_token"):
         np.testing.assert_array_equal(np.asarray(st[key]), np.asarray(st0[key]), key)
+      # Hot tiles never overflow: fewer rows take the dense fix-up.
+      self.assertLessEqual(int(st["overflow_rows"]), int(st0["overflow_rows"]))
 
   @parameterized.parameters(True, False)
   def test_up_down_row_modes_agree(self, gated):
@@ -119,8 +126,9 @@ class ForwardTestBase(ktu.KernelTestBase):
       ffn_mgpu.ffn_forward(x.astype(jnp.float32), wg, wu, wd, interpret=self.INTERPRET)
     with self.assertRaisesRegex(ValueError, "overflow_capacity"):
       ffn_mgpu.ForwardConfig(overflow_capacity=0)
-    with self.assertRaisesRegex(ValueError, "hot_columns"):
-      ffn_mgpu.ForwardConfig(hot_columns=-1)
+    for k in (-256, 100):
+      with self.assertRaisesRegex(ValueError, "hot_features"):
+        ffn_mgpu.ForwardConfig(hot_features=k)
     with self.assertRaisesRegex(ValueError, "x_mode"):
       sparse_up_down_mgpu.UpDownConfig(x_mode="registers")
 

@@ -95,52 +95,55 @@ class TrainInterpretTest(TrainTestBase):
            gen=dict(active_fraction=0.04, heavy_fraction=0.03), kw=dict(ell_width=16),
            gated=False),
       # Real L1-trained activity: a feature on 70% of the rows, 80% of the features dead,
-      # heavy-tailed rows; the hot columns run as dense products.
-      dict(testcase_name="gated_skewed_hot_columns", m=128, d=64, h=512,
+      # heavy-tailed rows; the first 256 features run as dense products.
+      dict(testcase_name="gated_skewed_hot_features", m=128, d=64, h=512,
            gen=dict(active_fraction=0.02, dead_fraction=0.8, hottest=0.7, row_spread=0.5,
-                    heavy_fraction=0.02), kw=dict(ell_width=16)),
+                    heavy_fraction=0.02), kw=dict(ell_width=16, hot_features=256)),
   )
   def test_grads_match_reference(self, m, d, h, gen, kw, gated=True):
     x, wg, wu, wd = ffn_inputs(jax.random.key(23), m, d, h,
                                gated=gated, **gen)
     st, act = check_grads(self, x, wg, wu, wd, interpret=True, **kw)
-    width = kw.get("ell_width", 128)
-    tiles = np.pad(act, ((0, 0), (0, -h % 256))).reshape(m, -1, 256).sum(-1)
-    expect_heavy = int(((act.sum(1) > width) | (tiles > 32).any(1)).sum())
+    width, k = kw.get("ell_width", 128), kw.get("hot_features", 0)
+    cold = act[:, k:]        # heavy rows are counted on the packed (cold) features only
+    tiles = np.pad(cold, ((0, 0), (0, -cold.shape[1] % 256))).reshape(m, -1, 256).sum(-1)
+    expect_heavy = int(((cold.sum(1) > width) | (tiles > 32).any(1)).sum())
     self.assertEqual(int(st.overflow_rows), expect_heavy)
     if gen.get("heavy_fraction"):
       self.assertGreater(expect_heavy, 0)
     if "tail_rows" in kw:
       self.assertGreater(expect_heavy, kw["tail_rows"])
 
-  def test_hot_columns_change_nothing_but_rounding(self):
-    """Any number of hot columns computes the same function: K = 0 (all through the gather
-    kernels), 8 and 128 (more than half of H) against each other, forward and backward."""
-    m, d, h = 64, 64, 256
+  def test_hot_features_change_nothing_but_rounding(self):
+    """Any number of hot features computes the same function: K = 0 (all through the gather
+    kernels), 256 and all 512 against each other, forward and backward."""
+    m, d, h = 64, 64, 512
     x, wg, wu, wd = ffn_inputs(jax.random.key(31), m, d, h, active_fraction=0.05,
                                dead_fraction=0.5, hottest=0.8, heavy_fraction=0.03)
     dy = jax.random.normal(jax.random.key(8), (m, d), jnp.bfloat16)
 
     def run(k):
-      cfg = ffn_train_mgpu.hybrid_config(m, d, h, ell_width=16, hot_columns=k)
+      cfg = ffn_train_mgpu.hybrid_config(m, d, h, ell_width=16, hot_features=k)
       out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd, interpret=True)
       ct = (dy, dict(out[1], l1=jnp.float32(0.5)))
       return out, ffn_train_mgpu.backward(cfg, res, ct, interpret=True)
 
     (y0, st0), g0 = run(0)
-    for k in (8, 128):
+    for k in (256, 512):
       (y, st), g = run(k)
       self.assertLess(_rel(y, y0), 1e-2, k)
       self.assertLess(_rel(st["l1"], st0["l1"]), 1e-3, k)
-      np.testing.assert_array_equal(np.asarray(st["fired"]), np.asarray(st0["fired"]))
+      for key in ("feature_counts", "nnz_per_token", "max_tile_nnz"):
+        np.testing.assert_array_equal(np.asarray(st[key]), np.asarray(st0[key]), key)
       for a, b in zip(g, g0):
         self.assertLess(_rel(a, b), 1e-2, k)
 
   def test_config_rejects_bad_sizes(self):
     with self.assertRaisesRegex(ValueError, "HybridConfig"):
       ffn_train_mgpu.HybridConfig(m=64, d=64, h=256, ell_width=0, tail_rows=8)
-    with self.assertRaisesRegex(ValueError, "hot_columns"):
-      ffn_train_mgpu.HybridConfig(m=64, d=64, h=256, ell_width=8, tail_rows=8, hot_columns=-1)
+    for k in (-256, 128):
+      with self.assertRaisesRegex(ValueError, "hot_features"):
+        ffn_train_mgpu.HybridConfig(m=64, d=64, h=256, ell_width=8, tail_rows=8, hot_features=k)
 
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), each kernel's group, dh on

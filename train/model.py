@@ -73,6 +73,10 @@ class ModelConfig:
   # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
   # set by the trainer's per-layer choice (`train.layer_choice`), not by config files.
   ffn_layer_implementations: tuple | None = None
+  # Per-layer numbers of hot features (`twell_jax.ffn`'s hot_features: the first K hidden
+  # features, the hottest once the features are sorted, run as dense GEMMs in the sparse
+  # kernels); None: 0 everywhere. Set with the features' order (`sort_ffn_features`).
+  ffn_layer_hot_features: tuple | None = None
 
   def __post_init__(self):
     if self.d_model % self.n_heads:
@@ -82,10 +86,10 @@ class ModelConfig:
           f"{self.n_heads=} must be divisible by {self.n_kv_heads=}")
     if (self.d_model // self.n_heads) % 2:
       raise ValueError("head dim must be even for RoPE")
-    per_layer = self.ffn_layer_implementations
-    if per_layer is not None and len(per_layer) != self.n_layers:
-      raise ValueError(f"ffn_layer_implementations has {len(per_layer)} entries for "
-                       f"{self.n_layers} layers")
+    for name in ("ffn_layer_implementations", "ffn_layer_hot_features"):
+      per_layer = getattr(self, name)
+      if per_layer is not None and len(per_layer) != self.n_layers:
+        raise ValueError(f"{name} has {len(per_layer)} entries for {self.n_layers} layers")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={self.attention!r} not in {ATTENTION_IMPLEMENTATIONS}")
     for name in ("dtype", "param_dtype"):
@@ -104,15 +108,21 @@ class ModelConfig:
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
 
-  def layer_groups(self) -> list[tuple[int, int, str | None]]:
-    """Runs of consecutive layers with one FFN implementation: [(start, stop, name)]."""
+  def layer_ffn(self) -> list[tuple[str | None, int]]:
+    """Each layer's (FFN implementation, hot features)."""
     names = self.ffn_layer_implementations or (self.ffn_implementation,) * self.n_layers
+    hot = self.ffn_layer_hot_features or (0,) * self.n_layers
+    return list(zip(names, hot))
+
+  def layer_groups(self) -> list[tuple[int, int, str | None, int]]:
+    """Runs of consecutive layers with one FFN implementation and number of hot features:
+    [(start, stop, name, hot_features)]."""
     groups = []
-    for l, name in enumerate(names):
-      if groups and groups[-1][2] == name:
-        groups[-1] = (groups[-1][0], l + 1, name)
+    for l, ffn in enumerate(self.layer_ffn()):
+      if groups and groups[-1][2:] == ffn:
+        groups[-1] = (groups[-1][0], l + 1, *ffn)
       else:
-        groups.append((l, l + 1, name))
+        groups.append((l, l + 1, *ffn))
     return groups
 
 
@@ -223,10 +233,8 @@ class Transformer(nnx.Module):
     """(final hidden state [B, T, D] before the final norm, per-layer FFNStats)."""
     x = self.embed_tokens(tokens)
     all_stats = []
-    names = [name for start, stop, name in self.cfg.layer_groups()
-             for _ in range(start, stop)]
-    for block, name in zip(self.blocks, names):
-      block.ffn.implementation = name
+    for block, (name, hot) in zip(self.blocks, self.cfg.layer_ffn()):
+      block.ffn.implementation, block.ffn.hot_features = name, hot
       if self.cfg.remat:
         x, stats = nnx.remat(lambda blk, h: blk(h))(block, x)
       else:
@@ -292,11 +300,11 @@ class LanguageModel:
     outer = _merge(self._graphdef, self._template, outer_params)
     x, group_stats = outer.embed_tokens(tokens), []
     # One scan per run of layers with the same FFN implementation (a static choice).
-    for start, stop, name in self.cfg.layer_groups():
-      def layer(x, block_params, name=name):
+    for start, stop, name, hot in self.cfg.layer_groups():
+      def layer(x, block_params, name=name, hot=hot):
         block = _merge(self._block_graphdef, self._block_template,
                        block_params)
-        block.ffn.implementation = name
+        block.ffn.implementation, block.ffn.hot_features = name, hot
         return block(x)
 
       if self.cfg.remat:
@@ -367,6 +375,34 @@ def with_stacked_ffn(params: dict, ffn: dict) -> dict:
                                **{n: w[i] for n, w in ffn.items()}}}
       for i, l in enumerate(sorted(blocks))}
   return {**params, "blocks": new_blocks}
+
+
+def permute_ffn_features(tree, order):
+  """`tree` (params, or anything holding params-shaped subtrees such as an optimizer state)
+  with every FFN weight's hidden features in `order` [L, H] (`twell_jax.sort_features`'s
+  order, per layer): the model computes the same function with the permuted params (up to
+  the order of its sums), and an optimizer state permuted alike stays matched to them."""
+  def one(path, leaf):
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    if len(keys) < 2 or keys[-2] != "ffn" or keys[-1] not in ("w_gate", "w_up", "w_down"):
+      return leaf
+    i = keys.index("blocks") if "blocks" in keys else None
+    # Loop layout: the layer index follows "blocks"; scan layout: a leading [L] axis.
+    layer_order = order if keys[i + 1] == "ffn" else order[int(keys[i + 1])]
+    if keys[-1] == "w_down":
+      return twell_jax.permute_features(None, None, leaf, layer_order)[2]
+    return twell_jax.permute_features(leaf, None, None, layer_order)[0]
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def sort_ffn_features(params, feature_counts, tokens: int):
+  """(params with each layer's hidden features sorted hottest first by `feature_counts` [L, H]
+  (`FFNStats.feature_counts` over `tokens` tokens), the per-layer hot features to run densely
+  (`ModelConfig.ffn_layer_hot_features`, from `twell_jax.hot_feature_count`))."""
+  counts = jnp.asarray(feature_counts)
+  params = permute_ffn_features(params, twell_jax.features.popularity_order(counts))
+  hot = tuple(twell_jax.hot_feature_count(c, tokens) for c in jax.device_get(counts))
+  return params, hot
 
 
 def count_params(params) -> int:

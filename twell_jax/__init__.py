@@ -2,13 +2,15 @@
 
 from twell_jax.dense import reference_ffn
 from twell_jax.api import ffn
+from twell_jax.features import hot_feature_count, permute_features, sort_features
 from twell_jax.formats import Hybrid, TwELL, to_dense, to_hybrid, to_twell
 from twell_jax.stats import FFNStats
 
 __version__ = "0.1.0"
 
 __all__ = ["ffn", "FFNStats", "TwELL", "Hybrid", "to_twell", "to_hybrid", "to_dense",
-           "reference_ffn", "FeedForward"]
+           "reference_ffn", "FeedForward", "sort_features", "permute_features",
+           "hot_feature_count"]
 
 
 def __getattr__(name):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
 from twell_jax import registry
+from twell_jax import stats as stats_lib
 
 __all__ = ["ffn", "IMPLEMENTATIONS", "SPARSE_IMPLEMENTATIONS", "default_implementation"]
 
@@ -57,11 +58,13 @@ def _validate(x, w_gate, w_up, w_down, activation, implementation):
   return d, h
 
 
-def _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows) -> registry.Call:
+def _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows,
+          hot_features=0) -> registry.Call:
   m, d = x2.shape
   return registry.Call(m=m, d=d, h=w_up.shape[1], gated=w_gate is not None,
                        dtype=jnp.dtype(x2.dtype), activation=activation,
-                       interpret=bool(interpret), ell_width=ell_width, tail_rows=tail_rows)
+                       interpret=bool(interpret), ell_width=ell_width, tail_rows=tail_rows,
+                       hot_features=hot_features)
 
 
 def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret: bool = False) -> str:
@@ -72,7 +75,7 @@ def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret:
 
 def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Optional[str] = None,
         interpret: bool = False, return_stats: bool = False, ell_width: int = 128,
-        tail_rows: Optional[int] = None):
+        tail_rows: Optional[int] = None, hot_features: int = 0):
   """Feed-forward block y = h W_down with a (sparse) ReLU hidden activation h.
 
   Gated (w_gate given):  h = act(x W_gate) * (x W_up).   Non-gated (w_gate=None): h = act(x W_up).
@@ -91,6 +94,11 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
     ell_width: W, ELL slots per row of the sparse implementations' hybrid layout.
     tail_rows: R, static heavy-row capacity of the hybrid layout
       (None: M/8); more heavy rows than R switch to the dense path on device.
+    hot_features: K, a multiple of 256: the sparse kernels compute the first K
+      hidden features as dense GEMMs (every implementation computes the same
+      function). It pays when those are the features that fire on more than
+      about 1% of the tokens: sort the features by popularity first
+      (`twell_jax.sort_features`, `twell_jax.hot_feature_count`).
 
   Returns:
     y [..., D] in x.dtype, or (y, FFNStats) with return_stats=True.
@@ -100,9 +108,13 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
     NotImplementedError: implementation="mosaic_gpu" cannot run this call here.
   """
   d, _ = _validate(x, w_gate, w_up, w_down, activation, implementation)
+  if (not isinstance(hot_features, int) or hot_features < 0
+      or hot_features % stats_lib.TILE_N):
+    raise ValueError(f"hot_features must be a non-negative multiple of {stats_lib.TILE_N}; "
+                     f"got {hot_features!r}.")
   lead = tuple(x.shape[:-1])
   x2 = x.reshape(math.prod(lead), d)
-  call = _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows)
+  call = _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows, hot_features)
   if call.m == 0:   # nothing to sparsify; keeps shapes legal for top_k & co.
     y2, st = registry.empty_result(call, x.dtype)
   else:

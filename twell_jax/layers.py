@@ -24,13 +24,17 @@ class FeedForward(nnx.Module):
 
   Call with `return_stats=True` to get `(y, FFNStats)`; add
   `l1_coeff * stats.l1` (averaged over layers) to the training loss.
-  The output has dtype `dtype`.
+  The output has dtype `dtype`. `hot_features` (K, a multiple of 256): the
+  sparse kernels compute the first K features densely; with the features
+  sorted by popularity (`twell_jax.sort_features`) those are the hottest.
+  `ell_width`, `tail_rows`, `hot_features` and `interpret` are plain attributes
+  (not parameters) and may be changed between calls.
   """
 
   def __init__(self, d_model: int, d_ff: int, *, gated: bool = True, activation: str = "relu",
                implementation: Optional[str] = None, param_dtype=jnp.float32, dtype=jnp.bfloat16,
                init_std: float = 0.02, ell_width: int = 128, tail_rows: Optional[int] = None,
-               interpret: bool = False, rngs: nnx.Rngs):
+               hot_features: int = 0, interpret: bool = False, rngs: nnx.Rngs):
     if d_model < 1 or d_ff < 1:
       raise ValueError(f"d_model and d_ff must be positive; got d_model={d_model}, d_ff={d_ff}.")
     if implementation in ffn_lib.SPARSE_IMPLEMENTATIONS and activation != "relu":
@@ -40,6 +44,7 @@ class FeedForward(nnx.Module):
     self.gated, self.activation, self.implementation = gated, activation, implementation
     self.dtype, self.param_dtype = dtype, param_dtype
     self.ell_width, self.tail_rows, self.interpret = ell_width, tail_rows, interpret
+    self.hot_features = hot_features
     self.w_gate = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype)) if gated else None
     self.w_up = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype))
     self.w_down = nnx.Param(init(rngs.params(), (d_ff, d_model), param_dtype))
@@ -50,7 +55,7 @@ class FeedForward(nnx.Module):
                        cast(self.w_down), activation=self.activation,
                        implementation=self.implementation, interpret=self.interpret,
                        return_stats=return_stats, ell_width=self.ell_width,
-                       tail_rows=self.tail_rows)
+                       tail_rows=self.tail_rows, hot_features=self.hot_features)
 
 
 def linen_feed_forward(d_model: int, d_ff: int, *, name: Optional[str] = None, **kwargs):

@@ -49,10 +49,13 @@ _ffn.defvjp(_fwd, _bwd)
 
 
 def default_config(m: int, d: int, h: int, *, interpret: bool = False, ell_width: int = 128,
-                   tail_rows=None) -> MosaicConfig:
-  """The tuned configuration of a call on x [m, d] with h hidden features."""
-  return MosaicConfig(train=ffn_train_mgpu.hybrid_config(m, d, h, ell_width, tail_rows),
-                      forward=ffn_mgpu.ForwardConfig(), interpret=bool(interpret))
+                   tail_rows=None, hot_features: int = 0) -> MosaicConfig:
+  """The tuned configuration of a call on x [m, d] with h hidden features, the first
+  ``hot_features`` of them computed as dense GEMMs."""
+  return MosaicConfig(
+      train=ffn_train_mgpu.hybrid_config(m, d, h, ell_width, tail_rows,
+                                         hot_features=hot_features),
+      forward=ffn_mgpu.ForwardConfig(hot_features=hot_features), interpret=bool(interpret))
 
 
 def ffn_with_config(cfg: MosaicConfig, x, w_gate, w_up, w_down):
@@ -61,9 +64,10 @@ def ffn_with_config(cfg: MosaicConfig, x, w_gate, w_up, w_down):
   return y, stats_lib.from_dict(stats)
 
 
-def mosaic_ffn(x, w_gate, w_up, w_down, *, interpret: bool, ell_width: int, tail_rows):
+def mosaic_ffn(x, w_gate, w_up, w_down, *, interpret: bool, ell_width: int, tail_rows,
+               hot_features: int = 0):
   """Runs the kernels on x [M, D] (training kernels under differentiation): (y, FFNStats)."""
   m, d = x.shape
   cfg = default_config(m, d, w_up.shape[1], interpret=interpret, ell_width=ell_width,
-                       tail_rows=tail_rows)
+                       tail_rows=tail_rows, hot_features=hot_features)
   return ffn_with_config(cfg, x, w_gate, w_up, w_down)

@@ -36,6 +36,7 @@ class Call:
   interpret: bool
   ell_width: int
   tail_rows: Optional[int]
+  hot_features: int = 0
 
 
 class Dense:
@@ -86,7 +87,8 @@ class MosaicGpu:
     # Imported on first use: the kernels' modules pull in Mosaic GPU (about 0.7 s).
     from twell_jax import mosaic  # pylint: disable=import-outside-toplevel
     return mosaic.mosaic_ffn(x, w_gate, w_up, w_down, interpret=call.interpret,
-                             ell_width=call.ell_width, tail_rows=call.tail_rows)
+                             ell_width=call.ell_width, tail_rows=call.tail_rows,
+                             hot_features=call.hot_features)
 
 
 IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu())}

@@ -21,7 +21,10 @@ weights: never a dense [M, H] tensor.
 
 Exactness: when more than R rows are heavy, `lax.cond` switches the forward to
 the dense FFN and the backward to the VJP of the dense FFN recomputed from x
-(no host sync); `overflow_rows` reports the number of heavy rows.
+(no host sync); `overflow_rows` reports the number of heavy rows. NaN and
+infinities reach the outputs and gradients as in the dense FFN: NaN gates are
+active entries, and non-finite weights, dy or L1 cotangent take the
+dense branch.
 
 Gathers are chunked over rows (`lax.map(batch_size=...)`) so that the
 [rows, W, D] gathered weight block stays around 64 MB whatever M is.
@@ -36,6 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import reference
 from twell_jax import dense as dense_lib
 from twell_jax import formats
 from twell_jax import stats as stats_lib
@@ -117,9 +121,11 @@ def _rows(a, index):
 # ----------------------------------------------------------------------------
 
 def _pattern(g, cfg: SparseConfig):
-  """Hybrid layout of the active pattern of g [M, H] (f32)."""
+  """Hybrid layout of the active pattern of g [M, H] (f32). A NaN gate is active (relu(NaN)
+  is NaN in the dense FFN, and must reach the output): a row with a non-finite x has only
+  non-finite gates and becomes a heavy row, computed densely."""
   m = g.shape[0]
-  active = g > 0
+  active = (g > 0) | jnp.isnan(g)
   row_nnz = jnp.sum(active, axis=-1, dtype=jnp.int32)
   heavy = row_nnz > cfg.ell_width
   cols = formats._first_k_nonzero(active, cfg.ell_width)  # pylint: disable=protected-access
@@ -160,7 +166,9 @@ def _forward(cfg, x, w_gate, w_up, w_down):
   gated = w_gate is not None
   g = jnp.dot(x, w_gate if gated else w_up, preferred_element_type=_F32)
   active, keep, cols, tail_index, heavy_rows = _pattern(g, cfg)
-  exceeded = heavy_rows > cfg.tail_rows
+  # More heavy rows than the tail holds, or non-finite weights (which the dense FFN
+  # spreads to every row through the zeros of h): the dense FFN.
+  exceeded = (heavy_rows > cfg.tail_rows) | reference.weights_nonfinite(w_gate, w_up, w_down)
 
   def sparse(_):
     return _sparse_branch(x, w_gate, w_up, w_down, g, keep, cols, tail_index, cfg)
@@ -171,8 +179,8 @@ def _forward(cfg, x, w_gate, w_up, w_down):
     return y, l1, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), res_shapes)
 
   y, l1, (p, u, pt, ut) = jax.lax.cond(exceeded, dense, sparse, None)
-  nnz, max_tile, fired = stats_lib.tile_stats(active)
-  outputs = (y.astype(dt), l1, nnz, max_tile, heavy_rows, fired)
+  nnz, max_tile, counts = stats_lib.tile_stats(active)
+  outputs = (y.astype(dt), l1, nnz, max_tile, heavy_rows, counts)
   residuals = (x, w_gate, w_up, w_down, cols, p, u, tail_index, pt, ut, exceeded)
   return outputs, residuals
 
@@ -234,7 +242,8 @@ def _dense_backward(residuals, dy, dl1):
 
 def _backward(cfg, residuals, cotangents):
   dy, dl1 = cotangents[0], cotangents[1]   # statistics other than l1 have no gradient
-  exceeded = residuals[-1]
+  # Non-finite dy or L1 cotangent: the dense VJP spreads it through the zeros of h.
+  exceeded = residuals[-1] | jnp.any(~jnp.isfinite(dy)) | ~jnp.isfinite(dl1)
   return jax.lax.cond(exceeded,
                       lambda: _dense_backward(residuals, dy, dl1),
                       lambda: _sparse_backward(cfg, residuals, dy, dl1))
@@ -252,6 +261,6 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, ell_width: int = 128, tail_rows=None)
   """Sparse ReLU FFN on x [M, D] (already validated). Returns (y [M, D], FFNStats)."""
   m, d = x.shape
   cfg = make_config(m, d, w_up.shape[1], ell_width, tail_rows)
-  y, l1, nnz, max_tile, overflow, fired = _sparse_ffn(cfg, x, w_gate, w_up, w_down)
+  y, l1, nnz, max_tile, overflow, counts = _sparse_ffn(cfg, x, w_gate, w_up, w_down)
   return y, stats_lib.FFNStats(l1=l1, nnz_per_token=nnz, max_tile_nnz=max_tile,
-                               overflow_rows=overflow, fired=fired)
+                               overflow_rows=overflow, feature_counts=counts)

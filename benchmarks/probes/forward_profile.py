@@ -9,7 +9,9 @@ sparse FFN forward, kernel by kernel (CUPTI), plus each layer's feature populari
    parameters cast to bf16 once: wall ms and device time by kind of kernel, top kernels.
 3. Per layer, on its captured FFN input: how many features fire on more than 0.5 / 1 / 2 / 5 /
    10% of the tokens and the share of all active entries they hold (what a dense block of
-   the hottest features would take off the gathers), and the sparse forward's kernels.
+   the hottest features takes off the gathers), and the sparse forward's kernels with the
+   features sorted and the calibrated hot features (`twell_jax.features.calibrate`).
+Both prefills run with the sparse model's features sorted and its hot features per layer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from benchmarks import e2e
 from benchmarks import timing
 from benchmarks import trained
 from pallas_kernels import ffn_mgpu
+from twell_jax import features as tj_features
 
 _THRESHOLDS = (0.005, 0.01, 0.02, 0.05, 0.1)
 
@@ -84,20 +87,28 @@ def main(argv):
   layers = []
   for l in range(xs.shape[0]):
     pop = popularity(xs[l], ws["w_gate"][l])
-    fwd = jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a)[0])
-    args = (xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l])
-    pop["forward"] = _profile(f"layer {l} sparse forward", fwd, *args, iters=fl.iters)
+    *w, k = tj_features.calibrate(xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l])
+    pop["hot_features"] = k
+    cfg = ffn_mgpu.ForwardConfig(hot_features=k)
+    fwd = jax.jit(lambda *a, cfg=cfg: ffn_mgpu.ffn_forward(*a, config=cfg)[0])
+    pop["forward"] = _profile(f"layer {l} sparse forward (K {k})", fwd, xs[l], *w,
+                              iters=fl.iters)
     layers.append(pop)
     print(f"  layer {l}: " + json.dumps({k: v for k, v in pop.items() if k != "forward"}),
           flush=True)
   res["layers"] = layers
-  active = [p["active_per_token"] for p in layers]
 
   mc = model_lib.ModelConfig.from_config(cfg.model)
-  infer = layer_choice.LayerChoice.for_inference(active)
-  models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations),
-            "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}
   toks = jnp.concatenate([b[:, :-1] for b in e2e.batches(cfg, fl.rows, 1)])
+  probe = model_lib.LanguageModel(dataclasses.replace(mc, ffn_implementation="dense"))
+  stats = jax.jit(probe.hidden)(params, toks)[1]
+  params, hot = model_lib.sort_ffn_features(params, stats.feature_counts, toks.size)
+  work = [tj_features.sparse_work(c, toks.size, k)
+          for c, k in zip(jax.device_get(stats.feature_counts), hot)]
+  infer = layer_choice.LayerChoice.for_inference(work)
+  models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
+                                          ffn_layer_hot_features=hot),
+            "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}
   bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
   for name, m in models.items():
     lm = model_lib.LanguageModel(m)
@@ -107,6 +118,7 @@ def main(argv):
     res[f"{name}_prefill_bf16_params"] = _profile(f"{name} prefill (bf16 params)", fwd, bf16,
                                                   toks, iters=fl.iters)
   res["sparse_layers_prefill"] = infer.describe()
+  res["hot_features"], res["sparse_work_per_token"] = list(hot), work
   if fl.out:
     with open(fl.out, "w") as f:
       json.dump(res, f, indent=1)

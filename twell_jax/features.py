@@ -1,0 +1,97 @@
+"""Hidden features ordered by popularity, hottest first: what `ffn(..., hot_features=K)` needs.
+
+Permuting the hidden features of a feed-forward block (the columns of W_gate and W_up and the
+rows of W_down, by one permutation) leaves its function unchanged. The sparse kernels compute
+the first K features as dense GEMMs on the tensor cores and the others through row gathers.
+A dense feature costs 2 M D multiply-adds in each of the up and down projections, whatever
+its activity; a sparse one costs two D-long weight-row reads per token on which it fires. On
+an H100 (bf16 GEMMs at ~800 TFLOP/s, random rows from L2 at ~7.9 TB/s) the two meet at a firing
+rate of about 1% (`BREAK_EVEN_RATE`), whatever M and D.
+
+Real L1-trained layers have tens to hundreds of features above that rate, holding 90-99% of
+all active entries (`benchmarks/results/<device>/forward_profile.json`), so: count each
+feature's firing on a batch (`FFNStats.feature_counts`), sort the features by it
+(`sort_features`), and pass `hot_feature_count(counts, tokens)` as `hot_features`; or let
+`calibrate` do the three on a calibration batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twell_jax.stats import TILE_N
+
+__all__ = ["BREAK_EVEN_RATE", "popularity_order", "permute_features", "sort_features",
+           "hot_feature_count", "sparse_work", "calibrate"]
+
+# Firing rate at which a dense feature costs what a sparse one does (module docstring).
+BREAK_EVEN_RATE = 0.01
+
+
+def popularity_order(feature_counts) -> jax.Array:
+  """The permutation [..., H] int32 that puts features in decreasing order of their counts
+  (ties keep their order): new feature i is old feature order[i]."""
+  counts = jnp.asarray(feature_counts)
+  return jnp.argsort(-counts.astype(jnp.int32), axis=-1, stable=True).astype(jnp.int32)
+
+
+def permute_features(w_gate, w_up, w_down, order):
+  """(w_gate, w_up, w_down) with their hidden features in `order` [..., H]: w_gate / w_up
+  [..., D, H] by columns, w_down [..., H, D] by rows; leading axes (stacked layers) are
+  batch axes of `order` too. Any weight may be None (and stays None). The FFN's function is
+  unchanged."""
+  cols = lambda w: None if w is None else jnp.take_along_axis(w, order[..., None, :], -1)
+  rows = lambda w: None if w is None else jnp.take_along_axis(w, order[..., :, None], -2)
+  return cols(w_gate), cols(w_up), rows(w_down)
+
+
+def sort_features(w_gate, w_up, w_down, feature_counts):
+  """(w_gate, w_up, w_down, order): the weights with their hidden features sorted hottest
+  first by `feature_counts` [..., H] (`FFNStats.feature_counts`), and the order applied."""
+  order = popularity_order(feature_counts)
+  return (*permute_features(w_gate, w_up, w_down, order), order)
+
+
+def _sorted_rates(feature_counts, tokens: int) -> np.ndarray:
+  if tokens <= 0:
+    raise ValueError(f"tokens must be positive; got {tokens}")
+  return np.sort(np.asarray(feature_counts, np.float64).reshape(-1))[::-1] / tokens
+
+
+def sparse_work(feature_counts, tokens: int, hot_features: int, *,
+                break_even: float = BREAK_EVEN_RATE) -> float:
+  """The sparse kernels' work per token, in features gathered per token, with the
+  `hot_features` most popular features dense (each costs `break_even`): what decides between
+  the sparse and the dense FFN (`train.layer_choice`). Without hot features it is the mean
+  active features per token."""
+  rates = _sorted_rates(feature_counts, tokens)
+  return float(hot_features * break_even + np.sum(rates[hot_features:]))
+
+
+def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_EVEN_RATE,
+                      multiple: int = TILE_N) -> int:
+  """The K (a multiple of `multiple`) that minimizes `sparse_work` for a call whose features
+  are sorted hottest first (host-side; `feature_counts` [H] over `tokens` tokens)."""
+  rates = _sorted_rates(feature_counts, tokens)
+  h = rates.shape[0]
+  tail = np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])   # tail[k] = sum(rates[k:])
+  best_k, best = 0, tail[0]
+  for k in range(multiple, -(-h // multiple) * multiple + 1, multiple):
+    cost = k * break_even + tail[min(k, h)]
+    if cost < best:
+      best_k, best = k, cost
+  return best_k
+
+
+def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE):
+  """(w_gate, w_up, w_down, hot_features) for a batch x [M, D] that shows typical activity:
+  the weights with their features sorted by how often they fire on x, and the K to pass as
+  `ffn(..., hot_features=K)` (a host-side int). One dense gate GEMM; run it once (on a
+  calibration batch), not per call."""
+  pre = jnp.dot(x, w_up if w_gate is None else w_gate, preferred_element_type=jnp.float32)
+  counts = jnp.sum(pre > 0, axis=0, dtype=jnp.int32)
+  w_gate, w_up, w_down, _ = sort_features(w_gate, w_up, w_down, counts)
+  k = hot_feature_count(jax.device_get(counts), x.shape[0], break_even=break_even)
+  return w_gate, w_up, w_down, k
