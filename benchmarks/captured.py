@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels
+from benchmarks import specs as specs_lib
 from benchmarks import timing
 from benchmarks import trained
 from pallas_kernels import reference
@@ -103,13 +104,8 @@ def _jitted(kind, impl: str, hot: int = 0):
       fn = ((lambda *a: reference.dense_ffn(*a)[0]) if impl == "dense"
             else (lambda *a: tj.ffn(*a, implementation=impl, hot_features=hot)))
     else:
-      ct = jax.random.normal(jax.random.key(1), (kind[1], kind[2]), F32)
-
-      def loss(x, wg, wu, wd):
-        y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True,
-                       hot_features=hot)
-        return jnp.sum(y.astype(F32) * ct) + kernels.LAMBDA * st.l1
-      fn = jax.grad(loss, argnums=(0, 1, 2, 3))
+      fn = jax.grad(kernels.loss_fn(impl, specs_lib.Spec(kind[1]), hot_features=hot),
+                    argnums=(0, 1, 2, 3))
     _JITTED[key] = jax.jit(fn)
   return _JITTED[key]
 
@@ -122,14 +118,15 @@ def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=()) -> dict:
   wg, wu, wd, k = tj_features.calibrate(x, wg, wu, wd)
   out = {"hot_features": k}
   args = (x, wg, wu, wd)
+  grad_args = args + (jax.random.normal(jax.random.key(1), x.shape, F32),)
   kind = ("fwd_bwd",) + tuple(x.shape)
   out["fwd_dense_ms"] = timing.wall_ms(_jitted("fwd", "dense"), *args, iters=iters)
-  out["fwd_bwd_dense_ms"] = timing.wall_ms(_jitted(kind, "dense"), *args, iters=iters)
+  out["fwd_bwd_dense_ms"] = timing.wall_ms(_jitted(kind, "dense"), *grad_args, iters=iters)
   for label, hot in [("", k), ("_k0", 0)] + [(f"_hot{v}", v) for v in hot_variants]:
     if label and hot == k:
       continue
     out[f"fwd{label}_sparse_ms"] = timing.wall_ms(_jitted("fwd", impl, hot), *args, iters=iters)
-    out[f"fwd_bwd{label}_sparse_ms"] = timing.wall_ms(_jitted(kind, impl, hot), *args,
+    out[f"fwd_bwd{label}_sparse_ms"] = timing.wall_ms(_jitted(kind, impl, hot), *grad_args,
                                                       iters=iters)
     out[f"fwd{label}_ratio"] = out[f"fwd{label}_sparse_ms"] / out["fwd_dense_ms"]
     out[f"fwd_bwd{label}_ratio"] = out[f"fwd_bwd{label}_sparse_ms"] / out["fwd_bwd_dense_ms"]

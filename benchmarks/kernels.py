@@ -112,9 +112,10 @@ def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool
   return res
 
 
-def loss_fn(impl: str, spec: specs_lib.Spec, ct, interpret: bool = False, hot_features: int = 0):
-  """sum(y * ct) + LAMBDA * l1 of `twell_jax.ffn(implementation=impl)`."""
-  def loss(x, wg, wu, wd):
+def loss_fn(impl: str, spec: specs_lib.Spec, interpret: bool = False, hot_features: int = 0):
+  """loss(x, wg, wu, wd, ct) = sum(y * ct) + LAMBDA * l1 of `twell_jax.ffn(implementation=impl)`
+  (the cotangent ct an argument, not a constant of the program)."""
+  def loss(x, wg, wu, wd, ct):
     y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, interpret=interpret,
                    ell_width=spec.ell_width, tail_rows=spec.tail_rows,
                    hot_features=hot_features)
@@ -142,17 +143,18 @@ def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
   for impl in impls:
     t0 = time.time()
     try:
-      f = jax.jit(jax.grad(loss_fn(impl, spec, ct, interpret, k), argnums=argnums))
-      res[f"{impl}_ms"] = timing.wall_ms(f, x, wg, wu, wd, iters=iters if impl != "xla" else 3)
-      grads[impl] = f(x, wg, wu, wd)
-      # The FFN's own residuals: a scalar cotangent, so the loss saves no [M, D] constant.
-      res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, 1.0, interpret, k),
-                                                     x, wg, wu, wd)
+      f = jax.jit(jax.grad(loss_fn(impl, spec, interpret, k), argnums=argnums))
+      args = (x, wg, wu, wd, ct)
+      res[f"{impl}_ms"] = timing.wall_ms(f, *args, iters=iters if impl != "xla" else 3)
+      grads[impl] = f(*args)
+      # The FFN's own residuals: a scalar cotangent, so the loss saves no [M, D] array.
+      res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, interpret, k),
+                                                     x, wg, wu, wd, F32(1.0))
       if breakdown:
-        res[f"{impl}_device_ms"] = timing.device_ms(f, x, wg, wu, wd)
-        res[f"{impl}_pipelined_ms"] = timing.pipelined_ms(f, x, wg, wu, wd, iters=iters)
+        res[f"{impl}_device_ms"] = timing.device_ms(f, *args)
+        res[f"{impl}_pipelined_ms"] = timing.pipelined_ms(f, *args, iters=iters)
         res[f"{impl}_breakdown"] = timing.summarize_breakdown(
-            impl, timing.kernel_breakdown(f, x, wg, wu, wd))
+            impl, timing.kernel_breakdown(f, *args))
     except Exception as e:  # pylint: disable=broad-except  # report it, time the rest
       traceback.print_exc()
       res[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:400]}"

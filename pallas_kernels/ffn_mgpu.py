@@ -200,7 +200,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   # One conditional, after the kernels: a batch with more overflowing rows than `cap`, or
   # with a non-finite weight, takes the dense FFN.
   branch = jnp.where(n_over == 0, 0, jnp.where(n_over <= cap, 1, 2))
-  branch = jnp.where(reference.weights_nonfinite(wg_p, wup_p, wd_p), 2, branch)
+  branch = jnp.where(reference.any_nonfinite(wg_p, wup_p, wd_p), 2, branch)
   y, l1_rows, feature_counts = lax.switch(branch, [keep, fix, dense], y, l1_rows,
                                           feature_counts)
 

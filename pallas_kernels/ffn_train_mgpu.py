@@ -155,7 +155,7 @@ def _branch(cfg: HybridConfig, heavy_rows, nonfinite):
   """The ``lax.switch`` index over [tail(rb) for rb in tail_buckets(cfg)] + [dense]: the
   smallest bucket holding the heavy rows, or the dense branch (index len(buckets)) when they
   exceed the largest, the capacity R, or when ``nonfinite`` (a NaN or infinity that the dense
-  FFN spreads to every row: see ``reference.weights_nonfinite``)."""
+  FFN spreads to every row: see ``reference.any_nonfinite``)."""
   buckets = tail_buckets(cfg)
   index = sum((heavy_rows > s_).astype(jnp.int32) for s_ in buckets)
   return jnp.where(nonfinite, len(buckets), index)
@@ -304,7 +304,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
     return y.astype(dt), l1, counts, tile_top, (u, zp, zu)
 
   zero_i = jnp.zeros((), jnp.int32)
-  nonfinite = reference.weights_nonfinite(wg, wu, wd)
+  nonfinite = reference.any_nonfinite(wg, wu, wd)
   y, l1, feature_counts, tile_top, (u, pt, ut) = lax.switch(
       _branch(cfg, heavy_rows, nonfinite), [tail(rb) for rb in tail_buckets(cfg)] + [dense],
       y_ell, u)
@@ -455,7 +455,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
 
   # A NaN or infinity in dy or in the L1 cotangent reaches every weight gradient in the dense
   # VJP (through the zeros of h): the dense branch then, as for non-finite weights.
-  nonfinite = nonfinite | jnp.any(~jnp.isfinite(dy)) | ~jnp.isfinite(dl1)
+  nonfinite = nonfinite | reference.any_nonfinite(dy, dl1)
   dx, dw_in, dw_up, dw_down = lax.switch(_branch(cfg, heavy_rows, nonfinite),
                                          [tail(rb) for rb in tail_buckets(cfg)] + [dense],
                                          dx, dwg_t, dwu_t, dwd)

@@ -47,15 +47,18 @@ def dense_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
   return y, h, active
 
 
-def weights_nonfinite(w_gate, w_up, w_down):
-  """True when a weight holds a NaN or an infinity.
+def any_nonfinite(*arrays):
+  """True when one of `arrays` (None entries skipped) holds a NaN or an infinity.
 
-  The dense FFN multiplies every weight, so such a value reaches every output row
-  (0 * inf = nan) and, backward, every row of dx; the sparse paths touch the weight rows of
-  active features only, and take the dense path instead.
+  The sparse paths take the dense path then, since the dense FFN spreads such a value: a
+  non-finite weight reaches every output row (0 * inf = nan) and, backward, every row of dx;
+  a non-finite dy or L1 cotangent every weight gradient. The arrays pass an optimization
+  barrier first: XLA would otherwise constant-fold the reduction over arrays that are
+  constants of the program (weights or a cotangent closed over by a jitted function), which
+  takes minutes for [H, D] arrays.
   """
-  return functools.reduce(jnp.logical_or, [jnp.any(~jnp.isfinite(w))
-                                           for w in (w_gate, w_up, w_down) if w is not None])
+  return functools.reduce(jnp.logical_or, [jnp.any(~jnp.isfinite(lax.optimization_barrier(a)))
+                                           for a in arrays if a is not None])
 
 
 def columns(w, cols, axis: int):

@@ -168,7 +168,7 @@ def _forward(cfg, x, w_gate, w_up, w_down):
   active, keep, cols, tail_index, heavy_rows = _pattern(g, cfg)
   # More heavy rows than the tail holds, or non-finite weights (which the dense FFN
   # spreads to every row through the zeros of h): the dense FFN.
-  exceeded = (heavy_rows > cfg.tail_rows) | reference.weights_nonfinite(w_gate, w_up, w_down)
+  exceeded = (heavy_rows > cfg.tail_rows) | reference.any_nonfinite(w_gate, w_up, w_down)
 
   def sparse(_):
     return _sparse_branch(x, w_gate, w_up, w_down, g, keep, cols, tail_index, cfg)
@@ -243,7 +243,7 @@ def _dense_backward(residuals, dy, dl1):
 def _backward(cfg, residuals, cotangents):
   dy, dl1 = cotangents[0], cotangents[1]   # statistics other than l1 have no gradient
   # Non-finite dy or L1 cotangent: the dense VJP spreads it through the zeros of h.
-  exceeded = residuals[-1] | jnp.any(~jnp.isfinite(dy)) | ~jnp.isfinite(dl1)
+  exceeded = residuals[-1] | reference.any_nonfinite(dy, dl1)
   return jax.lax.cond(exceeded,
                       lambda: _dense_backward(residuals, dy, dl1),
                       lambda: _sparse_backward(cfg, residuals, dy, dl1))
