@@ -87,13 +87,12 @@ def dense_ffn_columns(x, w_gate, w_up, w_down, cols, rows=None):
   h = p * u."""
   dt = x.dtype
   k = cols if isinstance(cols, int) else cols.shape[0]
-  gu = jnp.dot(x, column_weights(w_gate, w_up, cols), preferred_element_type=jnp.float32)
+  gu = jnp.dot(x, column_weights(w_gate, w_up, cols))   # x.dtype out, as dense_ffn's GEMMs
   p = jnp.maximum(gu[:, :k], 0)
   if rows is not None:
     p = jnp.where(rows[:, None], p, 0)
-  p = p.astype(dt)
   if w_gate is not None:
-    u = gu[:, k:].astype(dt)
+    u = gu[:, k:]
     h = (p.astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
   else:
     u, h = None, p

@@ -5,8 +5,7 @@ sparse FFN forward, kernel by kernel (CUPTI), plus each layer's feature populari
 
 1. The paper 0.5B shape trained to the paper-like level (`benchmarks.trained`, cached).
 2. Prefill (backbone) of the sparse model (per-layer inference choice) and the dense SiLU
-   model at --rows x 2048 tokens, with f32 parameters (cast inside each call) and with
-   parameters cast to bf16 once: wall ms and device time by kind of kernel, top kernels.
+   model at --rows x 2048 tokens: wall ms and device time by kind of kernel, top kernels.
 3. Per layer, on its captured FFN input: how many features fire on more than 0.5 / 1 / 2 / 5 /
    10% of the tokens and the share of all active entries they hold (what a dense block of
    the hottest features takes off the gathers), and the sparse forward's kernels with the
@@ -109,14 +108,10 @@ def main(argv):
   models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=hot),
             "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}
-  bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
   for name, m in models.items():
     lm = model_lib.LanguageModel(m)
     fwd = jax.jit(lambda p, x, lm=lm: lm.hidden(p, x)[0])
-    res[f"{name}_prefill_f32_params"] = _profile(f"{name} prefill (f32 params)", fwd, params,
-                                                 toks, iters=fl.iters)
-    res[f"{name}_prefill_bf16_params"] = _profile(f"{name} prefill (bf16 params)", fwd, bf16,
-                                                  toks, iters=fl.iters)
+    res[f"{name}_prefill"] = _profile(f"{name} prefill", fwd, params, toks, iters=fl.iters)
   res["sparse_layers_prefill"] = infer.describe()
   res["hot_features"], res["sparse_work_per_token"] = list(hot), work
   if fl.out:
