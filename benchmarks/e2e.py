@@ -48,7 +48,8 @@ def _define_flags():
   flags.DEFINE_list("shapes", ["0p5b", "1p5b"], "0p5b, 1p5b (paper shapes) or tiny (CPU)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
-  flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse implementation")
+  flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
+                     "GPU, xla elsewhere)")
   flags.DEFINE_float("sparse_below", None, "per-layer choice threshold (default: "
                      "train.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
@@ -354,6 +355,8 @@ def from_init(shape: str, fl) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
+  if fl.sparse is None:
+    fl.sparse = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
   device = jax.devices()[0].device_kind
   print("device:", device, flush=True)
   results = {"device": device, "jax": jax.__version__}

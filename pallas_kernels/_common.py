@@ -26,9 +26,6 @@ TILE_N = 256
 EMPTY_WORD = 0x7FFFFFFF
 # Counts are stored replicated over 8 int32 lanes per (row, tile) (32 bytes, one TMA box row).
 COUNT_LANES = 8
-# A packed word is (local column << 16) | bf16 bits, the local column < 256: bit 24 is free, and
-# marks an entry the gather kernels skip (a column computed elsewhere).
-SKIP_BIT = 1 << 24
 
 
 def tile_max(active):

@@ -59,41 +59,56 @@ def _sampled_h(x, x_gmem, r, wup_gmem, j, g):
   return (g * u).astype(jnp.bfloat16).astype(jnp.float32)
 
 
+# Tile counts a row's walk loads at once (independent loads: one L2 round trip per chunk).
+_COUNT_CHUNK = 8
+
+
 def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, entry, init):
   """Folds ``entry(t, k, w, state) -> state`` over the valid packed entries of row r (none
-  unless ``ok``), tile by tile, with the scalar index loads software-pipelined.
+  unless ``ok``), tile by tile.
 
-  The per-entry chain of a plain walk is count load -> word load -> weight-row loads ->
-  reduction, all L2 round trips in a row. Here the next tile's count and first word are loaded
-  while the current tile's entries run, and inside a tile the next entry's word is loaded
-  before ``entry`` issues the current entry's weight rows.
+  With the hot features computed densely, most of a row's tiles hold no entry; a walk that
+  loaded each tile's count after the last one's entries paid an L2 round trip per tile
+  (0.2 ms per call at the paper shape for one or two entries per row). So the counts come
+  ``_COUNT_CHUNK`` tiles at a time, as independent loads, and a tile without entries costs a
+  few instructions; inside a tile the next entry's word is loaded before ``entry`` issues the
+  current entry's weight rows.
   """
-  last_tile = n_tiles - 1
+  chunk = min(_COUNT_CHUNK, n_tiles)
+  n_chunks = -(-n_tiles // chunk)
 
-  def count(t):
-    return jnp.where(ok, jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+  def chunk_body(c, state):
+    base = c * chunk
+    counts = [jnp.where(ok & (base + i < n_tiles),
+                        jnp.minimum(counts_gmem[r, jnp.minimum(base + i, n_tiles - 1)
+                                                * common.COUNT_LANES], slots), 0)
+              for i in range(chunk)]
 
-  def tile_body(t, carry):
-    state, cnt, w0 = carry
-    t_next = jnp.minimum(t + 1, last_tile)
-    cnt_next = jnp.where(t < last_tile, count(t_next), 0)
-    w0_next = words_gmem[r, t_next * slots]
+    def tile_body(i, state):
+      t = base + i
+      cnt = functools.reduce(lambda acc, ic: jnp.where(i == ic[0], ic[1], acc),
+                             enumerate(counts), jnp.int32(0))
 
-    def entry_body(k, carry):
-      state, w = carry
-      w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
-      return entry(t, k, w, state), w_next
+      def walk_tile(state):
+        def entry_body(k, carry):
+          state, w = carry
+          w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
+          return entry(t, k, w, state), w_next
 
-    state, _ = lax.fori_loop(0, cnt, entry_body, (state, w0))
-    return state, cnt_next, w0_next
+        state, _ = lax.fori_loop(0, cnt, entry_body, (state, words_gmem[r, t * slots]))
+        return state
 
-  state, _, _ = lax.fori_loop(0, n_tiles, tile_body, (init, count(0), words_gmem[r, 0]))
-  return state
+      # Uniform across the CTA (it works on one row): empty tiles issue no load.
+      return lax.cond(cnt > 0, walk_tile, lambda s: s, state)
+
+    return lax.fori_loop(0, chunk, tile_body, state)
+
+  return lax.fori_loop(0, n_chunks, chunk_body, init)
 
 
 def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init_gmem, y_gmem,
             l1_gmem, *, slots: int, n_tiles: int, gated: bool, x_mode: str, has_init: bool,
-            skips: bool, col_start: int):
+            col_start: int):
   r = lax.axis_index("r")
   x, acc0 = _row_start(x_gmem, wd_gmem, r, gated, x_mode)
   if has_init:
@@ -102,18 +117,10 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init
   def entry(t, k, w, state):
     del k
     j, g = _decode(t, w, col_start)
-
-    def work(state):
-      acc, l1 = state
-      wd = wd_gmem[j, :]
-      h = _sampled_h(x, x_gmem, r, wup_gmem, j, g) if gated else g
-      return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h)
-
-    if not skips:
-      return work(state)
-    # A marked entry's column is computed elsewhere: no row loads (the branch is uniform
-    # across the CTA, which works on one row).
-    return lax.cond((w & common.SKIP_BIT) != 0, lambda s: s, work, state)
+    acc, l1 = state
+    wd = wd_gmem[j, :]
+    h = _sampled_h(x, x_gmem, r, wup_gmem, j, g) if gated else g
+    return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h)
 
   acc, l1 = _walk_entries(words_gmem, counts_gmem, r, rowok_gmem[r] != 0, slots=slots,
                           n_tiles=n_tiles, entry=entry, init=(acc0, jnp.float32(0.0)))
@@ -137,16 +144,15 @@ class UpDownConfig:
 
 
 def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
-                   col_start: int = 0, y_init=None, skips: bool = False,
-                   config: UpDownConfig = UpDownConfig(), interpret=False):
+                   col_start: int = 0, y_init=None, config: UpDownConfig = UpDownConfig(),
+                   interpret=False):
   """y [M, D] x.dtype and l1 [M] f32 from the packed gate (``gate_pack_mgpu.gate_pack``).
 
   x [M, D]; words [M, T*S], counts [M, T*8] int32 (S = 256 / compression) of the hidden
   columns from ``col_start`` on (``gate_pack``'s ``col_start``); row_ok [M] int32 (0: skip the
   row, it is computed elsewhere); w_up_t [H, D] (None: non-gated), w_down [H, D].
-  ``y_init`` [M, D] (optional) is added to each row's sum before its one rounding. ``skips``:
-  words with ``SKIP_BIT`` set are passed over (their columns computed elsewhere); l1 counts
-  only the entries processed.
+  ``y_init`` [M, D] (optional) is added to each row's sum before its one rounding; l1 counts
+  only the packed entries.
   """
   m, d = x.shape
   h, d2 = w_down.shape
@@ -171,7 +177,7 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, slots=slots, n_tiles=(h - col_start) // common.TILE_N,
-                          gated=gated, x_mode=config.x_mode, has_init=has_init, skips=skips,
+                          gated=gated, x_mode=config.x_mode, has_init=has_init,
                           col_start=col_start),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m,), jnp.float32)),

@@ -88,8 +88,8 @@ def main(argv):
     pop = popularity(xs[l], ws["w_gate"][l])
     *w, k = tj_features.calibrate(xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l])
     pop["hot_features"] = k
-    cfg = ffn_mgpu.ForwardConfig(hot_features=k)
-    fwd = jax.jit(lambda *a, cfg=cfg: ffn_mgpu.ffn_forward(*a, config=cfg)[0])
+    fwd_cfg = ffn_mgpu.ForwardConfig(hot_features=k)
+    fwd = jax.jit(lambda *a, c=fwd_cfg: ffn_mgpu.ffn_forward(*a, config=c)[0])
     pop["forward"] = _profile(f"layer {l} sparse forward (K {k})", fwd, xs[l], *w,
                               iters=fl.iters)
     layers.append(pop)
