@@ -53,9 +53,10 @@ class ForwardConfig:
     which is what sorting the hidden features by popularity gives
     (``twell_jax.sort_features``). Real L1-trained layers have tens to hundreds of such
     features holding 90-99% of all active entries.
-  ``overflow_capacity``: rows the exact dense path for overflowing rows holds (None:
-    ``default_overflow_capacity``); more overflowing rows switch the whole batch to the dense
-    FFN.
+  ``overflow_capacity``: R, rows the exact dense path for overflowing rows holds (None:
+    ``default_overflow_capacity``, M/4); it runs in the smallest of the static sizes R/16,
+    R/4, R that holds the batch's overflowing rows (its cost is that of a dense FFN on those
+    rows), and more overflowing rows switch the whole batch to the dense FFN.
   """
   hot_features: int = 0
   overflow_capacity: int | None = None
@@ -94,7 +95,13 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
 
 
 def default_overflow_capacity(m_padded: int) -> int:
-  return min(m_padded, common.round_up(max(64, m_padded // 64), 64))
+  return min(m_padded, common.round_up(max(64, m_padded // 4), 64))
+
+
+def overflow_buckets(cap: int) -> tuple[int, ...]:
+  """The static sizes of the overflow fix-up (``ForwardConfig.overflow_capacity``)."""
+  return tuple(sorted({min(cap, common.round_up(-(-cap // 16), 8)),
+                       min(cap, common.round_up(-(-cap // 4), 8)), cap}))
 
 
 def _dense_rows(x, w_gate, w_up, w_down):
@@ -184,25 +191,28 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   def keep(y, l1_rows, feature_counts):
     return y, l1_rows, feature_counts
 
-  def fix(y, l1_rows, feature_counts):
-    # The overflowing rows (at most `cap`), dense and exact.
-    (idx,) = jnp.nonzero(row_over, size=cap, fill_value=mp)
-    y_o, l1_o, act_o = _dense_rows(xp[jnp.minimum(idx, mp - 1)], wg_p, wup_p, wd_p)
-    in_range = idx < mp
-    return (y.at[idx].set(y_o, mode="drop"), l1_rows.at[idx].set(l1_o, mode="drop"),
-            feature_counts + jnp.sum(act_o & in_range[:, None], axis=0, dtype=jnp.int32))
+  def fix(rows):
+    def f(y, l1_rows, feature_counts):
+      # The overflowing rows (at most `rows`), dense and exact.
+      (idx,) = jnp.nonzero(row_over, size=rows, fill_value=mp)
+      y_o, l1_o, act_o = _dense_rows(xp[jnp.minimum(idx, mp - 1)], wg_p, wup_p, wd_p)
+      in_range = idx < mp
+      return (y.at[idx].set(y_o, mode="drop"), l1_rows.at[idx].set(l1_o, mode="drop"),
+              feature_counts + jnp.sum(act_o & in_range[:, None], axis=0, dtype=jnp.int32))
+    return f
 
   def dense(*_):
     y, l1_rows, act = _dense_rows(xp, wg_p, wup_p, wd_p)
     return (y, jnp.where(valid_row, l1_rows, 0.0),
             jnp.sum(act & valid_row[:, None], axis=0, dtype=jnp.int32))
 
-  # One conditional, after the kernels: a batch with more overflowing rows than `cap`, or
-  # with a non-finite weight, takes the dense FFN.
-  branch = jnp.where(n_over == 0, 0, jnp.where(n_over <= cap, 1, 2))
-  branch = jnp.where(reference.any_nonfinite(wg_p, wup_p, wd_p), 2, branch)
-  y, l1_rows, feature_counts = lax.switch(branch, [keep, fix, dense], y, l1_rows,
-                                          feature_counts)
+  # One conditional, after the kernels: no overflow, the smallest fix-up that holds the
+  # overflowing rows, or the dense FFN (more than `cap` of them, or a non-finite weight).
+  buckets = overflow_buckets(cap)
+  branch = jnp.where(n_over == 0, 0, 1 + sum((n_over > b).astype(jnp.int32) for b in buckets))
+  branch = jnp.where(reference.any_nonfinite(wg_p, wup_p, wd_p), len(buckets) + 1, branch)
+  y, l1_rows, feature_counts = lax.switch(branch, [keep] + [fix(b) for b in buckets] + [dense],
+                                          y, l1_rows, feature_counts)
 
   cnt_valid = jnp.where(valid_row[:, None], cnt, 0)
   hot_valid = hot_active & valid_row[:, None]
