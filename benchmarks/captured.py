@@ -8,17 +8,18 @@ r"""Kernels on captured real activations: per layer, the sparse FFN against XLA 
 2. Captures each layer's real FFN input for one held-out batch (8 x 2048 tokens) and its
    weights.
 3. Per layer, in one process: the activity statistics (`twell_jax.testing.activity_stats`:
-   active per token, dead fraction, top-1% share, hottest feature, row-length percentiles),
-   the calibrated generator's statistics for the same layer beside them, and the forward and
-   forward + backward of the sparse implementation against dense on the captured inputs, with
-   the layer's features sorted by activity and the features firing on more than about 1% of
-   the tokens computed densely (`twell_jax.features.calibrate`), and without that (K 0).
+   active per token, dead fraction, top-1% / top-10% shares, hottest feature, row-length
+   percentiles), the generator fitted to them (`fit_generator`) and its statistics on as many
+   tokens beside them, and the forward and forward + backward of the sparse implementation
+   against dense on the captured inputs, with the layer's features sorted by activity and the
+   hot ones computed densely (`twell_jax.features.calibrate`), and without that (K 0).
 Prints a per-layer table per level and the means; writes everything to --out.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from absl import app
@@ -26,6 +27,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy import special
 
 from benchmarks import kernels
 from benchmarks import specs as specs_lib
@@ -69,27 +71,95 @@ def capture(cfg, params):
   return xs.reshape(mc.n_layers, -1, mc.d_model), ws
 
 
-def fit_generator(stats: dict, m: int, d: int, h: int) -> dict:
-  """ffn_inputs arguments reproducing a layer's statistics: its mean activity, dead fraction
-  and hottest feature directly; the row spread by a search over a grid, matched on
-  p99 / p50 of the row lengths (at m rows, with the layer's d and h)."""
-  args = dict(active_fraction=stats["active_per_token"] / h,
-              dead_fraction=stats["dead_fraction"],
-              hottest=max(stats["hottest_fraction"], 1e-6))
-  want = np.log((stats["row_p99"] + 1) / (stats["row_p50"] + 1))
-  best, best_err = 0.0, None
-  for spread in (0.0, 0.2, 0.35, 0.5, 0.7, 0.9, 1.2):
-    st = generated_stats(dict(args, row_spread=spread), m, d, h)
-    err = abs(np.log((st["row_p99"] + 1) / (st["row_p50"] + 1)) - want)
-    if best_err is None or err < best_err:
-      best, best_err = spread, err
-  return dict(args, row_spread=best)
+# How far fit_generator raises the cold tail so that a batch of m tokens still touches the
+# captured alive features: until the alive features expected to fire in no row are at most
+# _UNSEEN_TARGET of all features, lowering the top-10% share by at most _TAIL_SHARE_BUDGET.
+_UNSEEN_TARGET = 0.01
+_TAIL_SHARE_BUDGET = 0.05
+
+
+def _row_length_quantiles(q, row_spread: float, probs) -> list[float]:
+  """Quantiles of an ordinary row's active count when feature j fires with probability q_j
+  over the rows (`twell_jax.testing` model: a log-normal row scale of sigma `row_spread`).
+
+  Given the row's scale the count is a sum of independent Bernoullis (normal approximation
+  with a continuity correction); the scale is integrated on a grid.
+  """
+  values, counts = np.unique(np.asarray(q)[np.asarray(q) > 0], return_counts=True)
+  t = testing.gate_thresholds(values, row_spread)
+  u = np.linspace(-6.0, 6.0, 241)
+  w = np.exp(-0.5 * u * u)
+  w /= w.sum()
+  p = special.ndtr(-t[None, :] / np.exp(row_spread * u)[:, None])
+  mean, sd = p @ counts, np.sqrt((p * (1 - p)) @ counts + 1e-9)
+  cdf = lambda x: w @ special.ndtr((x + 0.5 - mean) / sd)
+  out = []
+  for prob in probs:
+    lo, hi = 0.0, float(counts.sum())
+    for _ in range(40):
+      mid = 0.5 * (lo + hi)
+      lo, hi = (mid, hi) if cdf(mid) < prob else (lo, mid)
+    out.append(0.5 * (lo + hi))
+  return out
+
+
+def fit_generator(stats: dict, m: int, h: int) -> dict:
+  """`twell_jax.testing.ffn_inputs` arguments reproducing a layer's activity statistics
+  (`testing.activity_stats`) in batches of m tokens, for h features.
+
+  * Near-dense rows: one heavy row per m tokens, filling the longest captured row
+    (heavy_fill = row_max / alive features). Its firings are taken out of the ordinary rows'
+    mean, hottest feature and top shares, so the batch as a whole matches.
+  * Popularity: the dead fraction, hottest feature and top-1% / top-10% shares directly.
+    A captured feature counts as alive when it fired anywhere in the captured batch, often
+    only in a near-dense row; when one heavy row would leave many alive features unseen in m
+    tokens, the cold tail's rate rises (see _UNSEEN_TARGET).
+  * Row spread: minimises the squared log errors of the row-length p50 and p99 that the
+    model predicts.
+  """
+  mu, dead = stats["active_per_token"], stats["dead_fraction"]
+  alive = max(1, int(round((1.0 - dead) * h)))
+  fill = min(1.0, stats["row_max"] / alive)
+  mu_o = max((mu * m - fill * alive) / (m - 1), 0.0)
+  hottest = min(1.0, max((stats["hottest_fraction"] * m - fill) / (m - 1), 1e-6))
+  shares = [[frac, min(1.0, (stats[key] * mu * m - fill * min(alive, round(frac * h)))
+                       / max(mu_o * (m - 1), 1e-9))]
+            for frac, key in ((0.01, "top1pct_share"), (0.1, "top10pct_share"))]
+  rates = lambda s10: testing.feature_rates(
+      h, mu_o, dead_fraction=dead, hottest=hottest, top_shares=(shares[0], (0.1, s10)))
+  unseen = lambda s10: (1.0 - fill) * np.sum(np.exp(-m * rates(s10)[:alive])) / h
+  if alive > round(0.1 * h) and unseen(shares[1][1]) > _UNSEEN_TARGET:
+    lo, hi = max(shares[0][1], shares[1][1] - _TAIL_SHARE_BUDGET), shares[1][1]
+    for _ in range(30):
+      mid = 0.5 * (lo + hi)
+      lo, hi = (mid, hi) if unseen(mid) <= _UNSEEN_TARGET else (lo, mid)
+    shares[1][1] = lo
+  args = dict(active_fraction=mu_o / h, dead_fraction=dead, hottest=hottest,
+              top_shares=tuple(tuple(a) for a in shares), heavy_fraction=1.0 / m,
+              heavy_fill=fill)
+  q = testing.feature_rates(h, mu_o, dead_fraction=dead, hottest=hottest,
+                            top_shares=args["top_shares"])
+  want = np.log1p([stats["row_p50"], stats["row_p99"]])
+  err = lambda s: float(np.sum((np.log1p(_row_length_quantiles(q, s, (0.5, 0.99))) - want) ** 2))
+  grid = np.linspace(0.0, 2.0, 21)
+  best = int(np.argmin([err(s) for s in grid]))
+  lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+  golden = (math.sqrt(5.0) - 1.0) / 2.0
+  for _ in range(12):
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    lo, hi = (lo, b) if err(a) < err(b) else (a, hi)
+  return dict(args, row_spread=0.5 * (lo + hi))
+
+
+@jax.jit
+def _fires(x, w_gate):
+  return jnp.dot(x, w_gate, preferred_element_type=F32) > 0
 
 
 def generated_stats(args: dict, m: int, d: int, h: int) -> dict:
+  """`testing.activity_stats` of the gate of `ffn_inputs(key 0, m, d, h, **args)`."""
   x, wg, _, _ = testing.ffn_inputs(jax.random.key(0), m, d, h, **args)
-  act = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32) > 0)(x, wg)
-  return testing.activity_stats(np.asarray(act))
+  return testing.activity_stats(np.asarray(_fires(x, wg)))
 
 
 _JITTED: dict = {}
@@ -147,15 +217,15 @@ def run_level(shape: str, level: str, fl) -> dict:
   layers = []
   for l in range(n_layers):
     x, wg, wu, wd = xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l]
-    act = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32) > 0)(x, wg)
-    st = testing.activity_stats(np.asarray(act))
-    gen_args = fit_generator(st, min(m, 4096), d, h)
+    st = testing.activity_stats(np.asarray(_fires(x, wg)))
+    gen_args = fit_generator(st, m, h)
     row = {"layer": l, "captured": st, "generator": gen_args,
-           "generated": generated_stats(gen_args, min(m, 4096), d, h),
+           "generated": generated_stats(gen_args, m, d, h),
            **time_layer(x, wg, wu, wd, fl.impl, fl.iters, [int(k) for k in fl.hot_variants])}
     layers.append(row)
     print(f"  {level} layer {l}: active {st['active_per_token']:.1f} dead "
-          f"{st['dead_fraction']:.2f} top1% {st['top1pct_share']:.2f} hottest "
+          f"{st['dead_fraction']:.2f} top1%/10% {st['top1pct_share']:.2f}/"
+          f"{st['top10pct_share']:.2f} hottest "
           f"{st['hottest_fraction']:.2f} rows p50/p99/max {st['row_p50']:.0f}/"
           f"{st['row_p99']:.0f}/{st['row_max']} | K {row['hot_features']}: fwd "
           f"{row['fwd_ratio']:.3f} fwd+bwd {row['fwd_bwd_ratio']:.3f}"
@@ -171,8 +241,8 @@ def run_level(shape: str, level: str, fl) -> dict:
 
 
 def _print_table(results: list[dict]) -> None:
-  stat_keys = ("active_per_token", "dead_fraction", "top1pct_share", "hottest_fraction",
-               "row_p50", "row_p99", "row_max")
+  stat_keys = ("active_per_token", "dead_fraction", "top1pct_share", "top10pct_share",
+               "hottest_fraction", "row_p50", "row_p99", "row_max")
   for res in results:
     print(f"\n{res['level']} ({res['shape']}): mean fwd {res['mean_fwd_ratio']:.3f}, "
           f"fwd+bwd {res['mean_fwd_bwd_ratio']:.3f} (worst layer {res['max_fwd_ratio']:.3f} / "

@@ -1,8 +1,11 @@
-"""The benchmarks' own pieces on the CPU: specs, the L2 probe kernel (interpreter), and one
-pass of the kernel benchmark over the tiny spec in interpret mode (a smoke test of the code
-path; timings there mean nothing)."""
+"""The benchmarks' own pieces on the CPU: specs (and how the calibrated ones reproduce the
+captured layers), the L2 probe kernel (interpreter), and one pass of the kernel benchmark over
+the tiny spec in interpret mode (a smoke test of the code path; timings there mean nothing)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 from absl import app
 from absl.testing import absltest
@@ -11,9 +14,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import captured
 from benchmarks import kernels
 from benchmarks import specs
 from benchmarks.probes import l2_rows
+
+_DATA = os.path.join(os.path.dirname(__file__), "data", "real_activity_h100.json")
+_LEVELS = {"paper": "skew", "extreme": "extreme"}     # captured level -> spec name
+# How close a calibrated spec's batch lands on its captured layer: absolute for fractions and
+# shares, relative for counts per token.
+_ABSOLUTE = {"dead_fraction": 0.03, "top1pct_share": 0.08, "top10pct_share": 0.08,
+             "hottest_fraction": 0.05}
+_RELATIVE = {"active_per_token": 0.15, "row_p99": 0.3, "row_max": 0.3}
+# In 4096 tokens, features that fire only in the captured batch's rare near-dense rows or on
+# a few of its tokens fire nowhere, and the longest row is another: there only the statistics
+# that do not depend on the batch size are compared.
+_SMALL_BATCH = ("active_per_token", "top1pct_share", "top10pct_share", "hottest_fraction",
+                "row_p99")
+
+
+def _captured_layers():
+  with open(_DATA) as f:
+    data = json.load(f)["captured"]
+  return data, [(level, i, target) for level, layers in data["levels"].items()
+                for i, target in enumerate(layers)]
+
+
+def _misses(got: dict, want: dict, keys) -> list[str]:
+  out = []
+  for k in keys:
+    if k in _ABSOLUTE and abs(got[k] - want[k]) > _ABSOLUTE[k]:
+      out.append(f"{k} {got[k]:.3f} vs {want[k]:.3f}")
+    if k in _RELATIVE and abs(got[k] - want[k]) > _RELATIVE[k] * want[k]:
+      out.append(f"{k} {got[k]:.1f} vs {want[k]:.1f}")
+  return out
 
 
 class SpecsTest(absltest.TestCase):
@@ -27,6 +61,33 @@ class SpecsTest(absltest.TestCase):
   def test_unknown_spec(self):
     with self.assertRaisesRegex(KeyError, "unknown spec"):
       specs.get("paper_16x")
+
+
+class CalibratedSpecsTest(absltest.TestCase):
+  """The `paper_16k_<level>_l<i>` specs against the captured layers they reproduce
+  (tests/data/real_activity_h100.json), generated with D = 128 (the statistics do not depend
+  on D: every gate column's random part has unit norm)."""
+
+  def test_specs_reproduce_the_captured_layers(self):
+    data, layers = _captured_layers()
+    misses = []
+    for level, i, want in layers:
+      spec = specs.get(f"paper_16k_{_LEVELS[level]}_l{i}")
+      self.assertEqual(spec.m, data["tokens"])
+      for m, keys in ((spec.m, tuple(_ABSOLUTE) + tuple(_RELATIVE)), (4096, _SMALL_BATCH)):
+        got = captured.generated_stats(spec.generator_args(), m, 128, spec.h)
+        misses += [f"{level} layer {i} at M={m}: {e}" for e in _misses(got, want, keys)]
+    self.assertEqual(misses, [])
+
+  def test_fit_generator_gives_the_spec_arguments(self):
+    """The spec table is fit_generator's output: refitting two of the layers gives it back."""
+    data, layers = _captured_layers()
+    for level, i, want in (layers[1], layers[8]):
+      ref = specs.get(f"paper_16k_{_LEVELS[level]}_l{i}").generator_args()
+      fit = captured.fit_generator(want, data["tokens"], data["h"])
+      for k in ("active_fraction", "dead_fraction", "hottest", "heavy_fraction", "heavy_fill",
+                "top_shares", "row_spread"):
+        np.testing.assert_allclose(fit[k], ref[k], rtol=2e-3, atol=1e-3, err_msg=k)
 
 
 class L2ProbeTest(parameterized.TestCase):
