@@ -1,6 +1,6 @@
 r"""Text generation from a checkpoint with a KV cache.
 
-  python -m train.generate --workdir=W --prompt="def add(a, b):" [--max_new_tokens=64 \
+  python -m train.generate --workdir=W --prompt="def add(a, b):" [--max_new_tokens=48 \
       --temperature=0.8 --top_k=40 --top_p=0.95 --seed=0 --num_samples=1 --step=N]
   python -m train.generate --workdir=W --prompts_file=prompts.txt     # one prompt a line
 
@@ -37,7 +37,8 @@ GEMV whose time is reading W_gate, W_up and W_down once, so `decode_ffn="dense"`
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
 document follows the EOS of the one before, so this is how the model saw a document begin.
 A prompt plus max_new_tokens longer than the training context (data.seq_len) is refused
-(`ConfigError`) rather than silently run past what the model was trained on.
+(`ConfigError`) rather than silently run past what the model was trained on; by default
+max_new_tokens fills the context after the longest prompt (at most 128).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from train import model as model_lib
 from train import train_lib
 
 PROMPT_BUCKET = 64     # prompts are padded to a multiple of this (fewer recompiles)
+DEFAULT_MAX_NEW_TOKENS = 128
 DECODE_FFN = ("dense", "same")
 
 
@@ -280,19 +282,29 @@ class Generator:
 
   # ---- calls ----
 
-  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
                    sampling: Sampling = Sampling(), seed: int = 0,
                    stop_at_eos: bool = True) -> Generation:
-    """Completes token-id prompts (each non-empty); see the module docstring."""
+    """Completes token-id prompts (each non-empty); see the module docstring.
+
+    max_new_tokens: None fills the context after the longest prompt, at most
+    `DEFAULT_MAX_NEW_TOKENS`.
+    """
     if not prompts:
       raise train_lib.ConfigError("no prompts")
-    if max_new_tokens < 1:
-      raise train_lib.ConfigError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
       raise train_lib.ConfigError("every prompt needs at least one token (an empty text "
                                   "prompt with prefix_eos=True has one)")
     longest = int(lengths.max())
+    if longest >= self.context:
+      raise train_lib.ConfigError(
+          f"a prompt of {longest} tokens leaves no room in the context of {self.context} "
+          "tokens this model was trained on (data.seq_len); shorten the prompt")
+    if max_new_tokens is None:
+      max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.context - longest)
+    if max_new_tokens < 1:
+      raise train_lib.ConfigError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     if longest + max_new_tokens > self.context:
       raise train_lib.ConfigError(
           f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
@@ -358,7 +370,8 @@ class Generator:
     return out
 
 
-def generate(params: dict, config: Any, prompts: Sequence[str], *, max_new_tokens: int = 64,
+def generate(params: dict, config: Any, prompts: Sequence[str], *,
+             max_new_tokens: int | None = None,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_at_eos: bool = True, prefix_eos: bool = True, **generator_kwargs
              ) -> Generation:
@@ -396,7 +409,8 @@ def _define_flags():
   flags.DEFINE_string("prompts_file", None, "A text file with one prompt a line, run as one "
                       "batch.")
   flags.DEFINE_integer("num_samples", 1, "Completions per prompt (rows of the batch).")
-  flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per row at most.")
+  flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate per row at most (default: "
+                       f"up to the context, at most {DEFAULT_MAX_NEW_TOKENS}).")
   flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0: greedy.")
   flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass; 1: off.")
