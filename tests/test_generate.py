@@ -47,6 +47,13 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
           padded = jnp.asarray([seq + [0] * (32 - len(seq))])
           seq.append(int(jnp.argmax(fwd(params, padded)[0, len(seq) - 1])))
         self.assertEqual(new, seq[len(prompt):], f"scan_layers={scan}")
+    # A sparse FFN implementation at prefill and decode (the portable one on the CPU) gives
+    # the same tokens.
+    sparse = generate.Generator(params, cfg, prefill_ffn="xla", decode_ffn="same")
+    again = sparse.generate_ids(prompts, max_new_tokens=10, stop_at_eos=False,
+                                sampling=generate.Sampling(temperature=0.0))
+    self.assertEqual((again.stats["prefill_ffn"], again.stats["decode_ffn"]), ("SS", "SS"))
+    self.assertEqual(again.tokens, out.tokens)
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
