@@ -148,9 +148,17 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
       import_hf.import_checkpoint(self.hf_dir, self.workdir, cfg())
     with self.assertRaisesRegex(checkpointing.CheckpointError, "not empty"):
       export_hf.export(self.workdir, self.hf_dir)
-    # A Hugging Face directory where a workdir is expected.
+    # A Hugging Face directory where a workdir is expected; checkpoints of another program.
     with self.assertRaisesRegex(checkpointing.CheckpointError, "train.import_hf"):
       inference.load_checkpoint(self.hf_dir)
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    foreign = self.create_tempdir().full_path
+    mngr = ocp.CheckpointManager(checkpointing.checkpoint_dir(foreign), item_names=("params",))
+    mngr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.ones(3)})))
+    mngr.wait_until_finished()
+    mngr.close()
+    with self.assertRaisesRegex(checkpointing.CheckpointError, "written by another program"):
+      inference.load_checkpoint(foreign)
 
   @absltest.skipUnless(HAVE_TRANSFORMERS, "needs transformers and torch (the hf extra)")
   def test_transformers_logits_match_ours(self):

@@ -40,7 +40,15 @@ class Checkpoint:
 
 
 def _hint_for(workdir: str) -> str:
-  """A pointer for a workdir that is something else (a Hugging Face directory)."""
+  """What a workdir that holds no usable checkpoint holds instead, if it can be told: a
+  Hugging Face directory, or checkpoints another program wrote."""
+  root = checkpointing.checkpoint_dir(workdir)
+  steps = sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+  if steps:
+    items = sorted(os.listdir(os.path.join(root, str(steps[-1]))))
+    if not {"state", "meta"} <= set(items):
+      return (f" (step {steps[-1]} holds {items}, not the state / data / meta items of a "
+              "twell-jax training checkpoint: written by another program?)")
   path = os.path.join(workdir, "config.json")
   if os.path.isfile(path):
     try:
