@@ -160,6 +160,40 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     with self.assertRaisesRegex(checkpointing.CheckpointError, "written by another program"):
       inference.load_checkpoint(foreign)
 
+  def test_sentencepiece_tokenizer_goes_out_and_comes_back(self):
+    import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+    from train import model as model_lib  # pylint: disable=g-import-not-at-top
+    from train import text_corpus  # pylint: disable=g-import-not-at-top
+    texts = [t for _, t in list(text_corpus.iter_documents("train"))[:300]]
+    spm_path = os.path.join(self.create_tempdir().full_path, "tiny.model")
+    with open(spm_path, "wb") as f:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(texts), model_writer=f, vocab_size=300, model_type="bpe",
+          pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+    cfg = tu.micro_config(**{"model.vocab_size": 320, "data.tokenizer": "sentencepiece",
+                             "data.spm_model": spm_path})
+    lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
+    params = lm.init_params(jax.random.key(0))
+    hf = os.path.join(self.create_tempdir().full_path, "spm_hf")
+    export_hf.write_hf_dir(hf, params, cfg, train_lib.Trainer(cfg).tokenizer)
+    with open(os.path.join(hf, "tokenizer_config.json")) as f:
+      self.assertEqual(json.load(f)["tokenizer_class"], "LlamaTokenizer")
+    with open(os.path.join(hf, "config.json")) as f:
+      self.assertEqual(json.load(f)["eos_token_id"], 1)
+    wd = self.create_tempdir().full_path
+    self.assertEqual(import_hf.import_checkpoint(hf, wd, tu.micro_config())["tokenizer"],
+                     "sentencepiece")
+    back = inference.load_checkpoint(wd)
+    self.assertEqual(back.config.data.spm_model, os.path.join(wd, "tokenizer.model"))
+    self.assertEqual(back.tokenizer.vocab_size, 300)
+    self.assertTrue(tu.tree_equal(params, back.params))
+    # A vocabulary smaller than the tokenizer's: a clear error, nothing written.
+    self._edit_config(hf, vocab_size=256)
+    wd = self.create_tempdir().full_path
+    with self.assertRaisesRegex(train_lib.ConfigError, "tokenizer mismatch"):
+      import_hf.import_checkpoint(hf, wd, tu.micro_config())
+    self.assertEmpty(os.listdir(wd))
+
   @absltest.skipUnless(HAVE_TRANSFORMERS, "needs transformers and torch (the hf extra)")
   def test_transformers_logits_match_ours(self):
     import torch  # pylint: disable=g-import-not-at-top

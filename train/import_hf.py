@@ -99,20 +99,21 @@ def configure(cfg, workdir: str):
           f"{hf.path} ships no tokenizer this trainer reads ({hf_format.TWELL_TOKENIZER} or "
           "a SentencePiece tokenizer.model); give one with --config.init_from_hf.tokenizer="
           "config and --config.data.tokenizer / --config.data.spm_model")
-    kind, path = found
-    cfg.data.tokenizer = kind
-    if kind == "sentencepiece":
-      # The workdir keeps its own copy: it stays usable when DIR moves or goes.
-      os.makedirs(workdir, exist_ok=True)
-      dst = os.path.join(os.path.abspath(workdir), "tokenizer.model")
-      if not (os.path.isfile(dst) and filecmp.cmp(path, dst, shallow=False)):
-        shutil.copyfile(path, dst)
-      cfg.data.spm_model = dst
+    cfg.data.tokenizer, path = found
+    if path is not None:
+      cfg.data.spm_model = path
   tokenizer = data_lib.make_tokenizer(cfg.data)
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise train_lib.ConfigError(
         f"tokenizer mismatch: the {cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "
         f"ids, more than the checkpoint's vocab_size {cfg.model.vocab_size} ({where})")
+  if hf.tokenizer == "hf" and cfg.data.tokenizer == "sentencepiece":
+    # The workdir keeps its own copy: it stays usable when DIR moves or goes.
+    os.makedirs(workdir, exist_ok=True)
+    dst = os.path.join(os.path.abspath(workdir), "tokenizer.model")
+    if not (os.path.isfile(dst) and filecmp.cmp(cfg.data.spm_model, dst, shallow=False)):
+      shutil.copyfile(cfg.data.spm_model, dst)
+    cfg.data.spm_model = dst
   return cfg
 
 
