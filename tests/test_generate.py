@@ -127,8 +127,10 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     for flags, message in (
         ([f"--workdir={self.create_tempdir().full_path}", "--prompt=x"],
          "error: no checkpoints"),
-        ([f"--workdir={wd}", "--prompt=" + "x" * 40, "--max_new_tokens=8"],
-         "exceeds the context of 32 tokens")):
+        ([f"--workdir={wd}", "--prompt=" + "x" * 20, "--max_new_tokens=16"],
+         "plus max_new_tokens=16 exceeds the context of 32 tokens"),
+        ([f"--workdir={wd}", "--prompt=" + "x" * 40],
+         "a prompt of 41 tokens leaves no room in the context of 32 tokens")):
       run = tu.run([sys.executable, "-m", "train.generate", *flags],
                    JAX_DISABLE_MOST_OPTIMIZATIONS="1")
       self.assertNotEqual(run.returncode, 0)

@@ -80,6 +80,7 @@ def configure(cfg, workdir: str):
                                 f"{ACTIVATIONS}")
   if hf.tokenizer not in TOKENIZERS:
     raise train_lib.ConfigError(f"init_from_hf.tokenizer={hf.tokenizer!r} not in {TOKENIZERS}")
+  hf.path = os.path.abspath(hf.path)
   saved = _saved_config(workdir)
   if saved is not None and (saved.get("init_from_hf") or {}).get("path") == hf.path:
     cfg.model.update({k: saved["model"][k] for k in (
