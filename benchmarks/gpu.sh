@@ -16,6 +16,10 @@
 #   registers ptxas register / spill report of every kernel
 #   l2        the L2 row-gather ceiling probe
 #   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained weights)
+#   generate  trains the paper's 0.5B shape for $GEN_STEPS steps (offline corpus, byte tokenizer)
+#             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
+#             JSON per run) with the default FFN choice (dense decode) and with the sparse
+#             kernels in every layer (prefill and decode), and train.report
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -66,6 +70,28 @@ for part in "${parts[@]}"; do
     profile)
       timeout ${T_PROFILE:-500} python3 -m benchmarks.probes.forward_profile \
         --out="$OUT/forward_profile.json" 2>&1 | tee "$OUT/profile.log" | quiet | tail -150 ;;
+    generate)
+      GW=${GEN_WORKDIR:-/tmp/twell_gen_0p5b}
+      timeout ${T_GEN_TRAIN:-420} python3 -m train.main --config=configs/paper_0p5b.py \
+        --workdir="$GW" --config.data.dataset=twell_stdlib_text --config.data.tokenizer=byte \
+        --config.data.use_tfds=False --config.batch_size=8 --config.grad_accum_steps=1 \
+        --config.model.remat=False --config.num_train_steps=${GEN_STEPS:-300} \
+        --config.learning_rate=1e-3 --config.warmup_steps=100 --config.l1_coeff=${GEN_L1:-3e-5} \
+        --config.log_every=50 --config.eval_every=${GEN_STEPS:-300} --config.eval_batches=2 \
+        --config.checkpoint_every=${GEN_STEPS:-300} 2>&1 | quiet \
+        | grep -E "step [0-9]+/|eval step|rror" | tail -3 | cut -c1-600
+      # auto: prefill FFN per layer by logged activity, dense decode (the defaults);
+      # mosaic_gpu: the sparse kernels in every layer, at prefill and at decode.
+      for b in ${GEN_BATCHES:-1 16}; do
+        for ffn in auto mosaic_gpu; do
+          decode=$([ $ffn = auto ] && echo dense || echo same)
+          timeout ${T_GEN:-240} python3 -m train.generate --workdir="$GW" \
+            --prompt="def main(argv):" --num_samples=$b --max_new_tokens=256 \
+            --stop_at_eos=false --prefill_ffn=$ffn --decode_ffn=$decode \
+            --out="$OUT/generate_b${b}_$ffn.json" 2>&1 | quiet | tail -1
+        done
+      done
+      timeout 200 python3 -m train.report --workdir="$GW" --out="$OUT/report" 2>&1 | quiet | tail -1 ;;
     *) echo "unknown part: $part" ;;
   esac
 done

@@ -80,6 +80,16 @@ def get_config() -> ml_collections.ConfigDict:
       background=True,
   ))
 
+  # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):
+  # the model's shapes and tokenizer come from the directory. activation "hf" keeps its
+  # hidden_act, "relu" switches the gate to ReLU (ReLUfication, configs/relufy.py);
+  # tokenizer "hf" takes the directory's, "config" keeps data.tokenizer as set here.
+  c.init_from_hf = ml_collections.ConfigDict(dict(
+      path=config_dict.placeholder(str),
+      activation="hf",
+      tokenizer="hf",
+  ))
+
   c.log_every = 50
   c.eval_every = 1000
   c.eval_batches = 8

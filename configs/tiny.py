@@ -2,12 +2,14 @@
 
 Uses the offline corpus and a larger L1 coefficient than the paper so that
 the sparsity visibly rises within the few hundred steps of the run.
+`configs/tiny.py:dense` is the dense SiLU-gated model of the same shape (no L1): a model to
+ReLUfy (configs/relufy.py).
 """
 
 from configs import default
 
 
-def get_config():
+def get_config(variant: str | None = None):
   c = default.get_config()
   c.model.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
                  dtype="float32")
@@ -24,4 +26,4 @@ def get_config():
   c.eval_batches = 4
   c.checkpoint_every = 50
   c.keep_checkpoints = 2
-  return c
+  return default.apply_variant(c, variant)

@@ -96,3 +96,39 @@ class FastCompile:
         os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "").lower()
         in ("1", "true"))
     super().tearDownClass()
+
+
+_TRAINED: dict[str, str] = {}
+
+
+def trained_workdir(kind: str = "relu") -> str:
+  """A micro-config run trained once per test process and shared by the test modules that
+  only read it (generation, Hugging Face interop, report). Callers must not write into it.
+
+  "relu": the sparse model, 60 steps with evals and checkpoints at 30 and 60;
+  "silu": the dense SiLU-gated model (no L1), 20 steps (a model to ReLUfy).
+  """
+  if kind not in _TRAINED:
+    import atexit  # pylint: disable=g-import-not-at-top
+    import shutil  # pylint: disable=g-import-not-at-top
+    from train import train_lib  # pylint: disable=g-import-not-at-top
+    wd = tempfile.mkdtemp(prefix=f"twell_trained_{kind}_")
+    atexit.register(shutil.rmtree, wd, ignore_errors=True)
+    if kind == "relu":
+      cfg = micro_config(num_train_steps=60, log_every=10, eval_every=30,
+                         checkpoint_every=30, learning_rate=3e-3)
+    elif kind == "silu":
+      cfg = micro_config(num_train_steps=20, log_every=10, checkpoint_every=20,
+                         learning_rate=3e-3, l1_coeff=0.0, **{
+                             "model.ffn_activation": "silu",
+                             "model.ffn_implementation": "dense"})
+    else:
+      raise ValueError(kind)
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)   # cheap compiles
+    try:
+      train_lib.train_and_evaluate(cfg, wd)
+    finally:
+      jax.config.update("jax_disable_most_optimizations", before)
+    _TRAINED[kind] = wd
+  return _TRAINED[kind]

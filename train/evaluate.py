@@ -14,9 +14,9 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
-import ml_collections
 
 from train import checkpointing
+from train import inference
 from train import metrics
 from train import train_lib
 
@@ -33,18 +33,12 @@ def evaluate_checkpoint(workdir: str, step: int | None = None,
                         eval_batches: int | None = None,
                         data_dir: str | None = None) -> dict:
   """Returns the eval JSON dict for a checkpoint (see module docstring)."""
-  step, meta = checkpointing.read_meta(workdir, step)
-  cfg = ml_collections.ConfigDict(meta["config"])
+  ck = inference.load_checkpoint(workdir, step, data_dir=data_dir)
   if eval_batches:
-    cfg.eval_batches = eval_batches
-  if data_dir:
-    cfg.data.data_dir = data_dir
-  tr = train_lib.Trainer(cfg)
-  abstract = tr.abstract_state()["params"]
-  params = checkpointing.restore_params(workdir, abstract, step)
-  result = tr.evaluate(params, tr.eval_batches())
-  return {"step": step, "workdir": os.path.abspath(workdir),
-          "eval_split": cfg.data.eval_split, **result}
+    ck.config.eval_batches = eval_batches
+  result = ck.trainer.evaluate(ck.params, ck.trainer.eval_batches())
+  return {"step": ck.step, "workdir": os.path.abspath(workdir),
+          "eval_split": ck.config.data.eval_split, **result}
 
 
 def main(argv):

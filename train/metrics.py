@@ -10,6 +10,7 @@ process 0 writes; other processes log to the console only.
 import json
 import os
 import time
+from typing import Any
 
 from absl import logging
 import numpy as np
@@ -26,6 +27,34 @@ def flatten_metrics(metrics: dict) -> dict[str, float]:
       for i, x in enumerate(a.reshape(-1)):
         out[f"{k}/layer_{i}"] = float(x)
   return out
+
+
+def read_jsonl(workdir: str) -> list[dict]:
+  """The rows of DIR/metrics.jsonl in order ([] when there is none). A line cut short by a
+  crash mid-write is skipped."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except ValueError:
+        continue
+  return rows
+
+
+def _histogram_proto(summary_pb2, values, bins: int = 30):
+  """A TensorBoard HistogramProto of `values` (numpy bins over their range)."""
+  v = np.asarray(values, np.float64).reshape(-1)
+  if v.size == 0:
+    v = np.zeros(1)
+  counts, edges = np.histogram(v, bins=bins)
+  return summary_pb2.HistogramProto(
+      min=float(v.min()), max=float(v.max()), num=float(v.size), sum=float(v.sum()),
+      sum_squares=float(np.sum(v * v)), bucket_limit=[float(e) for e in edges[1:]],
+      bucket=[float(c) for c in counts])
 
 
 class MetricWriter:
@@ -60,6 +89,15 @@ class MetricWriter:
       self._tb.add_event(self._event_pb2.Event(
           wall_time=time.time(), step=int(step),
           summary=self._summary_pb2.Summary(value=values)))
+
+  def write_histograms(self, step: int, histograms: dict[str, Any], bins: int = 30):
+    """Histograms of value arrays (TensorBoard's histogram tab); not in metrics.jsonl."""
+    if self._tb is None:
+      return
+    values = [self._summary_pb2.Summary.Value(
+        tag=k, histo=_histogram_proto(self._summary_pb2, v, bins)) for k, v in histograms.items()]
+    self._tb.add_event(self._event_pb2.Event(
+        wall_time=time.time(), step=int(step), summary=self._summary_pb2.Summary(value=values)))
 
   def write_text(self, step: int, tag: str, text: str):
     """A text summary (shown in TensorBoard's text tab)."""

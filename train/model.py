@@ -139,13 +139,16 @@ class RMSNorm(nnx.Module):
     return (xf * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding (rotate-half form) of x [B, T, heads, E], positions 0..T-1."""
+def rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+  """Rotary embedding (rotate-half form) of x [B, T, heads, E] at `positions` [B, T] (default
+  0..T-1 for every row; the KV-cache decode of `train.generate` passes each row's own)."""
   t, e = x.shape[1], x.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)  # [E/2]
-  ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, E/2]
-  cos = jnp.cos(ang)[None, :, None, :]
-  sin = jnp.sin(ang)[None, :, None, :]
+  pos = (jnp.arange(t, dtype=jnp.float32)[None, :] if positions is None
+         else positions.astype(jnp.float32))
+  ang = pos[:, :, None] * inv_freq  # [B or 1, T, E/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
   xf = x.astype(jnp.float32)
   x1, x2 = xf[..., : e // 2], xf[..., e // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -167,18 +170,27 @@ class Attention(nnx.Module):
         init(rngs.params(), (cfg.d_model, cfg.n_kv_heads * e), pd))
     self.wo = nnx.Param(init(rngs.params(), (cfg.n_heads * e, cfg.d_model), pd))
 
-  def __call__(self, x):  # x [B, T, D] in the compute dtype
+  def qkv(self, x, positions=None):
+    """(q [B, T, N, E], k [B, T, K, E], v [B, T, K, E]) of x [B, T, D], RoPE at `positions`."""
     cfg, (b, t, _) = self.cfg, x.shape
     dt, e = x.dtype, cfg.head_dim
     q = (x @ self.wq[...].astype(dt)).reshape(b, t, cfg.n_heads, e)
     k = (x @ self.wk[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
     v = (x @ self.wv[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
-    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    return rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions), v
+
+  def out(self, o):
+    """The output projection of the attention result o [B, T, N, E] -> [B, T, D]."""
+    b, t = o.shape[:2]
+    return o.reshape(b, t, -1) @ self.wo[...].astype(o.dtype)
+
+  def __call__(self, x):  # x [B, T, D] in the compute dtype
+    q, k, v = self.qkv(x)
     # jax.nn.dot_product_attention handles K < N (GQA) and the causal mask;
     # softmax runs in f32 internally.
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation(cfg))
-    return o.reshape(b, t, cfg.n_heads * e) @ self.wo[...].astype(dt)
+                                     implementation=attention_implementation(self.cfg))
+    return self.out(o)
 
 
 class Block(nnx.Module):
@@ -285,6 +297,20 @@ class LanguageModel:
         jax.random.split(blocks_key, cfg.n_layers))
     return params
 
+  def outer_module(self, params: dict) -> Transformer:
+    """The embedding and final norm of `params` as a Transformer without blocks (scan layout:
+    the blocks' params, if present, are left out)."""
+    if not self.cfg.scan_layers:
+      raise ValueError("outer_module() needs scan_layers=True")
+    return _merge(self._graphdef, self._template,
+                  {k: v for k, v in params.items() if k != "blocks"})
+
+  def block_module(self, block_params: dict) -> Block:
+    """One Block module holding one layer's params (scan layout)."""
+    if not self.cfg.scan_layers:
+      raise ValueError("block_module() needs scan_layers=True")
+    return _merge(self._block_graphdef, self._block_template, block_params)
+
   def bind(self, params: dict) -> Transformer:
     """The Transformer module (loop layout only)."""
     if self.cfg.scan_layers:
@@ -363,6 +389,15 @@ def stacked_ffn(params: dict, n_layers: int) -> dict:
   names = blocks[0]["ffn"].keys()
   return {n: jnp.stack([blocks[l]["ffn"][n] for l in range(n_layers)])
           for n in names}
+
+
+def stacked_blocks(params: dict, n_layers: int) -> dict:
+  """Every block parameter with a leading [L] axis (the scan layout's `params["blocks"]`),
+  from either layout."""
+  blocks = params["blocks"]
+  if "ffn" in blocks:  # scan layout: already stacked
+    return blocks
+  return jax.tree.map(lambda *a: jnp.stack(a), *[blocks[l] for l in range(n_layers)])
 
 
 def with_stacked_ffn(params: dict, ffn: dict) -> dict:

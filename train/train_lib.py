@@ -235,6 +235,10 @@ def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
 def train_and_evaluate(cfg, workdir: str) -> dict:
   """Trains (resuming if possible); returns the last logged metrics."""
   os.makedirs(workdir, exist_ok=True)
+  hf_dir = (cfg.get("init_from_hf") or {}).get("path")
+  if hf_dir:  # shapes and tokenizer of a Hugging Face checkpoint (train/import_hf.py)
+    from train import import_hf  # pylint: disable=import-outside-toplevel
+    cfg = import_hf.configure(cfg, workdir)
   tr = Trainer(cfg)
   is_main = jax.process_index() == 0
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
@@ -251,6 +255,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     start = 0
     state = jax.jit(tr.init_state, out_shardings=tr.replicated)(
         jax.random.key(cfg.seed))
+    if hf_dir:
+      state = import_hf.initial_state(tr, state, hf_dir)
     if is_main:
       with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from twell_jax import stats as stats_lib
 
-__all__ = ["ACTIVATIONS", "dense_ffn", "reference_ffn"]
+__all__ = ["ACTIVATIONS", "dense_ffn", "activity_mask", "reference_ffn"]
 
 ACTIVATIONS = reference.ACTIVATIONS
 
@@ -31,6 +31,13 @@ def dense_ffn(x, w_gate: Optional[jax.Array], w_up, w_down, activation: str = "r
   y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down, activation)
   l1 = jnp.sum(jnp.abs(h.astype(jnp.float32))) / x.shape[0]
   return y, stats_lib.stats_from_mask(active, l1)
+
+
+def activity_mask(x, w_gate: Optional[jax.Array], w_up, activation: str = "relu"):
+  """The activity pattern [M, H] bool of the FFN on x [M, D] (what `FFNStats` counts): relu's
+  gate pre-activation > 0, h != 0 for the other activations; the dense path's own numerics."""
+  w_down = jnp.zeros((w_up.shape[1], x.shape[1]), x.dtype)  # y is not needed: XLA drops it
+  return reference.dense_ffn(x, w_gate, w_up, w_down, activation)[2]
 
 
 def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):

@@ -1,0 +1,142 @@
+"""Tests for train.generate: the KV-cache decode against the full forward, sampling, EOS,
+errors, and the command line on a trained checkpoint."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import train_test_util as tu
+from train import generate
+from train import inference
+from train import model as model_lib
+from train import train_lib
+
+
+def _random_model(scan_layers: bool, **model):
+  cfg = tu.micro_config(**{"model.scan_layers": scan_layers, "data.seq_len": 96,
+                           **{f"model.{k}": v for k, v in model.items()}})
+  lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
+  params = lm.init_params(jax.random.key(1))
+  # Larger weights than the init's 0.02: the greedy choice then depends on the whole prefix.
+  params = jax.tree.map(lambda a: a * 5 if a.ndim >= 2 else a, params)
+  return cfg, lm, params
+
+
+class GenerateTest(tu.FastCompile, absltest.TestCase):
+
+  def test_greedy_decode_with_cache_matches_the_full_forward(self):
+    prompts = [[2, 5, 9, 100], [2, 7], [2, 50, 51, 52, 53, 54, 55, 56, 57]]
+    for scan in (False, True):
+      cfg, lm, params = _random_model(scan)
+      out = generate.Generator(params, cfg).generate_ids(
+          prompts, max_new_tokens=10, sampling=generate.Sampling(temperature=0.0),
+          stop_at_eos=False)
+      self.assertEqual(out.stats["decode_steps"], 9)
+      self.assertEqual(out.stats["decode_ffn"], "DD")
+      # The reference recomputes the whole prefix every step; one padded length (causal
+      # attention: the padding after the prefix changes nothing) compiles once.
+      fwd = jax.jit(lambda p, t: lm.apply(p, t)[0])
+      for prompt, new in zip(prompts, out.tokens):
+        seq = list(prompt)
+        for _ in range(10):
+          padded = jnp.asarray([seq + [0] * (32 - len(seq))])
+          seq.append(int(jnp.argmax(fwd(params, padded)[0, len(seq) - 1])))
+        self.assertEqual(new, seq[len(prompt):], f"scan_layers={scan}")
+    # A sparse FFN implementation at prefill and decode (the portable one on the CPU) gives
+    # the same tokens.
+    sparse = generate.Generator(params, cfg, prefill_ffn="xla", decode_ffn="same")
+    again = sparse.generate_ids(prompts, max_new_tokens=10, stop_at_eos=False,
+                                sampling=generate.Sampling(temperature=0.0))
+    self.assertEqual((again.stats["prefill_ffn"], again.stats["decode_ffn"]), ("SS", "SS"))
+    self.assertEqual(again.tokens, out.tokens)
+
+  def test_sampling_filters(self):
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
+    key = jax.random.key(0)
+    draw = lambda **kw: np.asarray(generate.sample(logits, key, generate.Sampling(**kw)))
+    self.assertTrue(np.all(draw(temperature=0.0) == 0))
+    self.assertTrue(np.all(draw(temperature=1.0, top_k=1) == 0))
+    self.assertEqual(set(draw(temperature=1.0, top_k=2)), {0, 1})
+    self.assertEqual(set(draw(temperature=1.0, top_p=0.7)), {0, 1})  # 0.5 < 0.7 <= 0.8
+    self.assertEqual(set(draw(temperature=1.0)), {0, 1, 2, 3})
+    np.testing.assert_array_equal(draw(temperature=1.0), draw(temperature=1.0))
+    with self.assertRaisesRegex(train_lib.ConfigError, "top_p"):
+      generate.Sampling(top_p=0.0)
+
+  def test_stops_at_eos_and_pads_after_it(self):
+    cfg, _, params = _random_model(False)
+    # Every embedding row points the same way, EOS's furthest: the tied head always
+    # prefers EOS once the blocks are zeroed.
+    u = jax.random.normal(jax.random.key(2), (cfg.model.d_model,))
+    scale = jnp.ones((cfg.model.vocab_size,)).at[2].set(3.0)
+    params = {**params, "embed": scale[:, None] * u[None, :],
+              "blocks": jax.tree.map(jnp.zeros_like, params["blocks"])}
+    gen = generate.Generator(params, cfg)
+    greedy = generate.Sampling(temperature=0.0)
+    out = gen.generate_ids([[5, 6], [7]], max_new_tokens=6, sampling=greedy)
+    self.assertEqual(out.tokens, [[], []])
+    self.assertEqual(out.finished, [True, True])
+    self.assertEqual(out.stats["decode_steps"], 0)
+    out = gen.generate_ids([[5, 6]], max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+    self.assertEqual(out.stats["decode_steps"], 5)
+
+  def test_prompt_longer_than_the_context_is_refused(self):
+    cfg, _, params = _random_model(False)
+    gen = generate.Generator(params, cfg)
+    with self.assertRaisesRegex(train_lib.ConfigError, "exceeds the context of 96"):
+      gen.generate_ids([[3] * 90], max_new_tokens=7)
+    with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn"):
+      generate.Generator(params, cfg, decode_ffn="sparse")
+
+  def test_text_api_and_cli_on_a_trained_checkpoint(self):
+    wd = tu.trained_workdir("relu")
+    ck = inference.load_checkpoint(wd)
+    out = generate.generate(ck.params, ck.config, ["def ", "import"], max_new_tokens=12,
+                            top_k=20, top_p=0.9, seed=3)
+    self.assertLen(out.texts, 2)
+    self.assertTrue(all(isinstance(t, str) for t in out.texts))
+    self.assertGreater(out.stats["decode_tokens_per_s"], 0)
+    self.assertEqual(out.stats["ffn_implementations"], ["dense"])  # the CPU: dense only
+    again = generate.generate(ck.params, ck.config, ["def ", "import"], max_new_tokens=12,
+                              top_k=20, top_p=0.9, seed=3)
+    self.assertEqual(again.tokens, out.tokens)
+
+    prompts = os.path.join(self.create_tempdir().full_path, "prompts.txt")
+    with open(prompts, "w") as f:
+      f.write("def add(a, b):\n\nclass Foo:\n")
+    result = prompts + ".json"
+    run = tu.run([sys.executable, "-m", "train.generate", f"--workdir={wd}",
+                  f"--prompts_file={prompts}", "--num_samples=2", "--max_new_tokens=8",
+                  "--temperature=0.7", "--top_k=40", f"--out={result}"],
+                 JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    self.assertEqual(run.returncode, 0, run.stderr[-3000:])
+    self.assertIn("tokens/s", run.stdout)
+    self.assertIn("=== 3\nclass Foo:", run.stdout)
+    with open(result) as f:
+      saved = json.load(f)
+    self.assertLen(saved["completions"], 4)
+    self.assertEqual(saved["step"], 60)
+
+  def test_cli_errors_are_one_line(self):
+    wd = tu.trained_workdir("relu")
+    for flags, message in (
+        ([f"--workdir={self.create_tempdir().full_path}", "--prompt=x"],
+         "error: no checkpoints"),
+        ([f"--workdir={wd}", "--prompt=" + "x" * 20, "--max_new_tokens=16"],
+         "plus max_new_tokens=16 exceeds the context of 32 tokens"),
+        ([f"--workdir={wd}", "--prompt=" + "x" * 40],
+         "a prompt of 41 tokens leaves no room in the context of 32 tokens")):
+      run = tu.run([sys.executable, "-m", "train.generate", *flags],
+                   JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+      self.assertNotEqual(run.returncode, 0)
+      self.assertIn(message, run.stderr)
+      self.assertNotIn("Traceback", run.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
