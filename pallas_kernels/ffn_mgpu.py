@@ -12,12 +12,13 @@ Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
     tile; true counts kept). The dense [M, H] activation is never written.
  2. ``sparse_up_down_mgpu.sparse_up_down``: per row, over the packed entries, gathers W_up^T rows
     (gated) and W_down rows, computes h and accumulates y in f32.
- 3. Overflow rows (some tile count > S) are skipped by step 2 and recomputed exactly by a dense
-    XLA FFN (``reference.dense_ffn``) on those rows, gathered up to a static capacity R
-    (``overflow_capacity``). One ``lax.switch`` after the kernels: no overflow, the fix-up of
-    at most R rows, or the dense XLA FFN on the whole batch (more than R overflowing rows, or
-    a NaN / infinity in the up or down weights, which the dense FFN spreads to every row).
-    Nothing is truncated; ``stats["overflow_rows"]`` counts the rows that took a dense path.
+ 3. Overflow rows (some tile count > S, or more than ``max_row_entries`` entries) are skipped
+    by step 2 and recomputed exactly by a dense XLA FFN (``reference.dense_ffn``) on those
+    rows, gathered up to a static capacity R (``overflow_capacity``). One ``lax.switch`` after
+    the kernels: no overflow, the fix-up in the smallest static bucket that holds the
+    overflowing rows, or the dense XLA FFN on the whole batch (more than R overflowing rows,
+    or a NaN / infinity in a weight, which the dense FFN spreads to every row). Nothing is
+    truncated; ``stats["overflow_rows"]`` counts the rows that took a dense path.
 NaN and infinities propagate as through the dense FFN: a NaN gate pre-activation is packed as
 an active NaN entry (relu(NaN) = NaN), a row with a non-finite x overflows (all its gates are
 non-finite) and is recomputed densely, and non-finite weights take the dense path.
@@ -53,17 +54,23 @@ class ForwardConfig:
     which is what sorting the hidden features by popularity gives
     (``twell_jax.sort_features``). Real L1-trained layers have tens to hundreds of such
     features holding 90-99% of all active entries.
+  ``max_row_entries``: rows with more packed entries take the dense fix-up too: the fused
+    kernel walks a row's entries in one CTA, so a row of hundreds of cold entries (real
+    layers have a few near-dense rows) would outlast the whole batch's other rows.
   ``overflow_capacity``: R, rows the exact dense path for overflowing rows holds (None:
     ``default_overflow_capacity``, M/4); it runs in the smallest of the static sizes R/16,
     R/4, R that holds the batch's overflowing rows (its cost is that of a dense FFN on those
     rows), and more overflowing rows switch the whole batch to the dense FFN.
   """
   hot_features: int = 0
+  max_row_entries: int = 128
   overflow_capacity: int | None = None
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
   up_down: sparse_up_down_mgpu.UpDownConfig = sparse_up_down_mgpu.UpDownConfig()
 
   def __post_init__(self):
+    if self.max_row_entries < 1:
+      raise ValueError(f"{self.max_row_entries=} must be >= 1")
     if self.overflow_capacity is not None and self.overflow_capacity < 1:
       raise ValueError(f"{self.overflow_capacity=} must be >= 1 or None")
     if self.hot_features < 0 or self.hot_features % common.TILE_N:
@@ -166,7 +173,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, col_start=k_hot,
                                              config=config.gate, interpret=interpret)
     cnt = counts.reshape(mp, n_tiles, common.COUNT_LANES)[..., 0]
-  row_over = jnp.any(cnt > slots, axis=1) & valid_row
+  row_over = ((jnp.any(cnt > slots, axis=1) | (jnp.sum(cnt, axis=1) > config.max_row_entries))
+              & valid_row)
   n_over = jnp.sum(row_over.astype(jnp.int32))
   live = ~row_over & valid_row
 

@@ -59,7 +59,8 @@ def _sampled_h(x, x_gmem, r, wup_gmem, j, g):
   return (g * u).astype(jnp.bfloat16).astype(jnp.float32)
 
 
-# Tile counts a row's walk loads at once (independent loads: one L2 round trip per chunk).
+# Tiles whose counts and first words a row's walk loads at once (independent loads: one L2
+# round trip per chunk of tiles instead of one per tile).
 _COUNT_CHUNK = 8
 
 
@@ -67,39 +68,33 @@ def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, e
   """Folds ``entry(t, k, w, state) -> state`` over the valid packed entries of row r (none
   unless ``ok``), tile by tile.
 
-  With the hot features computed densely, most of a row's tiles hold no entry; a walk that
-  loaded each tile's count after the last one's entries paid an L2 round trip per tile
-  (0.2 ms per call at the paper shape for one or two entries per row). So the counts come
-  ``_COUNT_CHUNK`` tiles at a time, as independent loads, and a tile without entries costs a
-  few instructions; inside a tile the next entry's word is loaded before ``entry`` issues the
-  current entry's weight rows.
+  The counts and first words of ``_COUNT_CHUNK`` tiles are loaded together, as independent
+  loads, so that neither a run of empty tiles (most of a row's tiles once the hot features
+  are dense) nor a tile's first entry waits for an L2 round trip of its own; inside a tile
+  the next entry's word is loaded before ``entry`` issues the current entry's weight rows.
   """
   chunk = min(_COUNT_CHUNK, n_tiles)
   n_chunks = -(-n_tiles // chunk)
+  pick = lambda values, i: functools.reduce(
+      lambda acc, iv: jnp.where(i == iv[0], iv[1], acc), enumerate(values[1:], 1), values[0])
 
   def chunk_body(c, state):
-    base = c * chunk
-    counts = [jnp.where(ok & (base + i < n_tiles),
-                        jnp.minimum(counts_gmem[r, jnp.minimum(base + i, n_tiles - 1)
-                                                * common.COUNT_LANES], slots), 0)
-              for i in range(chunk)]
+    tiles = [jnp.minimum(c * chunk + i, n_tiles - 1) for i in range(chunk)]
+    counts = [jnp.where(ok & (c * chunk + i < n_tiles),
+                        jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+              for i, t in enumerate(tiles)]
+    firsts = [words_gmem[r, t * slots] for t in tiles]
 
     def tile_body(i, state):
-      t = base + i
-      cnt = functools.reduce(lambda acc, ic: jnp.where(i == ic[0], ic[1], acc),
-                             enumerate(counts), jnp.int32(0))
+      t = c * chunk + i
 
-      def walk_tile(state):
-        def entry_body(k, carry):
-          state, w = carry
-          w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
-          return entry(t, k, w, state), w_next
+      def entry_body(k, carry):
+        state, w = carry
+        w_next = words_gmem[r, t * slots + jnp.minimum(k + 1, slots - 1)]
+        return entry(t, k, w, state), w_next
 
-        state, _ = lax.fori_loop(0, cnt, entry_body, (state, words_gmem[r, t * slots]))
-        return state
-
-      # Uniform across the CTA (it works on one row): empty tiles issue no load.
-      return lax.cond(cnt > 0, walk_tile, lambda s: s, state)
+      state, _ = lax.fori_loop(0, pick(counts, i), entry_body, (state, pick(firsts, i)))
+      return state
 
     return lax.fori_loop(0, chunk, tile_body, state)
 

@@ -55,7 +55,8 @@ def default_config(m: int, d: int, h: int, *, interpret: bool = False, ell_width
   return MosaicConfig(
       train=ffn_train_mgpu.hybrid_config(m, d, h, ell_width, tail_rows,
                                          hot_features=hot_features),
-      forward=ffn_mgpu.ForwardConfig(hot_features=hot_features), interpret=bool(interpret))
+      forward=ffn_mgpu.ForwardConfig(hot_features=hot_features, max_row_entries=ell_width),
+      interpret=bool(interpret))
 
 
 def ffn_with_config(cfg: MosaicConfig, x, w_gate, w_up, w_down):
