@@ -210,3 +210,42 @@ def test_mosaic_gpu_in_interpreter_through_public_api():
   np.testing.assert_array_equal(np.asarray(st.fired), _active_mask(x, wg, wu).any(0))
   y_auto = tj.ffn(x, wg, wu, wd, interpret=True)   # None picks the kernels when interpreting
   np.testing.assert_array_equal(np.asarray(y_auto, np.float32), np.asarray(y, np.float32))
+
+
+_IMPLEMENTATIONS = [None, *tj.api.IMPLEMENTATIONS]
+
+
+@pytest.mark.parametrize("implementation", _IMPLEMENTATIONS, ids=str)
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ell_width=0), r"ell_width must be a Python int >= 1; got 0"),
+    (dict(ell_width=-4), r"ell_width must be a Python int >= 1; got -4"),
+    (dict(ell_width=2.5), r"ell_width must be a Python int >= 1; got 2.5 \(float\)"),
+    (dict(ell_width=True), r"ell_width must be a Python int >= 1; got True \(bool\)"),
+    (dict(tail_rows=-1), r"tail_rows must be a Python int >= 0, or None \(M/8\); got -1"),
+    (dict(tail_rows=jnp.int32(3)), r"tail_rows must be a Python int >= 0"),
+    (dict(interpret="yes"), r"interpret must be True or False; got 'yes'"),
+])
+def test_bad_option_is_the_same_value_error_for_every_implementation(implementation, kwargs, match):
+  """One validation for every implementation: it runs before any of them."""
+  x, wg, wu, wd = _w(16, 32), _w(32, 256), _w(32, 256), _w(256, 32)
+  kwargs = dict(dict(interpret=True), **kwargs)   # lets mosaic_gpu get past the backend check
+  with pytest.raises(ValueError, match=match):
+    tj.ffn(x, wg, wu, wd, implementation=implementation, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", _IMPLEMENTATIONS, ids=str)
+def test_bad_shapes_are_the_same_value_error_for_every_implementation(implementation):
+  with pytest.raises(ValueError, match=r"D >= 1 and H >= 1"):
+    tj.ffn(_w(4, 8), None, _w(8, 0), _w(0, 8), implementation=implementation, interpret=True)
+  with pytest.raises(ValueError, match=r"w_down must have shape \[H, D\] = \(16, 8\)"):
+    tj.ffn(_w(4, 8), _w(8, 16), _w(8, 16), _w(16, 9), implementation=implementation,
+           interpret=True)
+
+
+def test_zero_tail_rows_is_exact():
+  """tail_rows=0 is allowed: any heavy row sends the call to the dense path."""
+  x, wg, wu, wd = ffn_inputs(jax.random.key(12), 40, 32, 256, active_fraction=0.05,
+                             heavy_fraction=0.1)
+  y, st = tj.ffn(x, wg, wu, wd, implementation="xla", ell_width=16, tail_rows=0,
+                 return_stats=True)
+  assert int(st.overflow_rows) > 0 and _rel(y, tj.reference_ffn(x, wg, wu, wd)[0]) < TOL["y"]
