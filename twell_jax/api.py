@@ -58,7 +58,8 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
   Raises:
     ValueError: a bad argument (`twell_jax.validation`: ranks, shapes, dtypes, activation,
       implementation, ell_width, tail_rows, interpret), whichever the implementation.
-    NotImplementedError: implementation="mosaic_gpu" cannot run this call here.
+    NotImplementedError: implementation="mosaic_gpu" cannot run this call here, or a
+      sparse implementation is asked for forward-mode derivatives (jax.jvp).
   """
   d, _ = validation.ffn_arguments(
       x, w_gate, w_up, w_down, activation=activation, implementation=implementation,
@@ -74,6 +75,16 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
     reason = impl.unsupported(call)
     if reason is not None:
       raise NotImplementedError(f"implementation={impl.name!r} cannot run this call: {reason}.")
-    y2, st = impl.run(call, x2, w_gate, w_up, w_down)
+    try:
+      y2, st = impl.run(call, x2, w_gate, w_up, w_down)
+    except TypeError as e:
+      # jax.jvp of a jax.custom_vjp function; the sparse implementations define their
+      # derivatives in reverse mode only (sparse backward kernels, no tangent kernels).
+      if "forward-mode autodiff" not in str(e):
+        raise
+      raise NotImplementedError(
+          f"implementation={impl.name!r} is differentiable in reverse mode only (jax.grad, "
+          "jax.vjp, jax.linearize); for forward mode (jax.jvp, jax.jacfwd, jax.hessian) use "
+          "implementation='dense', the same function.") from e
   y = y2.reshape(lead + (d,))
   return (y, st) if return_stats else y
