@@ -27,6 +27,10 @@ class ConfigsTest(parameterized.TestCase):
       ("paper_2b", paper_2b.get_config(), 1.95e9, 2.1e9),
   )
   def test_size(self, cfg, lo, hi):
+    if cfg.data.tokenizer == "sentencepiece":  # the paper configs name it on the command line
+      with self.assertRaisesRegex(train_lib.ConfigError, "config.data.spm_model=None"):
+        train_lib.check_config(cfg, n_devices=1, n_processes=1)
+      cfg.data.spm_model = __file__   # any existing file passes the check
     train_lib.check_config(cfg, n_devices=1, n_processes=1)
     n = _n_params(cfg)
     self.assertBetween(n, lo, hi)
