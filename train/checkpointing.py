@@ -68,6 +68,8 @@ def steps_on_disk(workdir: str) -> list[int]:
 
 
 def _write_failed(mngr: ocp.CheckpointManager, e: Exception) -> "CheckpointError":
+  _silence_damaged_read_noise()
+  _mark_failed(str(mngr.directory))
   complete = steps_on_disk(os.path.dirname(str(mngr.directory)))
   kept = (f"the complete checkpoints are steps {complete}; rerun the same command to "
           f"resume from step {complete[-1]}" if complete else "no complete checkpoint exists")
@@ -130,40 +132,45 @@ def _quarantine(workdir: str, step: int) -> str:
   return dst
 
 
-# Directories of steps this process found unreadable (see _mark_damaged).
-_DAMAGED_STEP_DIRS: set[str] = set()
+# Directories whose checkpoint reads or writes failed and were reported (see _mark_failed).
+_FAILED_DIRS: set[str] = set()
+
+
+def _mark_failed(path: str) -> None:
+  """Remembers a directory already reported so the noise its failure leaves is dropped."""
+  _FAILED_DIRS.update({path.rstrip(os.sep) + os.sep, os.path.realpath(path) + os.sep})
 
 
 def _mark_damaged(workdir: str, step: int) -> None:
-  """Remembers a damaged step so the read noise it leaves behind is dropped."""
-  path = os.path.join(checkpoint_dir(workdir), str(step)) + os.sep
-  _DAMAGED_STEP_DIRS.update({path, os.path.realpath(path) + os.sep})
+  _mark_failed(os.path.join(checkpoint_dir(workdir), str(step)))
 
 
 class _DamagedStepNoise(logging_std.Filter):
-  """Drops asyncio's reports about reads of a step already reported damaged.
+  """Drops asyncio's reports about checkpoint reads and writes already reported failed.
 
   When one array of a damaged step fails, orbax abandons the restore while
-  tensorstore is still finishing the reads of its sibling arrays. Those fail
-  too, and when the abandoned futures are garbage-collected asyncio logs
+  tensorstore is still finishing the reads of its sibling arrays; when one
+  write fails (a full disk), the sibling writes fail too. Those failures
+  surface when the abandoned futures are garbage-collected: asyncio logs
   "Future/Task exception was never retrieved" with a full traceback, once
   per array, at a moment that depends on thread timing (so a run may or may
-  not print them). The user already has one clear warning per damaged step;
-  only records that name a damaged step's directory are dropped.
+  not print them, possibly after the error that ends it). The user already
+  has one clear message per failure; only records that name a failed
+  directory are dropped.
   """
 
   def filter(self, record):
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
       text += str(record.exc_info[1])
-    return not any(path in text for path in _DAMAGED_STEP_DIRS)
+    return not any(path in text for path in _FAILED_DIRS)
 
 
 def _silence_damaged_read_noise():
-  """Installs (once) the filters for the noise a failed restore leaves.
+  """Installs (once) the filters for the noise a failed restore or write leaves.
 
-  * asyncio's "exception was never retrieved" records about damaged steps
-    (`_DamagedStepNoise`);
+  * asyncio's "exception was never retrieved" records about failed
+    directories (`_DamagedStepNoise`);
   * "Event loop is closed": tensorstore keeps completing reads and calls
     back into orbax's already closed asyncio loop; Python reports each as an
     unraisable RuntimeError with a traceback. Only these are filtered; every
