@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 
 ITEMS = ("state", "data", "meta")
 
+
 class CheckpointError(Exception):
   """A checkpoint problem the user must resolve; printed without traceback."""
 
@@ -71,10 +72,12 @@ def _write_failed(mngr: ocp.CheckpointManager, e: Exception) -> "CheckpointError
   _silence_damaged_read_noise()
   _mark_failed(str(mngr.directory))
   complete = steps_on_disk(os.path.dirname(str(mngr.directory)))
-  kept = (f"the complete checkpoints are steps {complete}; rerun the same command to "
-          f"resume from step {complete[-1]}" if complete else "no complete checkpoint exists")
+  then = (f"the complete checkpoints are steps {complete}; rerun the same command to resume "
+          f"from step {complete[-1]} once the cause (disk space, permissions) is fixed."
+          if complete else "no checkpoint is complete yet; fix the cause (disk space, "
+          "permissions) and rerun.")
   return CheckpointError(f"writing a checkpoint to {mngr.directory} failed ({_short(e)}); "
-                         f"{kept} once the cause (disk space, permissions) is fixed.")
+                         + then)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict,
@@ -240,30 +243,18 @@ def restore_latest(workdir: str, abstract_state: Any, *, allow_fresh_start: bool
   steps = sorted(mngr.all_steps(), reverse=True)
   errors = []
   for step in steps:
+    misfit = None
     try:
       misfit = _misfit(mngr, step, abstract_state)
-    except Exception as e:  # pylint: disable=broad-except
-      misfit, damage = None, e
-    else:
-      damage = None
-    if misfit is not None:
-      mngr.close()
-      raise CheckpointError(
-          f"checkpoint step {step} in {checkpoint_dir(workdir)} does not fit the model of "
-          f"this config: {misfit}. Nothing was moved. Resume with the config that wrote "
-          "it (WORKDIR/config.json), or start this config in a new --workdir.")
-    if damage is None:
-      try:
+      if misfit is None:
         out = mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
-      except Exception as e:  # pylint: disable=broad-except
-        damage = e
-    if damage is not None:
+    except Exception as e:  # pylint: disable=broad-except
       # Orbax raises many types (ValueError, FileNotFoundError, tensorstore
       # errors...) for a damaged step; all mean "not usable".
-      msg = _short(damage)
+      msg = _short(e)
       _mark_damaged(workdir, step)
       errors.append(f"step {step}: {msg}")
       mngr.close()
@@ -272,6 +263,12 @@ def restore_latest(workdir: str, abstract_state: Any, *, allow_fresh_start: bool
                       "and trying an older one.", step, msg, moved)
       mngr = make_manager(workdir, **manager_kwargs)
       continue
+    if misfit is not None:
+      mngr.close()
+      raise CheckpointError(
+          f"checkpoint step {step} in {checkpoint_dir(workdir)} does not fit the model of "
+          f"this config: {misfit}. Nothing was moved. Resume with the config that wrote "
+          "it (WORKDIR/config.json), or start this config in a new --workdir.")
     return mngr, {"step": step, "state": out.state, "data": out.data,
                   "meta": out.meta}
   if errors:

@@ -150,23 +150,23 @@ def _check_consistency(cfg, n_devices: int, n_processes: int):
                       "tokenizer='sentencepiece' needs the path of a SentencePiece model file")
 
 
-def _ffn_implementations(cfg, tokens: int) -> list[tuple[str, str]]:
-  """(config field, implementation) of every FFN implementation the run may use."""
+def _sparse_implementation(cfg, tokens: int) -> tuple[str, str]:
+  """(config field, implementation) of the FFN the run uses where it is not dense."""
   from twell_jax import api  # pylint: disable=g-import-not-at-top
   mc = cfg.model
   named = mc.ffn_implementation
   if named not in (None, "", "auto"):
-    return [("model.ffn_implementation", named)]
+    return "model.ffn_implementation", named
   lc = cfg.get("layer_choice")
   if lc is not None and lc.enabled and lc.sparse != "auto" and mc.ffn_activation == "relu":
-    return [("layer_choice.sparse", lc.sparse)]
+    return "layer_choice.sparse", lc.sparse
   dt = model_lib.DTYPES[mc.dtype]
   sds = jax.ShapeDtypeStruct
   picked = api.default_implementation(
       sds((tokens, mc.d_model), dt), sds((mc.d_model, mc.d_ff), dt) if mc.ffn_gated else None,
       sds((mc.d_model, mc.d_ff), dt), sds((mc.d_ff, mc.d_model), dt), mc.ffn_activation,
       interpret=bool(mc.get("interpret", False)))
-  return [("model.ffn_implementation", picked)]
+  return "model.ffn_implementation", picked
 
 
 def _check_backend(cfg, n_devices: int):
@@ -175,22 +175,22 @@ def _check_backend(cfg, n_devices: int):
   mc = cfg.model
   interpret = bool(mc.get("interpret", False))
   tokens = max(1, cfg.batch_size // cfg.grad_accum_steps // n_devices) * cfg.data.seq_len
-  for field, name in _ffn_implementations(cfg, tokens):
-    call = registry.Call(m=tokens, d=mc.d_model, h=mc.d_ff, gated=mc.ffn_gated,
-                         dtype=jnp.dtype(model_lib.DTYPES[mc.dtype]),
-                         activation=mc.ffn_activation, interpret=interpret, ell_width=128,
-                         tail_rows=None)
-    reason = registry.get(name).unsupported(call)
-    if reason is not None:
-      if name == "mosaic_gpu" and not interpret:
-        reason += (" (here: --config.model.interpret=True; slow, and the kernels need "
-                   "model.dtype='bfloat16')")
-      raise ConfigError(f"config.{field}={name!r} cannot run here: {reason}; 'dense' and "
-                        "'xla' run on every backend")
-    if name == "mosaic_gpu" and interpret and mc.remat:
-      raise ConfigError("config.model.remat=True: JAX refuses jax.checkpoint under "
-                        "differentiation around the interpreter's kernels "
-                        "(model.interpret=True); set model.remat=False")
+  field, name = _sparse_implementation(cfg, tokens)
+  call = registry.Call(m=tokens, d=mc.d_model, h=mc.d_ff, gated=mc.ffn_gated,
+                       dtype=jnp.dtype(model_lib.DTYPES[mc.dtype]),
+                       activation=mc.ffn_activation, interpret=interpret, ell_width=128,
+                       tail_rows=None)
+  reason = registry.get(name).unsupported(call)
+  if reason is not None:
+    if name == "mosaic_gpu" and not interpret:
+      reason += (" (here: --config.model.interpret=True; slow, and the kernels need "
+                 "model.dtype='bfloat16')")
+    raise ConfigError(f"config.{field}={name!r} cannot run here: {reason}; 'dense' and "
+                      "'xla' run on every backend")
+  if name == "mosaic_gpu" and interpret and mc.remat:
+    raise ConfigError("config.model.remat=True: JAX refuses jax.checkpoint under "
+                      "differentiation around the interpreter's kernels "
+                      "(model.interpret=True); set model.remat=False")
   if mc.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ConfigError(f"config.model.attention='cudnn' needs a GPU (default backend is "
                       f"{jax.default_backend()!r}); use 'auto' or 'xla'")
