@@ -27,6 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
       scan_layers=False,      # lax.scan over stacked layers: depth-independent
                               # compile time (checkpoints differ in layout)
       attention="auto",       # "cudnn" flash attention on GPUs (bf16), else "xla"
+      interpret=False,        # run the FFN kernels in the Mosaic GPU interpreter (CPU,
+                              # slow; with ffn_implementation=mosaic_gpu and bfloat16)
   ))
 
   c.data = ml_collections.ConfigDict(dict(

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -42,6 +43,45 @@ def round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+def zeros_varying_like(shape, dtype, *like):
+  """Zeros that vary over every manual mesh axis any of ``like`` varies over (shard_map).
+
+  Inside shard_map a value's type includes the mesh axes it varies over, and the branches
+  of a ``lax.cond`` / ``lax.switch``, a scan carry and a custom VJP's cotangents must agree
+  on it. ``zeros_like`` keeps its argument's axes without reading its values; outside
+  shard_map this is plain zeros.
+  """
+  like = [a for a in like if a is not None]
+  if not like:
+    return jnp.zeros(shape, dtype)
+  return sum(jnp.zeros_like(a, shape=shape, dtype=dtype) for a in like)
+
+
+def vary_together(*arrays):
+  """``arrays`` (None kept) typed to vary over the union of their manual mesh axes.
+
+  A custom VJP's backward must return each cotangent with its input's type. When x varies
+  over a shard_map axis and the weights do not (data parallel), the weight gradients
+  computed from x vary too; casting the weights to vary like x before the custom VJP lets
+  JAX's transpose of that cast sum them over the axis, outside the rule and outside any
+  conditional. Adds zeros (folded by XLA).
+  """
+  return tuple(None if a is None else a + zeros_varying_like(a.shape, a.dtype, *arrays)
+               for a in arrays)
+
+
+def call_kernel(kernel, *args):
+  """``kernel(*args)`` with its outputs typed to vary like its inputs.
+
+  A Pallas kernel's outputs are typed from its ``out_type``, which names no mesh axes, so
+  inside shard_map they would look invariant across devices although each device computes
+  its own; code that mixes them with XLA values (a ``lax.switch`` over a dense path) then
+  fails to type-check.
+  """
+  return jax.tree.map(lambda o: o + zeros_varying_like(o.shape, o.dtype, *args),
+                      kernel(*args))
+
+
 def pad_to(a, shape):
   """``a`` zero-padded at the end of each axis to ``shape`` (None stays None)."""
   if a is None or tuple(a.shape) == tuple(shape):
@@ -49,9 +89,16 @@ def pad_to(a, shape):
   return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
 
 
+# SM count of the abstract device the interpreter runs kernels on (see interpret_context).
+_INTERPRET_SMS = contextvars.ContextVar("interpret_sms", default=None)
+
+
 def num_sms() -> int:
-  if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
+  abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract_device is not None and abstract_device.num_cores:
     return abstract_device.num_cores
+  if (interpret_sms := _INTERPRET_SMS.get()) is not None:
+    return interpret_sms
   dev = backend.get_default_device()
   return getattr(dev, "core_count", None) or 132
 
@@ -71,9 +118,20 @@ def on_hopper() -> bool:
 
 @contextlib.contextmanager
 def interpret_context(interpret: bool, num_cores: int = 8):
-  """An abstract GPU device for the SM-count lookups when interpreting on the CPU."""
-  if not interpret or jax.sharding.get_abstract_mesh().abstract_device is not None:
+  """An abstract GPU device for the SM-count lookups when interpreting on the CPU.
+
+  Inside shard_map the abstract mesh is the (CPU) mesh being mapped over, which must stay
+  in place; there `num_cores` reaches `num_sms` through a context variable instead.
+  """
+  if not interpret:
     yield
+    return
+  if jax.sharding.get_abstract_mesh().abstract_device is not None:
+    token = _INTERPRET_SMS.set(num_cores)
+    try:
+      yield
+    finally:
+      _INTERPRET_SMS.reset(token)
     return
   mesh = jax.sharding.AbstractMesh(
       (), (),

@@ -121,4 +121,4 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None,
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_up_down" if gated else "twell_train_down",
     )
-    return f(x, cols, p, n, w_up_t, w_down, y_init)
+    return common.call_kernel(f, x, cols, p, n, w_up_t, w_down, y_init)

@@ -273,8 +273,8 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   l1_ell = jnp.sum(l1_rows) + l1_hot
   r = cfg.tail_rows
   # Tail residuals (gate rows, up rows) of a branch that has none; non-gated: no up rows.
-  zp = jnp.zeros((r, cfg.hp), dt)
-  zu = jnp.zeros((r, cfg.hp if gated else 0), dt)
+  zp = common.zeros_varying_like((r, cfg.hp), dt, xp, w_in)
+  zu = common.zeros_varying_like((r, cfg.hp if gated else 0), dt, xp, w_in)
 
   def tail(rb):
     def f(y, u):

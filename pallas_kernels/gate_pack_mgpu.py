@@ -493,7 +493,7 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_gate_pack",
     )
-    return f(x, w)
+    return common.call_kernel(f, x, w)
 
 
 def unpack_to_dense(words, counts, n: int, compression: int = 8, dtype=jnp.bfloat16):

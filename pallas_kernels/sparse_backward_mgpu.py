@@ -140,7 +140,7 @@ def ell_dh(dy, cols, p, u, n, c, w_down, *, config: common.GatherConfig = common
         grid=(m,), grid_names=("r",), compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_bwd_dh" + ("" if gated else "_ng"))
-    du, dg = f(dy, cols, p, u, n, c.astype(_F32).reshape(1), w_down)
+    du, dg = common.call_kernel(f, dy, cols, p, u, n, c.astype(_F32).reshape(1), w_down)
   return (du if gated else None), dg
 
 
@@ -291,8 +291,8 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
-    dwd, du, dg, du_ell, dg_ell = f(dy, w_down, col_ptr, rows, p, u,
-                                    c.astype(_F32).reshape(1), ids)
+    dwd, du, dg, du_ell, dg_ell = common.call_kernel(f, dy, w_down, col_ptr, rows, p, u,
+                                                     c.astype(_F32).reshape(1), ids)
   return (dwd, (du if gated else None), dg,
           du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
 
@@ -326,7 +326,7 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
         compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_train_bwd_dx" + ("" if gated else "_ng"))
-    return f(cols, n, du, dg, w_up_t, w_gate_t, dx_init)
+    return common.call_kernel(f, cols, n, du, dg, w_up_t, w_gate_t, dx_init)
 
 
 def column_sums(a, col_ptr, rows, *coefs, config: common.GatherConfig = common.GatherConfig(),
@@ -345,10 +345,11 @@ def column_sums(a, col_ptr, rows, *coefs, config: common.GatherConfig = common.G
     raise ValueError(f"column_sums: bad shapes {a.shape=} {rows.shape=} "
                      f"{[c.shape for c in coefs]}")
   with common.interpret_context(bool(interpret)):
-    return plgpu.kernel(
+    f = plgpu.kernel(
         functools.partial(_cols_one_kernel, n_out=len(coefs), group=config.group,
                           rows_ahead=config.rows_ahead),
         out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
         grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret), kernel_name=name,
-    )(a, col_ptr, rows, *coefs)
+    )
+    return common.call_kernel(f, a, col_ptr, rows, *coefs)

@@ -182,4 +182,4 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
         interpret=common.interpret_params(interpret),
         kernel_name="twell_up_down" if gated else "twell_down",
     )
-    return f(x, words, counts, row_ok, w_up_t, w_down, y_init)
+    return common.call_kernel(f, x, words, counts, row_ok, w_up_t, w_down, y_init)

@@ -4,7 +4,11 @@
   those of an uninterrupted run bit for bit (same machine, same program).
 * A damaged latest checkpoint is moved aside and training resumes from the
   previous one (again ending bit-identical); if no checkpoint is usable the
-  command fails with a one-line error and no traceback.
+  command fails with a one-line error and no traceback, and the next run does
+  not start over from step 0 unless --allow_fresh_start says so.
+* A rerun with a different model is refused before any checkpoint is touched;
+  a change of the optimisation needs --accept_config_change; a checkpoint that
+  does not fit the model is never quarantined.
 * `python -m train.evaluate` prints JSON for the latest or a given step.
 """
 
@@ -111,7 +115,7 @@ class CheckpointResumeTest(absltest.TestCase):
     self.assertNotEmpty(os.listdir(os.path.join(wd, "corrupt_checkpoints")))
     self.assertTrue(tu.tree_equal(_final_params(wd), self.ref_params))
 
-  def test_no_usable_checkpoint_is_a_clear_error(self):
+  def test_no_usable_checkpoint_is_a_clear_error_and_no_silent_restart(self):
     wd = self._fresh("corrupt_all", from_ref=True)
     for step in _steps(wd):
       _corrupt(wd, step)
@@ -119,6 +123,65 @@ class CheckpointResumeTest(absltest.TestCase):
     self.assertNotEqual(out.returncode, 0)
     self.assertIn("error: no usable checkpoint", out.stderr)
     self.assertNotIn("Traceback", out.stderr)
+    # checkpoints/ is empty now: the next run must not quietly train from step 0.
+    self.assertEqual(_steps(wd), [])
+    out = tu.run(tu.main_cmd(wd, *FLAGS))
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn("not starting over from step 0 on its own", out.stderr)
+    self.assertIn("--allow_fresh_start", out.stderr)
+    self.assertNotIn("Traceback", out.stderr)
+    out = tu.run(tu.main_cmd(wd, *FLAGS, "--allow_fresh_start"))
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    self.assertNotIn("Resumed from checkpoint", out.stderr)
+    self.assertTrue(tu.tree_equal(_final_params(wd), self.ref_params))
+
+  def test_config_changes_on_resume(self):
+    """The issue's sequence: a model typo on a trained workdir, then the right config."""
+    wd = self._fresh("config_change", from_ref=True)
+    before = {n: sorted(os.listdir(os.path.join(wd, "checkpoints", n))) for n in ("30", "40")}
+    out = tu.run(tu.main_cmd(wd, *FLAGS, "--config.model.d_model=128"))
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn("model.d_model: 64 -> 128", out.stderr)
+    self.assertIn("new --workdir", out.stderr)
+    self.assertNotIn("Traceback", out.stderr)
+    self.assertNotIn("Parameters:", out.stderr)   # stopped before building anything
+    self.assertFalse(os.path.exists(os.path.join(wd, "corrupt_checkpoints")))
+    self.assertEqual(
+        {n: sorted(os.listdir(os.path.join(wd, "checkpoints", n))) for n in ("30", "40")},
+        before)
+    # More steps: the checkpoints fit, but the run changes: only with the flag.
+    more = (*FLAGS, f"--config.num_train_steps={STEPS + 4}")
+    out = tu.run(tu.main_cmd(wd, *more))
+    self.assertNotEqual(out.returncode, 0)
+    self.assertIn(f"num_train_steps: {STEPS} -> {STEPS + 4}", out.stderr)
+    self.assertIn("--accept_config_change", out.stderr)
+    self.assertNotIn("Traceback", out.stderr)
+    # Observation settings change freely; the right config resumes.
+    out = tu.run(tu.main_cmd(wd, *more, "--config.log_every=2", "--accept_config_change"))
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    self.assertIn(f"Resumed from checkpoint step {STEPS}", out.stderr)
+    self.assertIn("Config change on resume: log_every: 10 -> 2", out.stderr)
+    self.assertEqual(_steps(wd)[-1], STEPS + 4)
+    with open(os.path.join(wd, "config.json")) as f:   # the next resume compares with this
+      self.assertEqual(json.load(f)["num_train_steps"], STEPS + 4)
+
+  def test_checkpoint_that_does_not_fit_the_model_is_left_in_place(self):
+    """Restoring with another model's state (same config file, other code) moves nothing."""
+    from configs import tiny  # pylint: disable=g-import-not-at-top
+    from train import checkpointing  # pylint: disable=g-import-not-at-top
+    from train import train_lib  # pylint: disable=g-import-not-at-top
+    wd = self._fresh("misfit", from_ref=True)
+    cfg = tiny.get_config()
+    cfg.model.d_ff = 512
+    abstract = train_lib.Trainer(cfg).abstract_state()
+    with self.assertRaisesRegex(checkpointing.CheckpointError,
+                                r"checkpoint step 40 .* does not fit the model of this "
+                                r"config: params\.blocks\.0\.ffn\.w_down: stored "
+                                r"float32\[256, 64\], this config float32\[512, 64\].*"
+                                r"Nothing was moved"):
+      checkpointing.restore_latest(wd, abstract)
+    self.assertEqual(_steps(wd), [30, 40])
+    self.assertFalse(os.path.exists(checkpointing.quarantine_dir(wd)))
 
   def test_evaluate_cli(self):
     out = tu.run([sys.executable, "-m", "train.evaluate", f"--workdir={self.ref}",

@@ -104,48 +104,6 @@ def test_leading_axes_and_default_implementation():
   assert tj.ffn(jnp.zeros((0, 32), jnp.bfloat16), wg, wu, wd).shape == (0, 32)
 
 
-def test_vmap_matches_per_example():
-  x, wg, wu, wd = ffn_inputs(jax.random.key(5), 48, 32, 256, active_fraction=0.05, heavy_fraction=0.05)
-  xb = x.reshape(3, 16, 32)
-  f = lambda a: tj.ffn(a, wg, wu, wd, implementation="xla", ell_width=16, tail_rows=1)
-  yb = jax.jit(jax.vmap(f))(xb)
-  for i in range(3):
-    assert _rel(yb[i], f(xb[i])) < 1e-6
-  gb = jax.jit(jax.vmap(jax.grad(lambda a: jnp.sum(f(a).astype(F32)))))(xb)
-  g0 = jax.grad(lambda a: jnp.sum(f(a).astype(F32)))(xb[0])
-  assert _rel(gb[0], g0) < 1e-6
-
-
-def test_scan_over_stacked_layers_with_checkpoint():
-  """lax.scan over 3 layers' stacked weights, each layer rematerialised; grads vs the f32 reference."""
-  layers, m, d, h = 3, 40, 32, 256
-  keys = jax.random.split(jax.random.key(6), layers)
-  ws = [ffn_inputs(k, m, d, h, active_fraction=0.05) for k in keys]
-  x0 = ws[0][0]
-  wg, wu, wd = (jnp.stack([w[i] for w in ws]) for i in (1, 2, 3))
-
-  def model(x, wg, wu, wd, layer_fn):
-    def body(carry, w):   # f32 residual stream, layers see it in the weights' dtype
-      y, l1 = jax.checkpoint(layer_fn)(carry.astype(w[0].dtype), *w)
-      return carry + y.astype(F32), l1
-    out, l1s = jax.lax.scan(body, x.astype(F32), (wg, wu, wd))
-    return jnp.sum(out.astype(F32) ** 2) / out.size + L1_COEFF * jnp.mean(l1s)
-
-  def ours(x, a, b, c):
-    y, st = tj.ffn(x, a, b, c, implementation="xla", return_stats=True)
-    return y, st.l1
-
-  def ref(x, a, b, c):
-    return tj.reference_ffn(x, a, b, c)
-
-  grads = jax.jit(jax.grad(lambda *a: model(*a, ours), argnums=(1, 2, 3)))(x0, wg, wu, wd)
-  f32 = lambda a: a.astype(F32)
-  ref_grads = jax.grad(lambda *a: model(*a, ref), argnums=(1, 2, 3))(f32(x0), f32(wg), f32(wu), f32(wd))
-  for g, r in zip(grads, ref_grads):
-    # Three layers of bf16 rounding: the "dense" implementation lands at ~2.4e-2 here too.
-    assert _rel(g, r) < 2 * TOL["grad"]
-
-
 def test_l1_only_gradient_is_sparse_sign():
   """d(l1)/dW_down is zero and d(l1)/dW_gate only touches active columns."""
   x, wg, wu, wd = ffn_inputs(jax.random.key(8), 64, 32, 256, active_fraction=0.01)
@@ -210,3 +168,42 @@ def test_mosaic_gpu_in_interpreter_through_public_api():
   np.testing.assert_array_equal(np.asarray(st.fired), _active_mask(x, wg, wu).any(0))
   y_auto = tj.ffn(x, wg, wu, wd, interpret=True)   # None picks the kernels when interpreting
   np.testing.assert_array_equal(np.asarray(y_auto, np.float32), np.asarray(y, np.float32))
+
+
+_IMPLEMENTATIONS = [None, *tj.api.IMPLEMENTATIONS]
+
+
+@pytest.mark.parametrize("implementation", _IMPLEMENTATIONS, ids=str)
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ell_width=0), r"ell_width must be a Python int >= 1; got 0"),
+    (dict(ell_width=-4), r"ell_width must be a Python int >= 1; got -4"),
+    (dict(ell_width=2.5), r"ell_width must be a Python int >= 1; got 2.5 \(float\)"),
+    (dict(ell_width=True), r"ell_width must be a Python int >= 1; got True \(bool\)"),
+    (dict(tail_rows=-1), r"tail_rows must be a Python int >= 0, or None \(M/8\); got -1"),
+    (dict(tail_rows=jnp.int32(3)), r"tail_rows must be a Python int >= 0"),
+    (dict(interpret="yes"), r"interpret must be True or False; got 'yes'"),
+])
+def test_bad_option_is_the_same_value_error_for_every_implementation(implementation, kwargs, match):
+  """One validation for every implementation: it runs before any of them."""
+  x, wg, wu, wd = _w(16, 32), _w(32, 256), _w(32, 256), _w(256, 32)
+  kwargs = dict(dict(interpret=True), **kwargs)   # lets mosaic_gpu get past the backend check
+  with pytest.raises(ValueError, match=match):
+    tj.ffn(x, wg, wu, wd, implementation=implementation, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", _IMPLEMENTATIONS, ids=str)
+def test_bad_shapes_are_the_same_value_error_for_every_implementation(implementation):
+  with pytest.raises(ValueError, match=r"D >= 1 and H >= 1"):
+    tj.ffn(_w(4, 8), None, _w(8, 0), _w(0, 8), implementation=implementation, interpret=True)
+  with pytest.raises(ValueError, match=r"w_down must have shape \[H, D\] = \(16, 8\)"):
+    tj.ffn(_w(4, 8), _w(8, 16), _w(8, 16), _w(16, 9), implementation=implementation,
+           interpret=True)
+
+
+def test_zero_tail_rows_is_exact():
+  """tail_rows=0 is allowed: any heavy row sends the call to the dense path."""
+  x, wg, wu, wd = ffn_inputs(jax.random.key(12), 40, 32, 256, active_fraction=0.05,
+                             heavy_fraction=0.1)
+  y, st = tj.ffn(x, wg, wu, wd, implementation="xla", ell_width=16, tail_rows=0,
+                 return_stats=True)
+  assert int(st.overflow_rows) > 0 and _rel(y, tj.reference_ffn(x, wg, wu, wd)[0]) < TOL["y"]

@@ -125,7 +125,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertTrue(any("ffn " + "S" * n in line for line in logs.output))
     # Resumed: the checkpoint's choice runs from the first step on.
     cfg.num_train_steps = 5
-    train_lib.train_and_evaluate(cfg, wd)
+    train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(self._rows(wd)[-1]["sparse_layers"], n)
 
   def test_no_choice_for_an_explicit_implementation_or_a_dense_auto(self):

@@ -75,3 +75,17 @@ def test_usable_from_linen():
   bf = lambda w: w.astype(jnp.bfloat16)
   y_ffn = tj.ffn(x.astype(jnp.bfloat16), bf(params["w_gate"]), bf(params["w_up"]), bf(params["w_down"]))
   assert _rel(out - x, y_ffn.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ell_width=0), "ell_width must be a Python int >= 1"),
+    (dict(tail_rows=-2), "tail_rows must be a Python int >= 0"),
+    (dict(interpret=None), "interpret must be True or False"),
+    (dict(implementation="cuda"), "implementation must be one of"),
+    (dict(activation="tanh"), "activation must be one of"),
+])
+def test_bad_layer_option_fails_at_construction(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tj.FeedForward(8, 256, rngs=nnx.Rngs(0), **kwargs)
+  with pytest.raises(ValueError, match="d_ff must be a Python int >= 1"):
+    tj.FeedForward(8, 0, rngs=nnx.Rngs(0))

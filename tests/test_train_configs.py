@@ -1,4 +1,8 @@
-"""Every shipped config loads, validates and has the advertised size."""
+"""Every shipped config loads, validates and has the advertised size; bad settings are
+refused before any work, with one error naming the field."""
+
+import math
+import os
 
 import jax
 from absl.testing import absltest
@@ -7,6 +11,7 @@ from absl.testing import parameterized
 from configs import paper_0p5b, paper_1b, paper_1p5b, paper_2b, small, tiny
 from train import model as model_lib
 from train import train_lib
+import train_test_util as tu
 
 
 def _n_params(cfg) -> int:
@@ -27,6 +32,10 @@ class ConfigsTest(parameterized.TestCase):
       ("paper_2b", paper_2b.get_config(), 1.95e9, 2.1e9),
   )
   def test_size(self, cfg, lo, hi):
+    if cfg.data.tokenizer == "sentencepiece":  # the paper configs name it on the command line
+      with self.assertRaisesRegex(train_lib.ConfigError, "config.data.spm_model=None"):
+        train_lib.check_config(cfg, n_devices=1, n_processes=1)
+      cfg.data.spm_model = __file__   # any existing file passes the check
     train_lib.check_config(cfg, n_devices=1, n_processes=1)
     n = _n_params(cfg)
     self.assertBetween(n, lo, hi)
@@ -54,6 +63,117 @@ class ConfigsTest(parameterized.TestCase):
     c.grad_accum_steps = 1
     with self.assertRaisesRegex(ValueError, "devices"):
       train_lib.check_config(c, 3, 1)
+
+
+def _with(**overrides):
+  c = tiny.get_config()
+  for path, value in overrides.items():
+    *parents, leaf = path.split("__")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+class ConfigCheckTest(parameterized.TestCase):
+  """`check_config` (train/config_checks.py) names the field, the value and the range."""
+
+  @parameterized.named_parameters(
+      ("negative_steps", dict(num_train_steps=-5), r"config\.num_train_steps=-5: must be an "
+       r"integer >= 1"),
+      ("zero_batch", dict(batch_size=0), r"config\.batch_size=0: must be an integer >= 1"),
+      ("nan_learning_rate", dict(learning_rate=math.nan),
+       r"config\.learning_rate=nan: must be a finite number >= 0"),
+      ("negative_learning_rate", dict(learning_rate=-1e-3), r"config\.learning_rate=-0\.001"),
+      ("min_lr_ratio", dict(min_lr_ratio=1.5), r"config\.min_lr_ratio=1\.5: .*>= 0 and <= 1"),
+      ("adam_b2", dict(adam_b2=1.0), r"config\.adam_b2=1\.0: .*>= 0 and < 1"),
+      ("grad_clip", dict(grad_clip=0.0), r"config\.grad_clip=0\.0: .* > 0"),
+      ("l1_coeff", dict(l1_coeff=-2e-5), r"config\.l1_coeff=-2e-05"),
+      ("infinite_l1", dict(l1_coeff=math.inf), r"config\.l1_coeff=inf: must be a finite"),
+      ("seq_len", dict(data__seq_len=0), r"config\.data\.seq_len=0"),
+      ("prefetch", dict(data__prefetch=0), r"config\.data\.prefetch=0"),
+      ("d_model", dict(model__d_model=0), r"config\.model\.d_model=0"),
+      ("rope_theta", dict(model__rope_theta=0.0), r"config\.model\.rope_theta=0\.0"),
+      ("keep_checkpoints", dict(keep_checkpoints=0), r"config\.keep_checkpoints=0"),
+      ("log_every", dict(log_every=0), r"config\.log_every=0"),
+      ("dtype", dict(model__dtype="float8"), r"config\.model\.dtype='float8': must be one of"),
+      ("l1_normalization", dict(l1_normalization="mean"), r"config\.l1_normalization='mean'"),
+      ("implementation", dict(model__ffn_implementation="cuda"),
+       r"config\.model\.ffn_implementation='cuda': must be one of"),
+      ("layer_choice_bounds", dict(layer_choice__sparse_below=50.0,
+                                   layer_choice__dense_above=10.0),
+       r"config\.layer_choice\.dense_above=10\.0 must be >= "
+       r"config\.layer_choice\.sparse_below=50\.0"),
+      ("heads", dict(model__n_heads=3), r"config\.model: .*divisible by self\.n_heads=3"),
+      ("grad_accum", dict(grad_accum_steps=3), r"config\.batch_size=16 must be divisible by "
+       r"config\.grad_accum_steps=3"),
+      ("sentencepiece_model", dict(data__tokenizer="sentencepiece", data__spm_model="/no/such"),
+       r"config\.data\.spm_model='/no/such'"),
+  )
+  def test_bad_value_names_the_field(self, overrides, match):
+    with self.assertRaisesRegex(train_lib.ConfigError, match):
+      train_lib.check_config(_with(**overrides), n_devices=1, n_processes=1)
+
+  def test_implementation_against_the_backend(self):
+    if jax.default_backend() == "gpu":
+      self.skipTest("a GPU is present")
+    with self.assertRaisesRegex(train_lib.ConfigError,
+                                r"config\.model\.ffn_implementation='mosaic_gpu' cannot run "
+                                r"here: no GPU backend .*--config\.model\.interpret=True"):
+      train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu"), 1, 1)
+    with self.assertRaisesRegex(train_lib.ConfigError,
+                                r"config\.layer_choice\.sparse='mosaic_gpu' cannot run here"):
+      train_lib.check_config(_with(layer_choice__sparse="mosaic_gpu"), 1, 1)
+    # In the interpreter the kernels need bfloat16 (tiny computes in float32).
+    with self.assertRaisesRegex(train_lib.ConfigError, r"x must be bfloat16, got float32"):
+      train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
+                                   model__interpret=True), 1, 1)
+    with self.assertRaisesRegex(train_lib.ConfigError, r"config\.model\.remat=True: JAX "
+                                r"refuses jax\.checkpoint"):
+      train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
+                                   model__interpret=True, model__dtype="bfloat16",
+                                   model__remat=True), 1, 1)
+    train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu", model__interpret=True,
+                                 model__dtype="bfloat16"), 1, 1)
+    with self.assertRaisesRegex(train_lib.ConfigError, r"config\.model\.attention='cudnn' "
+                                r"needs a GPU"):
+      train_lib.check_config(_with(model__attention="cudnn"), 1, 1)
+
+
+class CommandLineTest(absltest.TestCase):
+  """Through `python -m train.main`: refused before any data or compile work; the kernels
+  in the interpreter from the command line."""
+
+  def test_bad_settings_fail_up_front(self):
+    wd = self.create_tempdir().full_path
+    for flag, message in (
+        ("--config.num_train_steps=-5", "error: config.num_train_steps=-5: must be an integer"),
+        ("--config.batch_size=0", "error: config.batch_size=0: must be an integer >= 1"),
+        ("--config.learning_rate=nan", "error: config.learning_rate=nan: must be a finite"),
+        ("--config.model.ffn_implementation=mosaic_gpu",
+         "error: config.model.ffn_implementation='mosaic_gpu' cannot run here")):
+      if "mosaic_gpu" in flag and jax.default_backend() == "gpu":
+        continue
+      out = tu.run(tu.main_cmd(wd, flag))
+      self.assertEqual(out.returncode, 1, out.stderr[-3000:])
+      self.assertIn(message, out.stderr)
+      self.assertNotIn("Traceback", out.stderr)
+      self.assertNotIn("Reusing dataset", out.stderr)   # no data pipeline was built
+      self.assertNotIn("Parameters:", out.stderr)       # nor any state
+      self.assertFalse(os.path.exists(os.path.join(wd, "checkpoints")))
+
+  def test_kernels_in_the_interpreter_from_the_command_line(self):
+    """model.interpret=True: the Mosaic GPU kernels train on the CPU (1 layer, 1 step)."""
+    wd = self.create_tempdir().full_path
+    out = tu.run(tu.main_cmd(wd, "--config.model.ffn_implementation=mosaic_gpu",
+                             "--config.model.interpret=True", "--config.model.dtype=bfloat16",
+                             "--config.model.n_layers=1", "--config.num_train_steps=1",
+                             "--config.batch_size=2", "--config.data.seq_len=32",
+                             "--config.eval_every=0"), timeout=600)
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    self.assertIn("FFN implementation: mosaic_gpu", out.stderr)
+    self.assertRegex(out.stderr, r"step 1/1 .* loss \d+\.\d+")
 
 
 if __name__ == "__main__":

@@ -46,9 +46,11 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
     self.assertIn("eval/perplexity", tags)
     self.assertLen(acc.Scalars("loss"), 7)
 
-    # Same workdir, more steps: resumes at 30 and continues.
+    # Same workdir, more steps (a change of the run, accepted): resumes at 30 and continues.
     cfg.num_train_steps = 32
-    train_lib.train_and_evaluate(cfg, wd)
+    with self.assertRaisesRegex(train_lib.ConfigError, "num_train_steps: 30 -> 32"):
+      train_lib.train_and_evaluate(cfg, wd)
+    train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     with open(os.path.join(wd, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f]
     steps = [r["step"] for r in rows if "loss" in r]

@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent("""
     import train_test_util as tu
     from train import train_lib
     cfg = tu.micro_config(num_train_steps=steps, checkpoint_every=2)
-    last = train_lib.train_and_evaluate(cfg, wd)
+    last = train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)  # more steps
     print("DONE", jax.process_index(), jax.process_count(), last["loss"])
     """)
 

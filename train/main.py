@@ -1,7 +1,8 @@
 """Trains a sparse (TwELL) LM: python -m train.main --config=C --workdir=D.
 
 Override config values with --config.<field>=<value>. Rerunning the same
-command on the same workdir resumes from its latest checkpoint.
+command on the same workdir resumes from its latest checkpoint; SIGTERM stops
+after the current step with a checkpoint (exit status 143).
 """
 
 import sys
@@ -14,11 +15,19 @@ from ml_collections import config_flags
 
 from train import checkpointing
 from train import metrics
+from train import preemption
 from train import train_lib
 
 config_flags.DEFINE_config_file("config", None, "Training config file.",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
+flags.DEFINE_bool("accept_config_change", False,
+                  "Resume although the config changes the optimisation of the run (number "
+                  "of steps, schedule, optimizer, L1): fields whose change the checkpoints "
+                  "fit. Changes of the model or the data stream are refused regardless.")
+flags.DEFINE_bool("allow_fresh_start", False,
+                  "Train from step 0 although every earlier checkpoint of this workdir "
+                  "was moved to corrupt_checkpoints/ as damaged.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -28,11 +37,18 @@ def main(argv):
   metrics.quiet_library_logs()
   logging.info("jax %s, process %d/%d, devices %s", jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())
+  f = flags.FLAGS
   try:
-    train_lib.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+    train_lib.train_and_evaluate(f.config, f.workdir,
+                                 accept_config_change=f.accept_config_change,
+                                 allow_fresh_start=f.allow_fresh_start)
   except (checkpointing.CheckpointError, train_lib.ConfigError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
+  except preemption.Preempted as e:
+    logging.warning("%s", e)
+    print(f"stopped: {e}", file=sys.stderr)
+    sys.exit(preemption.EXIT_CODE)
 
 
 if __name__ == "__main__":

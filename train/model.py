@@ -70,6 +70,7 @@ class ModelConfig:
   remat: bool = False
   scan_layers: bool = False
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
+  interpret: bool = False   # FFN kernels in the Mosaic GPU interpreter (CPU; slow)
   # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
   # set by the trainer's per-layer choice (`train.layer_choice`), not by config files.
   ffn_layer_implementations: tuple | None = None
@@ -205,7 +206,7 @@ class Block(nnx.Module):
         cfg.d_model, cfg.d_ff, gated=cfg.ffn_gated,
         activation=cfg.ffn_activation,
         implementation=cfg.ffn_implementation, param_dtype=pd,
-        dtype=DTYPES[cfg.dtype], init_std=cfg.init_std, rngs=rngs)
+        dtype=DTYPES[cfg.dtype], init_std=cfg.init_std, interpret=cfg.interpret, rngs=rngs)
 
   def __call__(self, x):
     x = x + self.attn(self.attn_norm(x))

@@ -25,17 +25,18 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from train import checkpointing
+from train import config_checks
 from train import data as data_lib
 from train import layer_choice as layer_choice_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import optim
+from train import preemption
 from train import sparsity
 from train import steps as steps_lib
 
 
-class ConfigError(ValueError):
-  """An inconsistent config; train.main prints it without a traceback."""
+ConfigError = config_checks.ConfigError
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -43,19 +44,8 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 def check_config(cfg, n_devices: int, n_processes: int):
-  """Raises ConfigError for inconsistent batch/device/L1 settings."""
-  if cfg.batch_size % cfg.grad_accum_steps:
-    raise ConfigError(f"batch_size={cfg.batch_size} must be divisible by "
-                     f"grad_accum_steps={cfg.grad_accum_steps}")
-  micro = cfg.batch_size // cfg.grad_accum_steps
-  if micro % n_devices:
-    raise ConfigError(f"micro-batch {micro} (batch_size / grad_accum_steps) "
-                     f"must be divisible by the {n_devices} devices")
-  if cfg.batch_size % n_processes:
-    raise ConfigError(f"batch_size must be divisible by {n_processes} "
-                     "processes")
-  if cfg.l1_normalization not in ("per_token_sum", "per_element_mean"):
-    raise ConfigError(f"l1_normalization={cfg.l1_normalization!r}")
+  """Raises ConfigError naming the first bad field (`train.config_checks.check`)."""
+  config_checks.check(cfg, n_devices, n_processes)
 
 
 class Trainer:
@@ -65,10 +55,7 @@ class Trainer:
     self.cfg = cfg
     self.mesh = mesh or make_mesh()
     check_config(cfg, self.mesh.size, jax.process_count())
-    try:
-      self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
-    except (TypeError, ValueError) as e:  # bad or unknown model fields
-      raise ConfigError(f"config.model: {e}") from e
+    self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
     self.lm = model_lib.LanguageModel(self.model_cfg)
     self.tokenizer = data_lib.make_tokenizer(cfg.data)
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
@@ -176,7 +163,7 @@ def ffn_implementation_in_use(tr: "Trainer", tokens: int) -> str:
     return api.default_implementation(
         sds((tokens, mc.d_model), dt), sds((mc.d_model, mc.d_ff), dt),
         sds((mc.d_model, mc.d_ff), dt), sds((mc.d_ff, mc.d_model), dt),
-        mc.ffn_activation)
+        mc.ffn_activation, interpret=mc.interpret)
   except Exception as e:  # pylint: disable=broad-except
     return f"auto (undetermined: {type(e).__name__})"
 
@@ -232,8 +219,27 @@ def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
           f"dead {' '.join(f'{x:.2f}' for x in dead)}")
 
 
-def train_and_evaluate(cfg, workdir: str) -> dict:
-  """Trains (resuming if possible); returns the last logged metrics."""
+def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
+                       allow_fresh_start: bool = False) -> dict:
+  """Trains (resuming if possible); returns the last logged metrics.
+
+  Before anything is built the config is checked (`config_checks.check`) and, on a
+  workdir with checkpoints, compared with the one it was trained with
+  (`config_checks.check_workdir`; `accept_config_change` accepts changes of the
+  optimisation). `allow_fresh_start` lets a workdir whose checkpoints were all
+  quarantined start over. A SIGTERM from here on stops training after the current
+  step: the checkpoint of that step is written, then `preemption.Preempted` raised.
+  """
+  watch = preemption.Watch().install()
+  try:
+    return _train_and_evaluate(cfg, workdir, watch, accept_config_change=accept_config_change,
+                               allow_fresh_start=allow_fresh_start)
+  finally:
+    watch.remove()
+
+
+def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
+                        accept_config_change: bool, allow_fresh_start: bool) -> dict:
   os.makedirs(workdir, exist_ok=True)
   hf_dir = (cfg.get("init_from_hf") or {}).get("path")
   if hf_dir:  # shapes and tokenizer of a Hugging Face checkpoint (train/import_hf.py)
@@ -242,10 +248,15 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
   tr = Trainer(cfg)
   is_main = jax.process_index() == 0
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
+  changed = config_checks.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
+  for path, old, new in changed["free"] + changed["acceptable"]:
+    logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
 
   mngr, restored = checkpointing.restore_latest(
       workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
-      keep=cfg.keep_checkpoints)
+      keep=cfg.keep_checkpoints, allow_fresh_start=allow_fresh_start)
+  if is_main:  # The config of the run from here on (compared by the next resume).
+    config_checks.write_workdir_config(workdir, cfg.to_dict())
   rows = cfg.batch_size // jax.process_count()
   packer = data_lib.PackedBatches(
       data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
@@ -257,9 +268,6 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         jax.random.key(cfg.seed))
     if hf_dir:
       state = import_hf.initial_state(tr, state, hf_dir)
-    if is_main:
-      with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
   else:
     start, state = restored["step"], restored["state"]
     packer.set_state(_my_data_state(restored["data"]))
@@ -302,6 +310,7 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                  choice.sparse, choice.dense_above)
   last = {}
   t_last, tokens_since = time.time(), 0
+  preempted = None
   try:
     for step in range(start, cfg.num_train_steps):
       batch, data_state = next(prefetch)
@@ -346,17 +355,22 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
             {f"eval/{k}": v for k, v in ev.items()}))
         t_last += time.time() - t_eval  # Exclude eval time from tokens/s.
       final = done == cfg.num_train_steps
+      stop = watch.stop_after(done)
       # checkpoint_every <= 0 disables saving (benchmarks).
-      if cfg.checkpoint_every > 0 and (final or mngr.should_save(done)):
+      if cfg.checkpoint_every > 0 and (final or stop or mngr.should_save(done)):
         checkpointing.save(mngr, done, state,
                            {"processes": _all_process_states(data_state)},
-                           _meta(cfg, done, running), force=final)
+                           _meta(cfg, done, running), force=final or stop)
+      if stop and not final:
+        preempted = preemption.Preempted(done, saved=cfg.checkpoint_every > 0)
+        break
     writer.flush()
   finally:
     if steps is not None:
       steps.close()
     prefetch.close()
-    mngr.wait_until_finished()
-    mngr.close()
+    checkpointing.finish(mngr)
     writer.close()
+  if preempted is not None:
+    raise preempted
   return last

@@ -32,6 +32,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from twell_jax import validation
+
 __all__ = ["TwELL", "Hybrid", "to_twell", "to_hybrid", "to_dense", "default_capacity"]
 
 _SUPPORTED_COMPRESSION = (2, 4, 8, 16)
@@ -84,11 +86,8 @@ def _check_matrix(h, name: str = "h") -> jax.Array:
 
 
 def _check_capacity(value, m: int, name: str) -> int:
-  if value is None:
-    return default_capacity(m)
-  if not isinstance(value, int) or value < 0:
-    raise ValueError(f"{name} must be a non-negative int or None; got {value!r}.")
-  return min(value, m)
+  value = validation.static_int(value, name, minimum=0, allow_none=True, none_means="M/8")
+  return default_capacity(m) if value is None else min(value, m)
 
 
 @jax.tree_util.register_dataclass
@@ -195,7 +194,7 @@ def to_twell(h, *, tile_n: int = 256, compression: int = 8,
       means `default_capacity(M)`.
   """
   h = _check_matrix(h)
-  if not isinstance(tile_n, int) or tile_n <= 0 or tile_n % 8:
+  if validation.static_int(tile_n, "tile_n", minimum=8) % 8:
     raise ValueError(f"tile_n must be a positive multiple of 8; got {tile_n!r}.")
   if compression not in _SUPPORTED_COMPRESSION:
     raise ValueError(f"compression must be one of {_SUPPORTED_COMPRESSION}; got {compression!r}.")
@@ -235,8 +234,7 @@ def to_hybrid(h, *, ell_width: int = 128, tail_rows: Optional[int] = None) -> Hy
     tail_rows: R, static number of dense tail rows; None means `default_capacity(M)`.
   """
   h = _check_matrix(h)
-  if not isinstance(ell_width, int) or ell_width < 1:
-    raise ValueError(f"ell_width must be a positive int; got {ell_width!r}.")
+  validation.static_int(ell_width, "ell_width", minimum=1)
   m, n = h.shape
   w = min(ell_width, n)
   r = _check_capacity(tail_rows, m, "tail_rows")

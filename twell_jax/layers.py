@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import api as ffn_lib
+from twell_jax import validation
 
 __all__ = ["FeedForward", "linen_feed_forward"]
 
@@ -35,10 +36,16 @@ class FeedForward(nnx.Module):
                implementation: Optional[str] = None, param_dtype=jnp.float32, dtype=jnp.bfloat16,
                init_std: float = 0.02, ell_width: int = 128, tail_rows: Optional[int] = None,
                hot_features: int = 0, interpret: bool = False, rngs: nnx.Rngs):
-    if d_model < 1 or d_ff < 1:
-      raise ValueError(f"d_model and d_ff must be positive; got d_model={d_model}, d_ff={d_ff}.")
-    if implementation in ffn_lib.SPARSE_IMPLEMENTATIONS and activation != "relu":
-      raise ValueError(f"activation={activation!r} cannot use sparse implementation={implementation!r}.")
+    # The checks `twell_jax.ffn` makes on every call, made once here so a bad layer
+    # fails at construction.
+    validation.static_int(d_model, "d_model", minimum=1)
+    validation.static_int(d_ff, "d_ff", minimum=1)
+    validation.implementation_choice(implementation, ffn_lib.IMPLEMENTATIONS)
+    validation.activation_choice(activation, implementation, ffn_lib.SPARSE_IMPLEMENTATIONS)
+    validation.static_int(ell_width, "ell_width", minimum=1)
+    validation.static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
+    validation.hot_feature_count(hot_features)
+    validation.flag(interpret, "interpret")
     init = jax.nn.initializers.normal(init_std)
     self.d_model, self.d_ff = d_model, d_ff
     self.gated, self.activation, self.implementation = gated, activation, implementation

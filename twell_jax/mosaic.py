@@ -18,6 +18,7 @@ import functools
 
 import jax
 
+from pallas_kernels import _common as common
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import ffn_train_mgpu
 from twell_jax import stats as stats_lib
@@ -31,18 +32,33 @@ class MosaicConfig:
   interpret: bool
 
 
+def _per_example(fn):
+  """`fn` that runs once per example under jax.vmap (a `lax.map` over the mapped axis).
+
+  The kernels take one [M, D] problem, and each entry picks its path with a
+  `lax.switch` on a device value; vmap would turn that switch into a select
+  that runs every branch (refused outright for the interpreter's IO effects).
+  The kernels' statistics are per call, so per-example results need one call
+  per example; to batch tokens into one call, put the batch axes into x's
+  leading axes instead.
+  """
+  return jax.custom_batching.sequential_vmap(fn)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ffn(cfg: MosaicConfig, x, w_gate, w_up, w_down):
-  return ffn_mgpu.ffn_forward(x, w_gate, w_up, w_down, config=cfg.forward,
-                              interpret=cfg.interpret)
+  return _per_example(functools.partial(ffn_mgpu.ffn_forward, config=cfg.forward,
+                                        interpret=cfg.interpret))(x, w_gate, w_up, w_down)
 
 
 def _fwd(cfg: MosaicConfig, x, w_gate, w_up, w_down):
-  return ffn_train_mgpu.forward(cfg.train, x, w_gate, w_up, w_down, interpret=cfg.interpret)
+  return _per_example(functools.partial(ffn_train_mgpu.forward, cfg.train,
+                                        interpret=cfg.interpret))(x, w_gate, w_up, w_down)
 
 
 def _bwd(cfg: MosaicConfig, residuals, cotangents):
-  return ffn_train_mgpu.backward(cfg.train, residuals, cotangents, interpret=cfg.interpret)
+  return _per_example(functools.partial(ffn_train_mgpu.backward, cfg.train,
+                                        interpret=cfg.interpret))(residuals, cotangents)
 
 
 _ffn.defvjp(_fwd, _bwd)
@@ -61,7 +77,7 @@ def default_config(m: int, d: int, h: int, *, interpret: bool = False, ell_width
 
 def ffn_with_config(cfg: MosaicConfig, x, w_gate, w_up, w_down):
   """Runs the kernels on x [M, D] with an explicit configuration: (y, FFNStats)."""
-  y, stats = _ffn(cfg, x, w_gate, w_up, w_down)
+  y, stats = _ffn(cfg, *common.vary_together(x, w_gate, w_up, w_down))
   return y, stats_lib.from_dict(stats)
 
 

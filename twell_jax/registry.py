@@ -12,6 +12,7 @@ it runs only when named.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -78,6 +79,12 @@ class MosaicGpu:
     if not call.interpret and jax.default_backend() != "gpu":
       return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
               "interpret=True to run the kernels in the interpreter")
+    if call.interpret and _manual_devices() > 1:
+      # The interpreter keeps one simulated GPU memory per process; kernels of several
+      # devices running at once corrupt each other's barrier state.
+      return (f"the Mosaic GPU interpreter cannot run inside shard_map over "
+              f"{_manual_devices()} devices; use a one-device mesh, implementation='xla' or "
+              "'dense', or a GPU")
     from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, call.dtype)
     return ffn_mgpu.supports(sds(call.m, call.d), sds(call.d, call.h) if call.gated else None,
@@ -89,6 +96,12 @@ class MosaicGpu:
     return mosaic.mosaic_ffn(x, w_gate, w_up, w_down, interpret=call.interpret,
                              ell_width=call.ell_width, tail_rows=call.tail_rows,
                              hot_features=call.hot_features)
+
+
+def _manual_devices() -> int:
+  """Devices of the shard_map being traced (1 outside shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[name] for name in mesh.manual_axes)
 
 
 IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu())}

@@ -39,6 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common as common
 from pallas_kernels import reference
 from twell_jax import dense as dense_lib
 from twell_jax import formats
@@ -106,7 +107,8 @@ def _spmm_t(coef, vec, cols, num_out, chunk):
     update = (a[:, :, None] * v[:, None, :].astype(_F32)).reshape(chunk * w, d)
     return acc.at[c.reshape(-1)].add(update), None
 
-  acc, _ = jax.lax.scan(body, jnp.zeros((num_out, d), _F32),
+  acc0 = common.zeros_varying_like((num_out, d), _F32, coef, vec, cols)
+  acc, _ = jax.lax.scan(body, acc0,
                         (blocked(coef), blocked(vec), blocked(cols)))
   return acc
 
@@ -176,7 +178,8 @@ def _forward(cfg, x, w_gate, w_up, w_down):
   def dense(_):
     y, l1 = _dense_branch(x, w_gate, w_up, w_down)
     res_shapes = jax.eval_shape(sparse, None)[2]
-    return y, l1, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), res_shapes)
+    zeros = lambda s: common.zeros_varying_like(s.shape, s.dtype, x, w_gate, w_up, w_down)
+    return y, l1, jax.tree.map(zeros, res_shapes)
 
   y, l1, (p, u, pt, ut) = jax.lax.cond(exceeded, dense, sparse, None)
   nnz, max_tile, counts = stats_lib.tile_stats(active)
@@ -261,6 +264,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, ell_width: int = 128, tail_rows=None)
   """Sparse ReLU FFN on x [M, D] (already validated). Returns (y [M, D], FFNStats)."""
   m, d = x.shape
   cfg = make_config(m, d, w_up.shape[1], ell_width, tail_rows)
-  y, l1, nnz, max_tile, overflow, counts = _sparse_ffn(cfg, x, w_gate, w_up, w_down)
+  operands = common.vary_together(x, w_gate, w_up, w_down)   # see its docstring (shard_map)
+  y, l1, nnz, max_tile, overflow, counts = _sparse_ffn(cfg, *operands)
   return y, stats_lib.FFNStats(l1=l1, nnz_per_token=nnz, max_tile_nnz=max_tile,
                                overflow_rows=overflow, feature_counts=counts)
