@@ -303,7 +303,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
     y, l1, counts, tile_top = _dense_ffn(x, w_gate, w_up, w_down)
     return y.astype(dt), l1, counts, tile_top, (u, zp, zu)
 
-  zero_i = jnp.zeros((), jnp.int32)
+  zero_i = common.zeros_varying_like((), jnp.int32, xp, w_in)
   nonfinite = reference.any_nonfinite(wg, wu, wd)
   y, l1, feature_counts, tile_top, (u, pt, ut) = lax.switch(
       _branch(cfg, heavy_rows, nonfinite), [tail(rb) for rb in tail_buckets(cfg)] + [dense],

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
+from twell_jax.stats import TILE_N
 
 __all__ = ["FLOAT_DTYPES", "static_int", "flag", "implementation_choice", "activation_choice",
-           "array", "ffn_arguments"]
+           "array", "hot_feature_count", "ffn_arguments"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -72,15 +73,24 @@ def array(a, name: str, ndim: Optional[int] = None):
     raise ValueError(f"{name} must have dtype bfloat16, float16 or float32; got {a.dtype}.")
 
 
+def hot_feature_count(value, name: str = "hot_features") -> int:
+  """`value` as a non-negative multiple of the 256-column TwELL tile; ValueError otherwise."""
+  k = static_int(value, name, minimum=0)
+  if k % TILE_N:
+    raise ValueError(f"{name} must be a multiple of {TILE_N} (the TwELL tile); got {k}.")
+  return k
+
+
 def ffn_arguments(x, w_gate, w_up, w_down, *, activation: str, implementation,
                   implementations: Sequence[str], sparse: Sequence[str], interpret,
-                  ell_width, tail_rows) -> tuple[int, int]:
+                  ell_width, tail_rows, hot_features=0) -> tuple[int, int]:
   """Checks every argument of `twell_jax.ffn`; returns (D, H)."""
   implementation_choice(implementation, implementations)
   activation_choice(activation, implementation, sparse)
   flag(interpret, "interpret")
   static_int(ell_width, "ell_width", minimum=1)
   static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
+  hot_feature_count(hot_features)
   array(x, "x")
   if x.ndim < 1:
     raise ValueError(f"x must have shape [..., D] with rank >= 1; got shape {tuple(x.shape)}.")
