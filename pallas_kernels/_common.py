@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -42,7 +43,14 @@ def pad_to(a, shape):
   return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
 
 
+# The SM count `interpret_context` sets while a kernel is interpreted under a mesh with axes.
+_interpret_num_cores: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "interpret_num_cores", default=None)
+
+
 def num_sms() -> int:
+  if (cores := _interpret_num_cores.get()) is not None:
+    return cores
   if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
     return abstract_device.num_cores
   dev = backend.get_default_device()
@@ -64,8 +72,23 @@ def on_hopper() -> bool:
 
 @contextlib.contextmanager
 def interpret_context(interpret: bool, num_cores: int = 8):
-  """An abstract GPU device for the SM-count lookups when interpreting on the CPU."""
-  if not interpret or jax.sharding.get_abstract_mesh().abstract_device is not None:
+  """An abstract GPU device for the SM-count lookups when interpreting on the CPU.
+
+  Under a mesh with axes (the kernels traced per shard inside `jax.shard_map` over CPU
+  devices) the abstract mesh must stay as it is, since the arrays' types name it: there
+  only the SM count is set.
+  """
+  current = jax.sharding.get_abstract_mesh()
+  if interpret and current.axis_names and _interpret_num_cores.get() is None:
+    device = current.abstract_device
+    if device is None or device.platform != "gpu":
+      token = _interpret_num_cores.set(num_cores)
+      try:
+        yield
+      finally:
+        _interpret_num_cores.reset(token)
+      return
+  if not interpret or current.abstract_device is not None:
     yield
     return
   mesh = jax.sharding.AbstractMesh(

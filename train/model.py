@@ -19,6 +19,10 @@ Two layer layouts (config `scan_layers`):
     `twell_jax.FeedForward` is used unchanged.
 `remat=True` wraps each block in `jax.checkpoint` to bound activation memory.
 
+On a device mesh (`train.sharding`) every weight is used whole (`twell_jax.sharded.gathered`:
+under FSDP, one all-gather per weight at its use) and the FFN runs per device on its tokens
+(`twell_jax.sharded.ffn`), so activations stay split over the batch and are never gathered.
+
 The model is used functionally by the trainer: `init_params` returns a plain
 nested dict of arrays (what optax and orbax see) and `apply` merges it into
 the module inside the traced function.
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import twell_jax
+from twell_jax import sharded
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
@@ -65,6 +70,7 @@ class ModelConfig:
   ffn_gated: bool = True
   ffn_activation: str = "relu"
   ffn_implementation: str | None = None
+  ffn_interpret: bool = False   # the Pallas kernels in the Mosaic GPU interpreter (CPU tests)
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: bool = False
@@ -160,15 +166,16 @@ class Attention(nnx.Module):
   def __call__(self, x):  # x [B, T, D] in the compute dtype
     cfg, (b, t, _) = self.cfg, x.shape
     dt, e = x.dtype, cfg.head_dim
-    q = (x @ self.wq[...].astype(dt)).reshape(b, t, cfg.n_heads, e)
-    k = (x @ self.wk[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
-    v = (x @ self.wv[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
+    w = lambda p: sharded.gathered(p[...].astype(dt))
+    q = (x @ w(self.wq)).reshape(b, t, cfg.n_heads, e)
+    k = (x @ w(self.wk)).reshape(b, t, cfg.n_kv_heads, e)
+    v = (x @ w(self.wv)).reshape(b, t, cfg.n_kv_heads, e)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     # jax.nn.dot_product_attention handles K < N (GQA) and the causal mask;
     # softmax runs in f32 internally.
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                      implementation=attention_implementation(cfg))
-    return o.reshape(b, t, cfg.n_heads * e) @ self.wo[...].astype(dt)
+    return o.reshape(b, t, cfg.n_heads * e) @ w(self.wo)
 
 
 class Block(nnx.Module):
@@ -183,7 +190,8 @@ class Block(nnx.Module):
         cfg.d_model, cfg.d_ff, gated=cfg.ffn_gated,
         activation=cfg.ffn_activation,
         implementation=cfg.ffn_implementation, param_dtype=pd,
-        dtype=DTYPES[cfg.dtype], init_std=cfg.init_std, rngs=rngs)
+        dtype=DTYPES[cfg.dtype], init_std=cfg.init_std, interpret=cfg.ffn_interpret,
+        rngs=rngs)
 
   def __call__(self, x):
     x = x + self.attn(self.attn_norm(x))
@@ -209,14 +217,14 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
 
   def embed_tokens(self, tokens):
-    return jnp.take(self.embed[...], tokens, axis=0).astype(
-        DTYPES[self.cfg.dtype])
+    table = sharded.gathered(self.embed[...].astype(DTYPES[self.cfg.dtype]))
+    return jnp.take(table, tokens, axis=0)
 
   def logits(self, x):
     """logits [B, T, V] f32 of the final hidden state x (normalized here): a compute-dtype
     GEMM with f32 accumulation. Training never forms them (`train.losses`)."""
     x = self.final_norm(x)
-    return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype),
+    return jnp.einsum("btd,vd->btv", x, sharded.gathered(self.embed[...].astype(x.dtype)),
                       preferred_element_type=jnp.float32)
 
   def features(self, tokens):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import api as ffn_lib
+from twell_jax import sharded
 
 __all__ = ["FeedForward", "linen_feed_forward"]
 
@@ -24,7 +25,8 @@ class FeedForward(nnx.Module):
 
   Call with `return_stats=True` to get `(y, FFNStats)`; add
   `l1_coeff * stats.l1` (averaged over layers) to the training loss.
-  The output has dtype `dtype`.
+  The output has dtype `dtype`. Under a mesh with batch axes ("data", "fsdp") each device
+  runs the FFN on its own tokens (`twell_jax.sharded`).
   """
 
   def __init__(self, d_model: int, d_ff: int, *, gated: bool = True, activation: str = "relu",
@@ -46,7 +48,7 @@ class FeedForward(nnx.Module):
 
   def __call__(self, x, *, return_stats: bool = False):
     cast = lambda w: None if w is None else jnp.asarray(w[...], self.dtype)
-    return ffn_lib.ffn(jnp.asarray(x, self.dtype), cast(self.w_gate), cast(self.w_up),
+    return sharded.ffn(jnp.asarray(x, self.dtype), cast(self.w_gate), cast(self.w_up),
                        cast(self.w_down), activation=self.activation,
                        implementation=self.implementation, interpret=self.interpret,
                        return_stats=return_stats, ell_width=self.ell_width,
