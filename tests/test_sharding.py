@@ -129,34 +129,6 @@ def _run(script: str, devices: int, timeout: int = 300) -> dict:
   return json.loads(line[len("RESULT "):])
 
 
-def _weight_shapes(param_shapes) -> set:
-  """A parameter's shape, of a stacked one its layer slice (with and without the axis), and
-  the transposes of the matrices (XLA may reduce a gradient in the transposed layout)."""
-  shapes = set()
-  for s in map(tuple, param_shapes):
-    shapes |= {s, s[1:], (1,) + s[1:]}
-  return shapes | {s[::-1] for s in shapes if len(s) == 2}
-
-
-def _not_weights(collectives, param_shapes) -> list:
-  """Collectives that move something other than a weight or its gradient: any all-to-all or
-  collective-permute, and all-gathers / all-reduces / reduce-scatters of arrays that are not
-  shaped like a parameter (all-reduces of scalars and vectors, the statistics, are fine).
-  The activations ([8, 24, D], [192, D], [192, H], ...) match no parameter."""
-  weights = _weight_shapes(param_shapes)
-  bad = []
-  for kind, operands in collectives:
-    for dtype, shape in operands:
-      shape = tuple(shape)
-      if kind in ("all-to-all", "collective-permute"):
-        bad.append((kind, dtype, shape))
-      elif kind == "all-reduce" and len(shape) <= 1:
-        continue
-      elif shape not in weights:
-        bad.append((kind, dtype, shape))
-  return bad
-
-
 class MeshRulesTest(absltest.TestCase):
 
   def test_mesh_shape_fills_minus_one_and_rejects_bad_sizes(self):
@@ -192,6 +164,12 @@ class MeshRulesTest(absltest.TestCase):
         ("all-gather", [("bf16", (2048, 5632))]),
         ("all-gather", [("bf16", (8, 16)), ("bf16", (16, 16))]),
         ("all-reduce", [("f32", ()), ("f32", (32, 256)), ("s32", (256,))])])
+    found = sharding.collectives(hlo) + [("all-gather", [("bf16", (192, 32))]),
+                                         ("all-to-all", [("f32", (8, 24, 2, 16))])]
+    self.assertEqual(sharding.non_weight_collectives(found, [(2048, 5632), (16,), (16, 8)]), [
+        ("all-gather", "bf16", (16, 16)),                       # (8, 16): (16, 8) transposed
+        ("all-reduce", "f32", (32, 256)), ("all-gather", "bf16", (192, 32)),
+        ("all-to-all", "f32", (8, 24, 2, 16))])
 
 
 class FourDevicesTest(absltest.TestCase):
@@ -218,7 +196,9 @@ class FourDevicesTest(absltest.TestCase):
       r = self.out[mesh]
       kinds = {kind for kind, _ in r["collectives"]}
       self.assertIn("all-reduce", kinds, mesh)                  # the gradients
-      self.assertEqual(_not_weights(r["collectives"], r["param_shapes"]), [], mesh)
+      # The activations ([8, 24, D], [192, D], [192, H], ...) match no parameter's shape.
+      self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"]),
+                       [], mesh)
     gathers = [ops for kind, ops in self.out["2x2"]["collectives"] if kind == "all-gather"]
     self.assertNotEmpty(gathers)                                # FSDP: weights are gathered
     self.assertEmpty([ops for kind, ops in self.out["4x1"]["collectives"]

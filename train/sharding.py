@@ -154,3 +154,32 @@ def collectives(hlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...
                 for dt, dims in _SHAPE.findall(result)]
       out.append((m.group(1), shapes))
   return out
+
+
+def _weight_shapes(param_shapes) -> set:
+  """A parameter's shape, of a stacked one its layer slice (with and without the axis), and
+  the transposes of the matrices (XLA may reduce a gradient in the transposed layout)."""
+  shapes = set()
+  for s in map(tuple, param_shapes):
+    shapes |= {s, s[1:], (1,) + s[1:]}
+  return shapes | {s[::-1] for s in shapes if len(s) == 2}
+
+
+def non_weight_collectives(found, param_shapes) -> list[tuple[str, str, tuple[int, ...]]]:
+  """The collectives of `found` (from `collectives`) that move something other than a weight
+  or its gradient: [(kind, dtype, shape)].
+
+  Every all-to-all and collective-permute, and each all-gather, all-reduce or reduce-scatter
+  operand that is not shaped like a parameter; all-reduces of scalars and vectors (the
+  statistics) pass. Meaningful where no activation has a parameter's shape.
+  """
+  weights = _weight_shapes(param_shapes)
+  bad = []
+  for kind, operands in found:
+    for dtype, shape in operands:
+      shape = tuple(shape)
+      if kind in ("all-to-all", "collective-permute"):
+        bad.append((kind, dtype, shape))
+      elif not (kind == "all-reduce" and len(shape) <= 1) and shape not in weights:
+        bad.append((kind, dtype, shape))
+  return bad
