@@ -16,6 +16,8 @@
 #   registers ptxas register / spill report of every kernel
 #   l2        the L2 row-gather ceiling probe
 #   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained weights)
+#   scaling   benchmarks.scaling: sparse and dense training on 1 GPU and on all ($SCALING_FLAGS)
+#   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -66,6 +68,16 @@ for part in "${parts[@]}"; do
     profile)
       timeout ${T_PROFILE:-500} python3 -m benchmarks.probes.forward_profile \
         --out="$OUT/forward_profile.json" 2>&1 | tee "$OUT/profile.log" | quiet | tail -150 ;;
+    scaling)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_SCALING:-560} \
+        python3 -m benchmarks.scaling --out="$OUT/scaling.json" ${SCALING_FLAGS} 2>&1 \
+        | tee "$OUT/scaling.log" | quiet | tail -20 ;;
+    resume)
+      timeout ${T_RESUME:-560} python3 -m benchmarks.kill_resume --out="$OUT/kill_resume.json" \
+        ${RESUME_FLAGS:---config=configs/small.py --steps=60 --every=20 -- \
+          --config.mesh.data=-1 --config.batch_size=16 --config.data.seq_len=512 \
+          --config.model.ffn_implementation=mosaic_gpu} 2>&1 \
+        | quiet | tail -30 ;;
     *) echo "unknown part: $part" ;;
   esac
 done
