@@ -152,6 +152,16 @@ class MeshRulesTest(absltest.TestCase):
     self.assertEqual(spec((8, 2048), stacked=True), ())         # stacked norm scales
     self.assertEqual(tuple(sharding.param_spec((2048, 5632), 1)), ())
 
+  def test_when_processes_are_joined(self):
+    from train import distributed  # pylint: disable=g-import-not-at-top
+    args = distributed.initialize_args
+    self.assertIsNone(args(None, None, None, False))             # one process
+    self.assertIsNone(args("h:1234", 1, 0, False))               # one process, said so
+    self.assertEqual(args("h:1234", 2, 1, False),
+                     {"coordinator_address": "h:1234", "num_processes": 2, "process_id": 1})
+    self.assertEqual(args(None, None, None, True),                # the cluster fills in
+                     {"coordinator_address": None, "num_processes": None, "process_id": None})
+
   def test_collectives_parser(self):
     hlo = textwrap.dedent("""
         %all-gather.3 = bf16[2048,5632]{1,0} all-gather(bf16[1024,5632]{1,0} %p), dimensions={0}

@@ -37,17 +37,25 @@ flags.DEFINE_bool("distributed", False,
                   "cluster (SLURM, Open MPI, Kubernetes) giving what is unset.")
 
 
+def initialize_args(coordinator_address, num_processes, process_id,
+                    distributed: bool) -> dict | None:
+  """`jax.distributed.initialize`'s arguments for these settings, or None for one process."""
+  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+           "process_id": process_id}
+  if num_processes == 1 or not (distributed or any(v is not None for v in given.values())):
+    return None
+  return given
+
+
 def initialize_from_flags() -> bool:
   """Joins the processes if the flags (or environment) say so; returns whether it did.
 
   Must run before anything touches the devices.
   """
   f = flags.FLAGS
-  given = {"coordinator_address": f.coordinator_address, "num_processes": f.num_processes,
-           "process_id": f.process_id}
-  if f.num_processes == 1 or not (f.distributed or any(v is not None for v in
-                                                       given.values())):
+  args = initialize_args(f.coordinator_address, f.num_processes, f.process_id, f.distributed)
+  if args is None:
     return False
-  jax.distributed.initialize(**given)
+  jax.distributed.initialize(**args)
   logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
   return True

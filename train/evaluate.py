@@ -1,7 +1,8 @@
 """Evaluates a checkpoint: python -m train.evaluate --workdir=D [--step=N].
 
 Opens D/checkpoints read-only, restores only the parameters of step N (default:
-the latest), rebuilds the model from the config saved with that checkpoint,
+the latest), rebuilds the model from the config saved with that checkpoint (on
+the run's mesh if it fits the devices here, else data parallel over all of them),
 and reports held-out cross-entropy, perplexity and per-layer sparsity of the
 eval split as JSON on stdout; the same JSON goes to D/eval_step_<N>.json.
 """
@@ -18,6 +19,7 @@ import ml_collections
 
 from train import checkpointing
 from train import metrics
+from train import sharding
 from train import train_lib
 
 flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.")
@@ -39,6 +41,10 @@ def evaluate_checkpoint(workdir: str, step: int | None = None,
     cfg.eval_batches = eval_batches
   if data_dir:
     cfg.data.data_dir = data_dir
+  try:
+    sharding.mesh_shape(cfg.get("mesh"), jax.device_count())
+  except sharding.MeshError:  # the run's mesh does not fit the devices here: all of them
+    cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
   tr = train_lib.Trainer(cfg)
   abstract = tr.abstract_state()["params"]
   params = checkpointing.restore_params(workdir, abstract, step)
