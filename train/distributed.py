@@ -8,7 +8,8 @@ Every process runs the same command; they differ only in their process id:
 
 Each defaults to the environment's JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
 JAX_PROCESS_ID. With none of them set, a single process runs, unless --distributed asks
-`jax.distributed.initialize()` to find them from the cluster (SLURM, Open MPI, Kubernetes).
+`jax.distributed.initialize()` to find them from the cluster (SLURM, Open MPI, Kubernetes;
+there JAX gives each process one GPU unless JAX_LOCAL_DEVICE_IDS lists several).
 After initialization `jax.devices()` lists the devices of every process and the trainer's
 mesh spans them all; each process reads its own share of the documents and feeds the rows of
 its own devices.
