@@ -14,8 +14,9 @@ batch axes only (`twell_jax.sharded`) and leaves other axes to GSPMD.
   parameter is replicated: plain data parallelism.
 - Optimizer state follows the parameters (AdamW's moments have their shapes); its counters,
   the step, the RNG and the dead-feature counters are replicated.
-- Gradients are constrained to the parameters' sharding inside the step, so that XLA reduces
-  them with a reduce-scatter and each device updates its own slice.
+- Gradients are constrained to the parameters' sharding inside the step: each device sums
+  and updates only its slice (XLA can turn the reduction and the slice into a
+  reduce-scatter).
 
 Each process feeds the rows of the devices it owns (`jax.make_array_from_process_local_data`);
 the mesh lists devices in process order, so a process's rows are one contiguous block of the

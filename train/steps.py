@@ -50,7 +50,8 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics).
 
   `grad_sharding` (a tree of shardings like the params) lays out each micro-batch's
-  gradients and their sum like the parameters (FSDP: reduce-scattered, not all-reduced).
+  gradients and their sum like the parameters (FSDP: each device keeps and sums only its
+  slice, and XLA can reduce the gradients with reduce-scatters).
   """
   loss_fn = make_loss_fn(lm, cfg)
   lr_fn, l1_fn = optim.lr_schedule(cfg), optim.l1_schedule(cfg)

@@ -8,7 +8,8 @@ or `jax.sharding.use_abstract_mesh`; the axes named in `BATCH_AXES` that it has)
 - x is split over its leading axis (or, when that does not divide, over the flattened tokens);
 - the weights enter whole: under FSDP (weights sharded over "fsdp") XLA gathers each weight
   once per call, the activations are never gathered;
-- each device runs `twell_jax.ffn` on its tokens (the kernels pad M, so any local M works);
+- each device runs `twell_jax.ffn` on its tokens (the kernels pad M, so any local M works;
+  static capacities such as the default `tail_rows` = M / 8 are then per device);
 - the statistics are reduced to their global values (l1 and nnz_per_token: mean over the
   equal shards; max_tile_nnz: max; overflow_rows: sum; fired: any), so the loss and the
   metrics are those of an unsharded call;
