@@ -86,6 +86,28 @@ _FOUR_DEVICES = textwrap.dedent("""
       out[f"restored_{data}x{fsdp}"] = {"equal": same, "laid_out": laid_out, "losses": losses}
     for v in out.values():
       v.pop("params", None)
+
+    # twell_jax.sharded.ffn itself: leading axis split, tokens split, nothing divides.
+    import jax.numpy as jnp
+    import twell_jax
+    from twell_jax import sharded
+    ws = [0.2 * jax.random.normal(jax.random.key(i), s) for i, s in
+          ((1, (32, 256)), (2, (32, 256)), (3, (256, 32)))]
+    def loss(f, impl):
+      def g(x, *ws):
+        y, st = f(x, *ws, implementation=impl, return_stats=True)
+        return jnp.sum(y ** 2) + 10 * st.l1, st
+      return jax.jit(jax.value_and_grad(g, argnums=(0, 1, 2, 3), has_aux=True))
+    for impl in ("dense", "xla"):
+      for lead in ((4, 6), (3, 8), (3, 5)):
+        x = jax.random.normal(jax.random.key(0), lead + (32,))
+        with jax.set_mesh(trainer(2, 2).mesh):
+          got = loss(sharded.ffn, impl)(x, *ws)
+        want = loss(twell_jax.ffn, impl)(x, *ws)
+        out[f"ffn_{impl}_{lead[0]}x{lead[1]}"] = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                  (1.0 + jnp.max(jnp.abs(b.astype(jnp.float32)))))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     print("RESULT " + json.dumps(out))
     """)
 
@@ -195,6 +217,13 @@ class FourDevicesTest(absltest.TestCase):
     for mesh in ("4x1", "2x2", "1x4"):
       np.testing.assert_allclose(self.out[mesh]["losses"], ref, rtol=1e-5, err_msg=mesh)
       self.assertLess(self.out[mesh]["param_diff"], 1e-5, mesh)
+
+  def test_sharded_ffn_equals_ffn(self):
+    """y, every statistic and every gradient, with x split over its leading axis, over its
+    flattened tokens, and not split (15 tokens on 4 devices)."""
+    for impl in ("dense", "xla"):
+      for lead in ("4x6", "3x8", "3x5"):
+        self.assertLess(self.out[f"ffn_{impl}_{lead}"], 1e-5, f"{impl} {lead}")
 
   def test_parameters_split_over_fsdp(self):
     self.assertEqual(self.out["4x1"]["w_up_shard"], [32, 256])   # replicated
