@@ -20,6 +20,8 @@
 #             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
 #             JSON per run) with the default FFN choice (dense decode) and with the sparse
 #             kernels in every layer (prefill and decode), and train.report
+#   scaling   benchmarks.scaling: sparse and dense training on 1 GPU and on all ($SCALING_FLAGS)
+#   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -92,6 +94,16 @@ for part in "${parts[@]}"; do
         done
       done
       timeout 200 python3 -m train.report --workdir="$GW" --out="$OUT/report" 2>&1 | quiet | tail -1 ;;
+    scaling)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_SCALING:-560} \
+        python3 -m benchmarks.scaling --out="$OUT/scaling.json" ${SCALING_FLAGS} 2>&1 \
+        | tee "$OUT/scaling.log" | quiet | tail -20 ;;
+    resume)
+      timeout ${T_RESUME:-560} python3 -m benchmarks.kill_resume --out="$OUT/kill_resume.json" \
+        ${RESUME_FLAGS:---config=configs/small.py --steps=60 --every=20 -- \
+          --config.mesh.data=-1 --config.batch_size=16 --config.data.seq_len=512 \
+          --config.model.ffn_implementation=mosaic_gpu} 2>&1 \
+        | quiet | tail -30 ;;
     *) echo "unknown part: $part" ;;
   esac
 done

@@ -73,7 +73,7 @@ def train(cfg, steps: int, *, params=None, log_every: int = 100):
   from train import data as data_lib  # pylint: disable=import-outside-toplevel
   from train import train_lib  # pylint: disable=import-outside-toplevel
   tr = train_lib.Trainer(cfg)
-  state = jax.jit(tr.init_state, out_shardings=tr.replicated)(jax.random.key(cfg.seed))
+  state = tr.new_state(jax.random.key(cfg.seed))
   if params is not None:
     state = {**state, "params": params, "opt_state": tr.tx.init(params)}
   packer = data_lib.PackedBatches(

@@ -91,6 +91,11 @@ def get_config() -> ml_collections.ConfigDict:
       activation="hf",
       tokenizer="hf",
   ))
+  # Devices (train/sharding.py): a ("data", "fsdp") mesh over all devices of all processes;
+  # -1 takes the devices the other axis leaves. Batches are split over both axes; parameters
+  # and optimizer state are split over "fsdp" (fsdp=1: replicated, plain data parallelism).
+  # Several hosts: fsdp = devices per host keeps the weight gathers on the fast links.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
 
   c.log_every = 50
   c.eval_every = 1000

@@ -8,4 +8,8 @@ from configs import paper_shapes
 
 
 def get_config(variant=None):
-  return paper_shapes.get_paper_config(38, variant)
+  c = paper_shapes.get_paper_config(38, variant)
+  # FSDP over every device: parameters and AdamW state split, not replicated (several
+  # hosts: --config.mesh.data=<hosts> keeps the weight gathers within each host).
+  c.mesh.update(data=1, fsdp=-1)
+  return c

@@ -16,6 +16,7 @@ import numpy as np
 
 from benchmarks import captured
 from benchmarks import kernels
+from benchmarks import scaling
 from benchmarks import specs
 from benchmarks.probes import l2_rows
 
@@ -123,6 +124,21 @@ class KernelBenchmarkSmokeTest(absltest.TestCase):
     self.assertLess(bwd["xla_residual_ratio"], 1.0)
     self.assertLess(max(bwd["xla_grad_rel_vs_dense"]), 5e-2)
     self.assertGreater(bwd["input"]["active_per_token"], 1.0)
+
+
+class ScalingSmokeTest(absltest.TestCase):
+  """The scaling benchmark's code path on one CPU device (the 4-device meshes are covered by
+  tests/test_sharding.py)."""
+
+  def test_one_mesh(self):
+    import types  # pylint: disable=import-outside-toplevel
+    fl = types.SimpleNamespace(shape="tiny", layers=2, batch_per_device=2, iters=1,
+                               weights="init", remat=False, sparse="xla")
+    r = scaling.run_mesh(fl, "sparse", 1, 1, scaling._params(fl))  # pylint: disable=protected-access
+    self.assertEqual(r["mesh"], "1x1")
+    self.assertGreater(r["tokens_per_s"], 0)
+    self.assertEqual(r["collectives"], {})
+    self.assertEqual(r["non_weight_collectives"], [])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Evaluates a checkpoint: python -m train.evaluate --workdir=D [--step=N].
 
 Opens D/checkpoints read-only, restores only the parameters of step N (default:
-the latest), rebuilds the model from the config saved with that checkpoint,
+the latest), rebuilds the model from the config saved with that checkpoint (on
+the run's mesh if it fits the devices here, else data parallel over all of them),
 and reports held-out cross-entropy, perplexity and per-layer sparsity of the
 eval split as JSON on stdout; the same JSON goes to D/eval_step_<N>.json.
 """

@@ -125,8 +125,9 @@ def initial_state(trainer: train_lib.Trainer, state: dict, hf_dir: str) -> dict:
   if jax.tree.structure(params) != jax.tree.structure(state["params"]):
     raise checkpointing.CheckpointError(
         f"{hf_dir}: the imported parameters do not have the model's structure")
-  params = jax.device_put(params, trainer.replicated)
-  opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.replicated)(params)
+  params = jax.device_put(params, trainer.state_sharding["params"])
+  opt_state = jax.jit(trainer.tx.init,
+                      out_shardings=trainer.state_sharding["opt_state"])(params)
   logging.info("Initialised from the Hugging Face checkpoint %s", hf_dir)
   return {**state, "params": params, "opt_state": opt_state}
 
@@ -140,7 +141,7 @@ def import_checkpoint(hf_dir: str, workdir: str, cfg) -> dict:
   cfg.init_from_hf.path = os.path.abspath(hf_dir)
   cfg = configure(cfg, workdir)
   tr = train_lib.Trainer(cfg)
-  state = jax.jit(tr.init_state, out_shardings=tr.replicated)(jax.random.key(cfg.seed))
+  state = tr.new_state(jax.random.key(cfg.seed))
   state = initial_state(tr, state, cfg.init_from_hf.path)
   os.makedirs(workdir, exist_ok=True)
   mngr = checkpointing.make_manager(workdir, every_steps=cfg.checkpoint_every,

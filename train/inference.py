@@ -16,9 +16,11 @@ import os
 from typing import Any
 
 import jax
+import ml_collections
 
 from train import checkpointing
 from train import model as model_lib
+from train import sharding
 from train import train_lib
 
 
@@ -87,6 +89,10 @@ def load_checkpoint(workdir: str, step: int | None = None, *,
   cfg = config_of(meta, workdir)
   if data_dir:
     cfg.data.data_dir = data_dir
+  try:
+    sharding.mesh_shape(cfg.get("mesh"), jax.device_count())
+  except sharding.MeshError:  # the run's mesh does not fit the devices here: all of them
+    cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
   try:
     trainer = train_lib.Trainer(cfg)
   except OSError as e:  # the SentencePiece model file named by the config is unreadable

@@ -7,6 +7,13 @@ inside the chunk, and the log-sum-exp, the target logit and, under differentiati
 gradient of the chunk come out of them at once. Differentiated, the forward rule computes the
 loss and both gradients (tokens and embedding) in the same pass, so the backward needs no
 second logits GEMM; the gradients are linear in the loss's cotangent, which scales them.
+
+Under a mesh with batch axes in context (the trainer traces its steps under its mesh) both
+entry points run under `jax.shard_map` like the FFN (`twell_jax.sharded`): each device takes
+its own tokens in chunks against the whole embedding (gathered once under FSDP), the sums
+are added over the batch axes, and the embedding's gradient is reduced by the transpose. A
+chunked scan over the global tokens would instead split every chunk over the devices and
+reduce the [V, D] gradient once per chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from twell_jax import sharded
 
 _F32 = jnp.float32
 DEFAULT_CHUNK = 4096
@@ -39,8 +49,32 @@ def _chunk_terms(xc, w, tc):
   return logits, jnp.where(valid, lse - tgt, 0.0), valid
 
 
+def _shard_map(local, axes, out_spec):
+  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=(P(axes), P(), P(axes)), out_specs=out_spec,
+                       axis_names=frozenset(axes), check_vma=False)
+
+
 def per_token_cross_entropy(x, embed, targets, chunk: int = DEFAULT_CHUNK):
   """CE [N] f32 of tokens x [N, D] (compute dtype) against embed [V, D]; not for autodiff."""
+  axes = sharded.split_axes(x.shape[0])
+  if not axes:
+    return _per_token_ce(x, embed, targets, chunk)
+  local = functools.partial(_per_token_ce, chunk=chunk)
+  return _shard_map(local, axes, P(axes))(x, embed, targets)
+
+
+def cross_entropy_sum(x, embed, targets, chunk: int = DEFAULT_CHUNK):
+  """Sum over tokens of CE(x [N, D] @ embed [V, D]^T, targets [N]) as f32, differentiable in x
+  and embed (compute dtype: x.dtype; embed is cast to it)."""
+  axes = sharded.split_axes(x.shape[0])
+  if not axes:
+    return _ce_sum(x, embed, targets, chunk)
+  local = lambda *args: jax.lax.psum(_ce_sum(*args, chunk), axes)
+  return _shard_map(local, axes, P())(x, embed, targets)
+
+
+def _per_token_ce(x, embed, targets, chunk: int = DEFAULT_CHUNK):
   w = embed.astype(x.dtype)
   xs, ts = _chunks(x, targets, chunk)
   ce = jax.lax.map(lambda a: _chunk_terms(a[0], w, a[1])[1], (xs, ts))
@@ -48,10 +82,8 @@ def per_token_cross_entropy(x, embed, targets, chunk: int = DEFAULT_CHUNK):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def cross_entropy_sum(x, embed, targets, chunk: int = DEFAULT_CHUNK):
-  """Sum over tokens of CE(x [N, D] @ embed [V, D]^T, targets [N]) as f32, differentiable in x
-  and embed (compute dtype: x.dtype; embed is cast to it)."""
-  return jnp.sum(per_token_cross_entropy(x, embed, targets, chunk))
+def _ce_sum(x, embed, targets, chunk: int = DEFAULT_CHUNK):
+  return jnp.sum(_per_token_ce(x, embed, targets, chunk))
 
 
 def _fwd(x, embed, targets, chunk):
@@ -81,4 +113,4 @@ def _bwd(chunk, res, g):
   return (g * dx.astype(_F32)).astype(dx.dtype), (g * dw).astype(embed_like.dtype), None
 
 
-cross_entropy_sum.defvjp(_fwd, _bwd)
+_ce_sum.defvjp(_fwd, _bwd)

@@ -2,7 +2,9 @@
 
 Override config values with --config.<field>=<value>. Rerunning the same
 command on the same workdir resumes from its latest checkpoint; SIGTERM stops
-after the current step with a checkpoint (exit status 143).
+after the current step with a checkpoint (exit status 143). Several hosts: the same
+command on each, with --coordinator_address, --num_processes and --process_id
+(train/distributed.py).
 """
 
 import sys
@@ -14,6 +16,7 @@ import jax
 from ml_collections import config_flags
 
 from train import checkpointing
+from train import distributed
 from train import metrics
 from train import preemption
 from train import train_lib
@@ -34,6 +37,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  distributed.initialize_from_flags()
   metrics.quiet_library_logs()
   logging.info("jax %s, process %d/%d, devices %s", jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())

@@ -19,6 +19,10 @@ Two layer layouts (config `scan_layers`):
     `twell_jax.FeedForward` is used unchanged.
 `remat=True` wraps each block in `jax.checkpoint` to bound activation memory.
 
+On a device mesh (`train.sharding`) every weight is used whole (`twell_jax.sharded.gathered`:
+under FSDP, one all-gather per weight at its use) and the FFN runs per device on its tokens
+(`twell_jax.sharded.ffn`), so activations stay split over the batch and are never gathered.
+
 The model is used functionally by the trainer: `init_params` returns a plain
 nested dict of arrays (what optax and orbax see) and `apply` merges it into
 the module inside the traced function.
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import twell_jax
+from twell_jax import sharded
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
@@ -175,15 +180,16 @@ class Attention(nnx.Module):
     """(q [B, T, N, E], k [B, T, K, E], v [B, T, K, E]) of x [B, T, D], RoPE at `positions`."""
     cfg, (b, t, _) = self.cfg, x.shape
     dt, e = x.dtype, cfg.head_dim
-    q = (x @ self.wq[...].astype(dt)).reshape(b, t, cfg.n_heads, e)
-    k = (x @ self.wk[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
-    v = (x @ self.wv[...].astype(dt)).reshape(b, t, cfg.n_kv_heads, e)
+    w = lambda p: sharded.gathered(p[...].astype(dt))
+    q = (x @ w(self.wq)).reshape(b, t, cfg.n_heads, e)
+    k = (x @ w(self.wk)).reshape(b, t, cfg.n_kv_heads, e)
+    v = (x @ w(self.wv)).reshape(b, t, cfg.n_kv_heads, e)
     return rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions), v
 
   def out(self, o):
     """The output projection of the attention result o [B, T, N, E] -> [B, T, D]."""
     b, t = o.shape[:2]
-    return o.reshape(b, t, -1) @ self.wo[...].astype(o.dtype)
+    return o.reshape(b, t, -1) @ sharded.gathered(self.wo[...].astype(o.dtype))
 
   def __call__(self, x):  # x [B, T, D] in the compute dtype
     q, k, v = self.qkv(x)
@@ -232,14 +238,14 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
 
   def embed_tokens(self, tokens):
-    return jnp.take(self.embed[...], tokens, axis=0).astype(
-        DTYPES[self.cfg.dtype])
+    table = sharded.gathered(self.embed[...].astype(DTYPES[self.cfg.dtype]))
+    return jnp.take(table, tokens, axis=0)
 
   def logits(self, x):
     """logits [B, T, V] f32 of the final hidden state x (normalized here): a compute-dtype
     GEMM with f32 accumulation. Training never forms them (`train.losses`)."""
     x = self.final_norm(x)
-    return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype),
+    return jnp.einsum("btd,vd->btv", x, sharded.gathered(self.embed[...].astype(x.dtype)),
                       preferred_element_type=jnp.float32)
 
   def features(self, tokens):

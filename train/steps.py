@@ -46,11 +46,18 @@ def make_loss_fn(lm, cfg):
   return loss_fn
 
 
-def make_train_step(lm, tx, cfg):
-  """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics)."""
+def make_train_step(lm, tx, cfg, grad_sharding=None):
+  """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics).
+
+  `grad_sharding` (a tree of shardings like the params) lays out each micro-batch's
+  gradients and their sum like the parameters (FSDP: each device keeps and sums only its
+  slice, and XLA can reduce the gradients with reduce-scatters).
+  """
   loss_fn = make_loss_fn(lm, cfg)
   lr_fn, l1_fn = optim.lr_schedule(cfg), optim.l1_schedule(cfg)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  constrain = ((lambda g: g) if grad_sharding is None else
+               (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
 
   def train_step(state, tokens):
     params, step = state["params"], state["step"]
@@ -59,7 +66,7 @@ def make_train_step(lm, tx, cfg):
 
     def micro(grad_sum, toks):
       (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
-      grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+      grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, constrain(grads)))
       return grad_sum, (loss, ce, l1, stats)
 
     zeros = jax.tree.map(jnp.zeros_like, params)

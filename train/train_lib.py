@@ -8,9 +8,11 @@ machine the resumed run ends with bit-identical parameters, because every
 step is a pure function of (state, batch) and the batch stream is restored
 exactly.
 
-Data parallelism: a 1-D mesh "data" over all devices; the state is
-replicated, batches are sharded along the batch axis and XLA inserts the
-gradient all-reduce. Each process reads its own share of the documents.
+Devices: a ("data", "fsdp") mesh over every device of every process (config
+`mesh`, see `train.sharding`): batches split over both axes, parameters and
+optimizer state split over "fsdp" (replicated with fsdp = 1: data parallel),
+the FFN and the loss run per device under `jax.shard_map`. Each process reads
+its own share of the documents.
 """
 
 import dataclasses
@@ -32,6 +34,7 @@ from train import metrics as metrics_lib
 from train import model as model_lib
 from train import optim
 from train import preemption
+from train import sharding as sharding_lib
 from train import sparsity
 from train import steps as steps_lib
 
@@ -39,8 +42,12 @@ from train import steps as steps_lib
 ConfigError = config_checks.ConfigError
 
 
-def make_mesh() -> jax.sharding.Mesh:
-  return jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
+  """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
+  try:
+    return sharding_lib.make_mesh(mesh_cfg)
+  except sharding_lib.MeshError as e:
+    raise ConfigError(f"config.mesh: {e}") from e
 
 
 def check_config(cfg, n_devices: int, n_processes: int):
@@ -53,7 +60,7 @@ class Trainer:
 
   def __init__(self, cfg, mesh=None):
     self.cfg = cfg
-    self.mesh = mesh or make_mesh()
+    self.mesh = mesh or make_mesh(cfg.get("mesh"))
     check_config(cfg, self.mesh.size, jax.process_count())
     self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
     self.lm = model_lib.LanguageModel(self.model_cfg)
@@ -63,8 +70,11 @@ class Trainer:
                        f"below the tokenizer's {self.tokenizer.vocab_size}")
     self.tx = optim.make_optimizer(cfg)
     self.replicated = NamedSharding(self.mesh, P())
-    self.batch_sharding = NamedSharding(self.mesh, P(None, "data", None))
-    self.eval_sharding = NamedSharding(self.mesh, P("data", None))
+    self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
+    self.eval_sharding = sharding_lib.eval_sharding(self.mesh)
+    self.state_sharding = sharding_lib.state_shardings(
+        jax.eval_shape(self.init_state, jax.random.key(0)), self.tx, self.mesh,
+        scan_layers=self.model_cfg.scan_layers)
 
   def init_state(self, key):
     params = self.lm.init_params(key)
@@ -73,9 +83,15 @@ class Trainer:
             "since": sparsity.init_since(self.model_cfg.n_layers,
                                          self.model_cfg.d_ff)}
 
+  def new_state(self, key):
+    """A fresh train state, laid out on the mesh (`state_sharding`)."""
+    return jax.jit(self.init_state, out_shardings=self.state_sharding)(key)
+
   def abstract_state(self):
+    """The state's shapes with their shardings on this mesh (the restore target)."""
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
-    return checkpointing.abstract_of(shapes, self.replicated)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, self.state_sharding)
 
   def jit_train_step(self, layer_implementations=None):
     """The jitted step; `layer_implementations` (L names) overrides the model's FFNs."""
@@ -83,9 +99,11 @@ class Trainer:
     if layer_implementations is not None:
       lm = model_lib.LanguageModel(dataclasses.replace(
           self.model_cfg, ffn_layer_implementations=tuple(layer_implementations)))
-    step = steps_lib.make_train_step(lm, self.tx, self.cfg)
-    return jax.jit(step, in_shardings=(self.replicated, self.batch_sharding),
-                   out_shardings=(self.replicated, self.replicated),
+    step = steps_lib.make_train_step(lm, self.tx, self.cfg,
+                                     grad_sharding=self.state_sharding["params"])
+    return jax.jit(sharding_lib.traced_in(self.mesh, step),
+                   in_shardings=(self.state_sharding, self.batch_sharding),
+                   out_shardings=(self.state_sharding, self.replicated),
                    donate_argnums=0)
 
   def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
@@ -119,7 +137,8 @@ class Trainer:
   def evaluate(self, params, batches) -> dict:
     """Held-out loss, perplexity and per-layer sparsity over `batches`."""
     if not hasattr(self, "_eval_step"):  # compile once per Trainer
-      self._eval_step = jax.jit(steps_lib.make_eval_step(self.lm))
+      self._eval_step = jax.jit(sharding_lib.traced_in(
+          self.mesh, steps_lib.make_eval_step(self.lm)))
     eval_step = self._eval_step
     tot = None
     for b in batches:
@@ -251,6 +270,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   changed = config_checks.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
   for path, old, new in changed["free"] + changed["acceptable"]:
     logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
+  logging.info("%s", sharding_lib.describe(tr.mesh, tr.state_sharding["params"]))
 
   mngr, restored = checkpointing.restore_latest(
       workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
@@ -264,8 +284,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       shard_index=jax.process_index(), shard_count=jax.process_count())
   if restored is None:
     start = 0
-    state = jax.jit(tr.init_state, out_shardings=tr.replicated)(
-        jax.random.key(cfg.seed))
+    state = tr.new_state(jax.random.key(cfg.seed))
     if hf_dir:
       state = import_hf.initial_state(tr, state, hf_dir)
   else:

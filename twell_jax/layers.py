@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from twell_jax import api as ffn_lib
+from twell_jax import sharded
 from twell_jax import validation
 
 __all__ = ["FeedForward", "linen_feed_forward"]
@@ -29,7 +30,8 @@ class FeedForward(nnx.Module):
   sparse kernels compute the first K features densely; with the features
   sorted by popularity (`twell_jax.sort_features`) those are the hottest.
   `ell_width`, `tail_rows`, `hot_features` and `interpret` are plain attributes
-  (not parameters) and may be changed between calls.
+  (not parameters) and may be changed between calls. Under a mesh with batch axes
+  ("data", "fsdp") each device runs the FFN on its own tokens (`twell_jax.sharded`).
   """
 
   def __init__(self, d_model: int, d_ff: int, *, gated: bool = True, activation: str = "relu",
@@ -58,7 +60,7 @@ class FeedForward(nnx.Module):
 
   def __call__(self, x, *, return_stats: bool = False):
     cast = lambda w: None if w is None else jnp.asarray(w[...], self.dtype)
-    return ffn_lib.ffn(jnp.asarray(x, self.dtype), cast(self.w_gate), cast(self.w_up),
+    return sharded.ffn(jnp.asarray(x, self.dtype), cast(self.w_gate), cast(self.w_up),
                        cast(self.w_down), activation=self.activation,
                        implementation=self.implementation, interpret=self.interpret,
                        return_stats=return_stats, ell_width=self.ell_width,

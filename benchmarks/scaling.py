@@ -1,0 +1,177 @@
+r"""Training throughput per mesh: the sparse and the dense model on 1 device and on many.
+
+    python -m benchmarks.scaling --out=scaling.json                 # all GPUs of the machine
+    python -m benchmarks.scaling --meshes=1x1,2x1,1x2 --layers=4    # explicit meshes
+    python -m benchmarks.scaling --shape=tiny --weights=init --meshes=1x1 --iters=2   # CPU
+
+Each mesh DATAxFSDP runs the trainer's own step (`train.train_lib.Trainer`: the FFN and the
+loss per device under shard_map, parameters split over fsdp) with `--batch_per_device`
+sequences of the shape's context per device, for two models at the paper's shape with
+`--layers` layers (as `benchmarks.e2e`):
+
+  * sparse: ReLU + L1 with every FFN on `--sparse` (default mosaic_gpu), on weights trained
+    to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`: random);
+  * dense: the same weights with a SiLU FFN on the dense implementation.
+
+Per mesh and model: median tokens/s of synchronized steps, per device, the scaling
+efficiency against the 1-device mesh (tokens/s over devices x the 1-device tokens/s), the
+compiled step's collectives by kind and every one that moves something other than a weight
+(`train.sharding.non_weight_collectives`; expected: none), XLA's peak memory estimate and
+each device's measured peak.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import trained
+
+
+def _define_flags():
+  flags.DEFINE_list("meshes", None, "DATAxFSDP meshes (default: 1x1 and Nx1 for N devices)")
+  flags.DEFINE_enum("shape", "paper", ["paper", "tiny"], "paper: D=2048, H=5632; tiny: CPU")
+  flags.DEFINE_integer("layers", 4, "layers of the paper shape")
+  flags.DEFINE_integer("batch_per_device", 8, "sequences per device and step")
+  flags.DEFINE_integer("iters", 10, "timed steps per measurement")
+  flags.DEFINE_enum("weights", "trained", ["trained", "init"], "paper-like trained or random")
+  flags.DEFINE_integer("train_steps", 1500, "training steps of the trained weights (cached)")
+  flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
+  flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse model's FFN implementation")
+  flags.DEFINE_list("models", ["sparse", "dense"], "sparse, dense")
+  flags.DEFINE_bool("remat", False, "rematerialize each block")
+  flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def _config(fl, model: str, data: int, fsdp: int):
+  base = "tiny" if fl.shape == "tiny" else "paper_0p5b"
+  cfg = trained.config_for(base, batch=fl.batch_per_device * data * fsdp)
+  if fl.shape != "tiny":
+    cfg.model.n_layers = fl.layers
+  cfg.model.remat = fl.remat
+  cfg.layer_choice.enabled = False
+  cfg.mesh.update(data=data, fsdp=fsdp)
+  if model == "sparse":
+    cfg.model.update(ffn_implementation=fl.sparse, ffn_activation="relu")
+    cfg.l1_coeff = trained.PAPER_L1
+  else:
+    cfg.model.update(ffn_implementation="dense", ffn_activation="silu")
+    cfg.l1_coeff = 0.0
+  return cfg
+
+
+def _params(fl):
+  """Trained parameters with the benchmark's layer count, or None for a random init."""
+  if fl.weights == "init":
+    return None
+  base = "tiny" if fl.shape == "tiny" else "paper_0p5b"
+  _, params = trained.trained_params(base, "paper", steps=fl.train_steps, extreme_steps=0,
+                                     cache_dir=fl.cache_dir)
+  if fl.shape != "tiny":
+    params = {**params, "blocks": jax.tree.map(
+        lambda a: a[jnp.arange(fl.layers) % a.shape[0]], params["blocks"])}
+  return params
+
+
+def _state(tr, params):
+  state = tr.new_state(jax.random.key(0))
+  if params is None:
+    return state
+  params = jax.device_put(params, tr.state_sharding["params"])
+  opt_state = jax.jit(tr.tx.init, out_shardings=tr.state_sharding["opt_state"])(params)
+  return {**state, "params": params, "opt_state": opt_state}
+
+
+def _peak_bytes(compiled) -> int:
+  mem = compiled.memory_analysis()
+  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+             - mem.alias_size_in_bytes)
+
+
+def run_mesh(fl, model: str, data: int, fsdp: int, params) -> dict:
+  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train import sharding  # pylint: disable=import-outside-toplevel
+  from train import train_lib  # pylint: disable=import-outside-toplevel
+  cfg = _config(fl, model, data, fsdp)
+  n = data * fsdp
+  tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:n]))
+  state = _state(tr, params)
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
+      seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 7)
+  batch = tr.put_batch(packer.next_batch()[None].astype(np.int32), tr.batch_sharding)
+  t0 = time.time()
+  step = tr.jit_train_step().lower(state, batch).compile()
+  compile_s = time.time() - t0
+  found = sharding.collectives(step.as_text())
+  shapes = [p.shape for p in jax.tree.leaves(state["params"])]
+  for _ in range(2):
+    state, m = step(state, batch)
+  jax.block_until_ready(state)
+  ms = []
+  for _ in range(fl.iters):
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(state)
+    ms.append((time.perf_counter() - t0) * 1e3)
+  tokens = cfg.batch_size * cfg.data.seq_len
+  med = statistics.median(ms)
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in tr.mesh.devices.flat]
+  kinds = collections.Counter(kind for kind, _ in found)
+  return {
+      "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "tokens_per_step": tokens,
+      "ms": med, "tokens_per_s": tokens / med * 1e3,
+      "tokens_per_s_per_device": tokens / med * 1e3 / n, "compile_s": compile_s,
+      "collectives": dict(kinds),
+      "non_weight_collectives": [list(c) for c in
+                                 sharding.non_weight_collectives(found, shapes)],
+      "xla_peak_bytes_per_device": _peak_bytes(step),
+      "measured_peak_bytes_per_device": peaks,
+      "active_per_token": [float(a) for a in np.asarray(m["active_per_token"])],
+      "loss": float(m["loss"]),
+  }
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  n = jax.device_count()
+  meshes = fl.meshes or (["1x1"] + ([f"{n}x1"] if n > 1 else []))
+  meshes = [tuple(int(v) for v in m.split("x")) for m in meshes]
+  device = jax.devices()[0].device_kind
+  print(f"device: {device} x {n}", flush=True)
+  params = _params(fl)
+  results = {"device": device, "device_count": n, "jax": jax.__version__,
+             "shape": fl.shape, "layers": fl.layers, "batch_per_device": fl.batch_per_device,
+             "weights": fl.weights, "runs": []}
+  for model in fl.models:
+    for data, fsdp in meshes:
+      r = run_mesh(fl, model, data, fsdp, params)
+      one = next((x for x in results["runs"] if x["model"] == model and x["devices"] == 1),
+                 None)
+      if one is not None:
+        r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
+      results["runs"].append(r)
+      print(f"  {model:<6} mesh {r['mesh']:<5} {r['tokens_per_s']:>12,.0f} tok/s "
+            f"({r['tokens_per_s_per_device']:,.0f} per device"
+            + (f", efficiency {r['scaling_efficiency']:.3f}" if one is not None else "")
+            + f") {r['ms']:.1f} ms; collectives {r['collectives']}; non-weight "
+            f"{len(r['non_weight_collectives'])}; XLA peak "
+            f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
+      if fl.out:
+        with open(fl.out, "w") as f:
+          json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  jax.config.config_with_absl()
+  app.run(main)

@@ -1,0 +1,186 @@
+"""The trainer's device mesh and how its state and batches are laid out on it.
+
+Mesh (config `mesh`): axes ("data", "fsdp") over every device of every process, sizes from
+`mesh.data` and `mesh.fsdp`, -1 taking the devices the other axis leaves. A tensor-parallel
+axis would be a third, innermost axis: the model's FFN runs under `jax.shard_map` over the
+batch axes only (`twell_jax.sharded`) and leaves other axes to GSPMD.
+
+- Batches are split over ("data", "fsdp") along the batch axis: every device holds distinct
+  sequences, FSDP devices included.
+- Parameters (FSDP, as in MaxText and levanter): each array of rank >= 2 is split over
+  "fsdp" along its largest axis that the fsdp size divides (the earlier one on ties; the
+  stacked layer axis of the scan layout is never split), and replicated over "data". Vectors
+  (the RMSNorm scales) and arrays with no such axis are replicated. With fsdp = 1 every
+  parameter is replicated: plain data parallelism.
+- Optimizer state follows the parameters (AdamW's moments have their shapes); its counters,
+  the step, the RNG and the dead-feature counters are replicated.
+- Gradients are constrained to the parameters' sharding inside the step: each device sums
+  and updates only its slice (XLA can turn the reduction and the slice into a
+  reduce-scatter).
+
+Each process feeds the rows of the devices it owns (`jax.make_array_from_process_local_data`);
+the mesh lists devices in process order, so a process's rows are one contiguous block of the
+global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import optax
+
+from twell_jax import sharded
+
+MESH_AXES = ("data", "fsdp")
+
+
+class MeshError(ValueError):
+  """Mesh sizes that do not fit the devices."""
+
+
+def mesh_shape(mesh_cfg, n_devices: int) -> dict[str, int]:
+  """{axis: size} of the config's mesh on `n_devices` devices (-1 filled in)."""
+  sizes = {a: int((mesh_cfg or {}).get(a, -1 if a == "data" else 1)) for a in MESH_AXES}
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise MeshError(f"at most one mesh axis may be -1; got {sizes}")
+  if any(s == 0 or s < -1 for s in sizes.values()):
+    raise MeshError(f"mesh sizes must be positive or -1; got {sizes}")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if n_devices % fixed:
+      raise MeshError(f"mesh {sizes}: {n_devices} devices are not divisible by {fixed}")
+    sizes[free[0]] = n_devices // fixed
+  if math.prod(sizes.values()) != n_devices:
+    raise MeshError(f"mesh {sizes} needs {math.prod(sizes.values())} devices; there are "
+                    f"{n_devices}")
+  return sizes
+
+
+def make_mesh(mesh_cfg=None, devices=None) -> jax.sharding.Mesh:
+  """The ("data", "fsdp") mesh of `mesh_cfg` over `devices` (default: all devices)."""
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = mesh_shape(mesh_cfg, len(devices))
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                       axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def param_spec(shape: tuple[int, ...], fsdp: int, *, stacked: bool = False) -> P:
+  """The PartitionSpec of a parameter of `shape` (see the module docstring)."""
+  first = 1 if stacked else 0
+  if fsdp == 1 or len(shape) - first < 2:
+    return P()
+  axes = [i for i in range(first, len(shape)) if shape[i] % fsdp == 0]
+  if not axes:
+    return P()
+  best = max(axes, key=lambda i: (shape[i], -i))
+  return P(*(("fsdp" if i == best else None) for i in range(len(shape))))
+
+
+def param_shardings(params: Any, mesh: jax.sharding.Mesh, *, scan_layers: bool) -> Any:
+  """NamedShardings for a params tree (arrays or ShapeDtypeStructs)."""
+  fsdp = mesh.shape.get("fsdp", 1)
+
+  def one(path, p):
+    stacked = scan_layers and getattr(path[0], "key", None) == "blocks"
+    return NamedSharding(mesh, param_spec(tuple(p.shape), fsdp, stacked=stacked))
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def state_shardings(state: Any, tx: optax.GradientTransformation,
+                    mesh: jax.sharding.Mesh, *, scan_layers: bool) -> Any:
+  """NamedShardings for the train state {params, opt_state, step, rng, since}."""
+  replicated = NamedSharding(mesh, P())
+  params = param_shardings(state["params"], mesh, scan_layers=scan_layers)
+  is_leaf = lambda x: isinstance(x, NamedSharding)
+  opt = optax.tree_utils.tree_map_params(
+      tx, lambda _, s: s, state["opt_state"], params,
+      transform_non_params=lambda _: replicated, is_leaf=is_leaf)
+  out = {k: jax.tree.map(lambda _: replicated, v) for k, v in state.items()}
+  return {**out, "params": params, "opt_state": opt}
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """Train batches [micro-batches, rows, T + 1]: rows split over the batch axes."""
+  return NamedSharding(mesh, P(None, sharded.batch_axes(mesh), None))
+
+
+def eval_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """Eval batches [rows, T + 1]."""
+  return NamedSharding(mesh, P(sharded.batch_axes(mesh), None))
+
+
+def traced_in(mesh: jax.sharding.Mesh, fn):
+  """`fn` traced with `mesh` as the abstract mesh in context, for jax.jit.
+
+  `twell_jax.sharded` and the loss find the batch axes through the context mesh; the
+  jitted function's in/out shardings give the devices.
+  """
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+def describe(mesh: jax.sharding.Mesh, shardings: Any) -> str:
+  """One line: mesh sizes and how many parameter arrays are split over fsdp."""
+  leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  split = sum(any(e is not None for e in s.spec) for s in leaves)
+  return (f"mesh {dict(mesh.shape)} over {mesh.size} devices of {jax.process_count()} "
+          f"processes; {split} of {len(leaves)} arrays split over fsdp")
+
+
+_COLLECTIVE = re.compile(
+    r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def collectives(hlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+  """The collectives of a compiled HLO module's text: [(kind, [(dtype, result shape)])], one
+  entry per op (an async start / done pair counts once; a combined op lists each operand)."""
+  out = []
+  for line in hlo_text.splitlines():
+    m = _COLLECTIVE.search(line)
+    if m and " = " in line[:m.start()]:
+      result = line[line.index(" = ") + 3:m.start()]
+      shapes = [(dt, tuple(int(d) for d in dims.split(",") if d))
+                for dt, dims in _SHAPE.findall(result)]
+      out.append((m.group(1), shapes))
+  return out
+
+
+def _weight_shapes(param_shapes) -> set:
+  """A parameter's shape, of a stacked one its layer slice (with and without the axis), and
+  the transposes of the matrices (XLA may reduce a gradient in the transposed layout)."""
+  shapes = set()
+  for s in map(tuple, param_shapes):
+    shapes |= {s, s[1:], (1,) + s[1:]}
+  return shapes | {s[::-1] for s in shapes if len(s) == 2}
+
+
+def non_weight_collectives(found, param_shapes) -> list[tuple[str, str, tuple[int, ...]]]:
+  """The collectives of `found` (from `collectives`) that move something other than a weight
+  or its gradient: [(kind, dtype, shape)].
+
+  Every all-to-all and collective-permute, and each all-gather, all-reduce or reduce-scatter
+  operand that is not shaped like a parameter; all-reduces of scalars and vectors (the
+  statistics) pass. Meaningful where no activation has a parameter's shape.
+  """
+  weights = _weight_shapes(param_shapes)
+  bad = []
+  for kind, operands in found:
+    for dtype, shape in operands:
+      shape = tuple(shape)
+      if kind in ("all-to-all", "collective-permute"):
+        bad.append((kind, dtype, shape))
+      elif not (kind == "all-reduce" and len(shape) <= 1) and shape not in weights:
+        bad.append((kind, dtype, shape))
+  return bad
