@@ -232,34 +232,35 @@ def run_shape(shape: str, fl) -> dict:
          "attention": model_lib.attention_implementation(mc_sparse)}
 
   # The sparse model's per-layer choices (training, inference) from the trained weights'
-  # measured activity, its hidden features sorted by popularity and the hot ones per layer
-  # (`train.model.sort_ffn_features`, which the trainer keeps up while it trains).
+  # measured activity, as the trainer makes them (`LayerChoice.update_from_counts`): its
+  # hidden features sorted by popularity, the hot ones per layer, each layer's implementation
+  # by the work its sparse kernels would do.
   probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
   _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
   active = np.asarray(stats.nnz_per_token)
-  params, hot = model_lib.sort_ffn_features(params, stats.feature_counts, b * t)
-  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_hot_features=hot)
-  res["hot_features"] = list(hot)
+  counts = jax.device_get(stats.feature_counts)
   kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
                                                dense_above=max(fl.sparse_below,
                                                                layer_choice.DEFAULT_DENSE_ABOVE))
-  # The choice weighs what the sparse kernels would do: the cold features' gathers plus the
-  # hot features' dense columns, per token (`twell_jax.features.sparse_work`).
-  work = [twell_jax.features.sparse_work(c, b * t, k)
-          for c, k in zip(jax.device_get(stats.feature_counts), hot)]
   choice = layer_choice.LayerChoice(n_layers, sparse=fl.sparse, **kw)
-  choice.update(work)
+  _, order = choice.update_from_counts(counts, b * t)
+  params = model_lib.permute_ffn_features(params, jnp.asarray(order))
+  hot = choice.hot
+  work = [twell_jax.features.sparse_work(c, b * t, k) for c, k in zip(counts, hot)]
   infer_choice = layer_choice.LayerChoice.for_inference(work, sparse=fl.sparse)
-  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations)
+  res["hot_features"] = list(hot)
+  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
+                                  ffn_layer_hot_features=choice.hot_features)
   mc_prefill = {"sparse": dataclasses.replace(
-      mc_sparse, ffn_layer_implementations=infer_choice.implementations), "dense": mc_dense}
+      mc_sparse, ffn_layer_implementations=infer_choice.implementations,
+      ffn_layer_hot_features=tuple(hot)), "dense": mc_dense}
   res["active_per_token"] = [float(a) for a in active]
   res["sparse_work_per_token"] = work
   res["sparse_layers"] = choice.describe()
-  res["sparse_layers_prefill"] = infer_choice.describe()
+  res["sparse_layers_prefill"] = infer_choice.describe((infer_choice.implementations, hot))
   print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)}, hot features "
         f"{' '.join(map(str, hot))} -> layers {choice.describe()} (training), "
-        f"{infer_choice.describe()} (prefill)", flush=True)
+        f"{res['sparse_layers_prefill']} (prefill)", flush=True)
 
   tokens = b * t
   limit = _memory_limit()

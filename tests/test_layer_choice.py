@@ -7,6 +7,7 @@ import threading
 import time
 
 from absl.testing import absltest
+import numpy as np
 
 import train_test_util as tu
 from train import layer_choice
@@ -17,15 +18,15 @@ class LayerChoiceTest(absltest.TestCase):
 
   def test_hysteresis(self):
     c = layer_choice.LayerChoice(3, sparse="xla", sparse_below=40, dense_above=56)
-    self.assertEqual(c.describe(), "DDD")              # dense from the start
+    self.assertEqual(c.describe(), "D D D")            # dense from the start
     self.assertTrue(c.update([39.9, 40.0, 100.0]))
     self.assertEqual(c.implementations, ("xla", "dense", "dense"))
     # Between the thresholds nothing moves, either way.
     self.assertFalse(c.update([50.0, 50.0, 50.0]))
-    self.assertEqual(c.describe(), "SDD")
+    self.assertEqual(c.describe(), "S D D")
     self.assertTrue(c.update([56.1, 10.0, 10.0]))
-    self.assertEqual(c.describe(), "DSS")
-    self.assertEqual(c.describe(("xla", "xla", "dense")), "SSD")
+    self.assertEqual(c.describe(), "D S S")
+    self.assertEqual(c.describe((("xla", "xla", "dense"), (512, 0, 0))), "S512 S D")
 
   def test_bad_settings_and_shapes(self):
     with self.assertRaisesRegex(ValueError, "sparse_below"):
@@ -35,13 +36,39 @@ class LayerChoiceTest(absltest.TestCase):
       c.update([1.0, 2.0, 3.0])
 
   def test_inference_threshold_is_below_the_training_one(self):
-    # The inference forward has no hot-column GEMMs: it wins at lower activity only.
+    # The inference forward saves no backward: it wins at lower work only.
     active = [10.0, 47.0, 60.0, 85.0]
     infer = layer_choice.LayerChoice.for_inference(active, sparse="xla")
-    self.assertEqual(infer.describe(), "SSDD")
+    self.assertEqual(infer.describe(), "S S D D")
     train = layer_choice.LayerChoice(4, sparse="xla")
     train.update(active)
-    self.assertEqual(train.describe(), "SSSS")
+    self.assertEqual(train.describe(), "S S S S")
+
+  def test_counts_choose_hot_features_and_sort_them_first(self):
+    """A layer of 105 active per token, 100 of them on 300 features that fire on a third of
+    the tokens, is sparse with 512 hot features; a uniform layer of 30 is sparse without;
+    one of 200 uniform (every feature above the break-even rate) is dense. The order puts
+    the hottest features first. K moves only when the new one saves more than 10%."""
+    rng = np.random.default_rng(0)
+    tokens, h = 10_000, 5632
+    skewed = np.zeros(h, np.int64)
+    hot_ids = rng.choice(h, 300, replace=False)
+    skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
+    skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
+    counts = np.stack([skewed, np.full(h, 30 * tokens // h), np.full(h, 200 * tokens // h)])
+    c = layer_choice.LayerChoice(3, sparse="xla")
+    changed, order = c.update_from_counts(counts, tokens)
+    self.assertTrue(changed)
+    self.assertEqual(c.key, (("xla", "xla", "dense"), (512, 0, 0)))
+    self.assertEqual(c.describe(), "S512 S D")
+    self.assertEqual(set(order[0, :300]), set(hot_ids))
+    np.testing.assert_array_equal(np.diff(counts[0][order[0]]) <= 0, True)
+    # 280 hot features would fit in 512 too; 600 need 768, which saves well over 10%.
+    self.assertFalse(c.update_from_counts(counts, tokens)[0])
+    more = counts.copy()
+    more[0, order[0, 300:600]] = tokens // 3
+    self.assertTrue(c.update_from_counts(more, tokens)[0])
+    self.assertEqual(c.hot[0], 768)
 
 
 class BackgroundStepsTest(absltest.TestCase):
@@ -113,7 +140,12 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
   def test_layers_switch_to_sparse_and_resume_with_the_choice(self):
     wd = self.create_tempdir().full_path
     # Every layer fires on far fewer than 1e9 features per token: all switch at the first
-    # decision (after step 1); the foreground build lands the switch on that step.
+    # decision (after step 1); the foreground build lands the switch on that step. (From
+    # initialisation every feature of the micro model fires on about half of the tokens, so
+    # all would be hot, which makes a layer dense; without hot features here, the test is of
+    # the switch itself.)
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.features_lib, "hot_feature_count", lambda *a, **k: 0))
     cfg = tu.micro_config(num_train_steps=4, log_every=1, checkpoint_every=2,
                           **{"layer_choice.sparse": "xla", "layer_choice.sparse_below": 1e9,
                              "layer_choice.dense_above": 1e9,
@@ -122,11 +154,43 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
       train_lib.train_and_evaluate(cfg, wd)
     n = cfg.model.n_layers
     self.assertEqual([r["sparse_layers"] for r in self._rows(wd)], [0, n, n, n])
-    self.assertTrue(any("ffn " + "S" * n in line for line in logs.output))
+    self.assertTrue(any("ffn " + " ".join(["S"] * n) in line for line in logs.output)
+                    or any("ffn S" in line for line in logs.output))
+    self.assertIn("hot_features/layer_0", self._rows(wd)[-1])
     # Resumed: the checkpoint's choice runs from the first step on.
     cfg.num_train_steps = 5
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(self._rows(wd)[-1]["sparse_layers"], n)
+
+  def test_sorting_the_state_keeps_the_function_and_the_optimizer_matched(self):
+    """Trainer.sort_features permutes each layer's hidden features in the parameters, the
+    AdamW moments and the dead-feature counters alike: the loss and the next step's update
+    are those of the unpermuted state (up to the order of sums)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    cfg = tu.micro_config()
+    tr = train_lib.Trainer(cfg)
+    state = tr.new_state(jax.random.key(0))
+    batch = tr.put_batch(np.random.default_rng(0).integers(
+        0, 200, (1, cfg.batch_size, cfg.data.seq_len + 1), np.int32), tr.batch_sharding)
+    step = tr.jit_train_step()
+    state, _ = step(state, batch)        # non-zero moments
+    l, h = cfg.model.n_layers, cfg.model.d_ff
+    order = np.stack([np.random.default_rng(i).permutation(h) for i in range(l)]).astype(np.int32)
+    since = np.asarray(state["since"])
+    ref_state, ref_m = step(jax.tree.map(jnp.copy, state), batch)
+    sorted_state = tr.sort_features(jax.tree.map(jnp.copy, state), order)
+    np.testing.assert_array_equal(np.asarray(sorted_state["since"]),
+                                  np.take_along_axis(since, order, 1))
+    new_state, m = step(sorted_state, batch)
+    self.assertAlmostEqual(float(m["loss"]), float(ref_m["loss"]), places=4)
+    np.testing.assert_array_equal(np.asarray(m["feature_counts"]),
+                                  np.take_along_axis(np.asarray(ref_m["feature_counts"]),
+                                                     order, 1))
+    back = np.argsort(order, axis=1).astype(np.int32)
+    restored = tr.sort_features(new_state, back)
+    for a, b in zip(jax.tree.leaves(restored["params"]), jax.tree.leaves(ref_state["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
 
   def test_no_choice_for_an_explicit_implementation_or_a_dense_auto(self):
     cfg = tu.micro_config(**{"model.ffn_implementation": "xla"})

@@ -1,21 +1,30 @@
-"""Per-layer choice of the FFN implementation while sparsity emerges.
+"""Per-layer choice of the FFN implementation and of its hot features while sparsity emerges.
 
 From random initialisation a ReLU layer fires on about half of its features, where the
 sparse kernels are slower than dense; L1 training brings it down over the first steps, at
-different speeds per layer. `LayerChoice` keeps each layer on the dense FFN until its
-measured activity (active features per token, `FFNStats.nnz_per_token`) falls below
-`sparse_below`, and sends it back only above `dense_above` (hysteresis: no flapping around
-one threshold). The decision is made on the host from the step metrics the trainer already
-fetches, every `every` steps, and changes the model's static per-layer implementations, so
-the step is recompiled only when a layer switches (a few times per run), and no conditional
-runs on the device. The reference implementation switches at 50 active features per token
-every 20 forward calls.
+different speeds per layer. `LayerChoice` keeps each layer on the dense FFN until the work its
+sparse kernels would do falls below `sparse_below`, and sends it back only above
+`dense_above` (hysteresis: no flapping around one threshold). The work is measured in
+features gathered per token (`twell_jax.features.sparse_work`): the active features per
+token, except that the layer's hot features (those that fire on more than about 1% of the
+tokens, `twell_jax.hot_feature_count`) count as dense GEMM columns at their cost. Real
+L1-trained layers hold 90-99% of their activity in a few hundred hot features, so a layer
+with 60-100 active per token does the sparse work of 3-13.
+
+With `update_from_counts`, each decision also picks every layer's number of hot features K
+(a multiple of 256, with hysteresis: a new K is taken when it saves more than 10% of the
+work) and gives the popularity order of the features, which the trainer applies to the
+parameters (`train.model.permute_ffn_features`) so that the first K features are the hottest.
+Decisions run on the host, every `every` steps, from the step metrics; a step is recompiled
+only when an implementation or a K changes (a few times per run), and no conditional runs on
+the device. The reference implementation switches at 50 active features per token every 20
+forward calls.
 
 The thresholds come from the captured-activation benchmark (`benchmarks.captured`, H100,
 paper shape, per layer, over dense): the training kernels (forward + backward) win at every
-captured layer, up to 85 active per token (0.64), so training switches to sparse below 90; the
-inference forward has no hot-column GEMMs and wins only below about 48 active per token
-(0.87-0.96 at 40-47, 1.24 at 85), so `for_inference` uses the lower threshold.
+captured layer (0.45-0.64 of dense with hot features, up to 100 active per token), so
+training switches to sparse below a work of 90 features per token; the inference forward
+gains less per entry (it has no backward to save), so `for_inference` uses 48.
 """
 
 from __future__ import annotations
@@ -24,20 +33,25 @@ import dataclasses
 
 import numpy as np
 
+from twell_jax import features as features_lib
+
 DEFAULT_SPARSE_BELOW = 90.0
 DEFAULT_DENSE_ABOVE = 110.0
 INFERENCE_SPARSE_BELOW = 48.0
+# A new number of hot features is taken when it cuts the modelled work by more than this.
+HOT_CHANGE_GAIN = 0.1
 
 
 @dataclasses.dataclass
 class LayerChoice:
-  """Per-layer FFN implementation with hysteresis (see the module docstring)."""
+  """Per-layer FFN implementation and hot features with hysteresis (module docstring)."""
   n_layers: int
   sparse: str = "mosaic_gpu"
   dense: str = "dense"
   sparse_below: float = DEFAULT_SPARSE_BELOW
   dense_above: float = DEFAULT_DENSE_ABOVE
   current: list[str] | None = None
+  hot: list[int] | None = None
 
   def __post_init__(self):
     if not 0 <= self.sparse_below <= self.dense_above:
@@ -45,24 +59,29 @@ class LayerChoice:
                        f"({self.dense_above})")
     if self.current is None:
       self.current = [self.dense] * self.n_layers
+    if self.hot is None:
+      self.hot = [0] * self.n_layers
 
   @classmethod
-  def for_inference(cls, active_per_token, sparse: str = "mosaic_gpu") -> "LayerChoice":
-    """The per-layer choice for a forward-only model with fixed weights: sparse below
-    `INFERENCE_SPARSE_BELOW` active features per token (one decision, no hysteresis)."""
-    active = np.asarray(active_per_token, np.float64).reshape(-1)
-    choice = cls(active.shape[0], sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
+  def for_inference(cls, work, sparse: str = "mosaic_gpu") -> "LayerChoice":
+    """The per-layer choice for a forward-only model with fixed weights from each layer's
+    sparse work per token (`twell_jax.features.sparse_work`; the active features per token
+    when its features are not sorted): sparse below `INFERENCE_SPARSE_BELOW` (one decision, no
+    hysteresis)."""
+    work = np.asarray(work, np.float64).reshape(-1)
+    choice = cls(work.shape[0], sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
                  dense_above=INFERENCE_SPARSE_BELOW)
-    choice.update(active)
+    choice.update(work)
     return choice
 
-  def update(self, active_per_token) -> bool:
-    """Applies one decision from the layers' active features per token; True if any changed."""
-    active = np.asarray(active_per_token, np.float64).reshape(-1)
-    if active.shape[0] != self.n_layers:
-      raise ValueError(f"got {active.shape[0]} layers' activity for {self.n_layers} layers")
+  def update(self, work) -> bool:
+    """Applies one decision from the layers' sparse work per token (`sparse_work`; without
+    hot features, the active features per token); True if any layer changed."""
+    work = np.asarray(work, np.float64).reshape(-1)
+    if work.shape[0] != self.n_layers:
+      raise ValueError(f"got {work.shape[0]} layers' activity for {self.n_layers} layers")
     new = list(self.current)
-    for l, a in enumerate(active):
+    for l, a in enumerate(work):
       if new[l] == self.dense and a < self.sparse_below:
         new[l] = self.sparse
       elif new[l] == self.sparse and a > self.dense_above:
@@ -71,18 +90,52 @@ class LayerChoice:
     self.current = new
     return changed
 
+  def update_from_counts(self, feature_counts, tokens: int):
+    """One decision from each layer's feature counts [L, H] over `tokens` tokens
+    (`FFNStats.feature_counts`): the hot features per layer (with hysteresis), then the
+    implementations from the work with them. Returns (changed, popularity order [L, H]: the
+    permutation that sorts each layer's features hottest first)."""
+    counts = np.asarray(feature_counts)
+    if counts.shape[0] != self.n_layers:
+      raise ValueError(f"got {counts.shape[0]} layers' counts for {self.n_layers} layers")
+    hot, work = list(self.hot), []
+    for l, c in enumerate(counts):
+      k = features_lib.hot_feature_count(c, tokens)
+      if k != hot[l] and (features_lib.sparse_work(c, tokens, hot[l])
+                          > (1 + HOT_CHANGE_GAIN) * features_lib.sparse_work(c, tokens, k)):
+        hot[l] = k
+      # Every feature hot: the dense FFN is that computation without the sparse overhead.
+      work.append(np.inf if hot[l] >= c.shape[0]
+                  else features_lib.sparse_work(c, tokens, hot[l]))
+    changed = hot != self.hot
+    self.hot = hot
+    changed = self.update(work) or changed
+    return changed, np.argsort(-counts, axis=1, kind="stable").astype(np.int32)
+
   @property
   def implementations(self) -> tuple[str, ...]:
     return tuple(self.current)
 
-  def describe(self, names=None) -> str:
-    """'S' for a sparse layer, 'D' for a dense one, in layer order (of `names`, default the
-    current choice)."""
-    return "".join("S" if name == self.sparse else "D" for name in (names or self.current))
+  @property
+  def hot_features(self) -> tuple[int, ...]:
+    """Each layer's hot features (0 on dense layers, where they mean nothing)."""
+    return tuple(k if name == self.sparse else 0 for name, k in zip(self.current, self.hot))
+
+  @property
+  def key(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(implementations, hot features): what a compiled step depends on."""
+    return self.implementations, self.hot_features
+
+  def describe(self, key=None) -> str:
+    """'S' for a sparse layer (with its hot features, 'S512'), 'D' for a dense one, in layer
+    order (of `key`, default the current choice), space-separated."""
+    names, hot = key or self.key
+    return " ".join(("S" + (str(k) if k else "")) if name == self.sparse else "D"
+                    for name, k in zip(names, hot))
 
 
 class BackgroundSteps:
-  """Compiled train steps per tuple of layer implementations, compiled on a worker thread.
+  """Compiled train steps per `LayerChoice.key`, compiled on a worker thread.
 
   A switch must not stall training: the new step compiles (tens of seconds at the paper's
   shape) while the current one keeps running, and `ready` hands over the newest requested

@@ -109,6 +109,9 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
         "max_tile_nnz": jnp.max(stats.max_tile_nnz, axis=0),
         "overflow_rows": jnp.sum(stats.overflow_rows, axis=0),
         "dead_fraction": dead_fraction,
+        # [L, H]: tokens of the step on which each feature fired (the per-layer choice sorts
+        # the features by it; not logged).
+        "feature_counts": jnp.sum(stats.feature_counts, axis=0),
     }
     return new_state, metrics
 

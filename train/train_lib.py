@@ -93,12 +93,15 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_sharding)
 
-  def jit_train_step(self, layer_implementations=None):
-    """The jitted step; `layer_implementations` (L names) overrides the model's FFNs."""
+  def jit_train_step(self, layer_ffn=None):
+    """The jitted step; `layer_ffn` (a `LayerChoice.key`: L implementation names and L
+    numbers of hot features) overrides the model's FFNs."""
     lm = self.lm
-    if layer_implementations is not None:
+    if layer_ffn is not None:
+      names, hot = layer_ffn
       lm = model_lib.LanguageModel(dataclasses.replace(
-          self.model_cfg, ffn_layer_implementations=tuple(layer_implementations)))
+          self.model_cfg, ffn_layer_implementations=tuple(names),
+          ffn_layer_hot_features=tuple(hot)))
     step = steps_lib.make_train_step(lm, self.tx, self.cfg,
                                      grad_sharding=self.state_sharding["params"])
     return jax.jit(sharding_lib.traced_in(self.mesh, step),
@@ -122,6 +125,19 @@ class Trainer:
     return layer_choice_lib.LayerChoice(mc.n_layers, sparse=sparse,
                                         sparse_below=lc.sparse_below,
                                         dense_above=lc.dense_above)
+
+  def sort_features(self, state, order):
+    """`state` with each layer's hidden features in `order` [L, H] (the parameters, the
+    optimizer state and the dead-feature counters alike: the model computes the same function,
+    the run continues the same optimization)."""
+    if not hasattr(self, "_sort_features"):
+      def permute(state, order):
+        since = jnp.take_along_axis(state["since"], order, axis=1)
+        return {**model_lib.permute_ffn_features(
+            {k: v for k, v in state.items() if k != "since"}, order), "since": since}
+      self._sort_features = jax.jit(permute, out_shardings=self.state_sharding,
+                                    donate_argnums=0)
+    return self._sort_features(state, jnp.asarray(order))
 
   def put_batch(self, local: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local)
@@ -214,13 +230,14 @@ def _my_data_state(saved: dict) -> dict:
   return states[jax.process_index()]
 
 
-def _meta(cfg, step: int, layer_implementations=None) -> dict:
+def _meta(cfg, step: int, layer_ffn=None) -> dict:
   import twell_jax  # pylint: disable=g-import-not-at-top
   meta = {"step": int(step), "config": cfg.to_dict(),
           "twell_jax_version": getattr(twell_jax, "__version__", "?")}
-  if layer_implementations is not None:
+  if layer_ffn is not None:
     # The per-layer FFN choice in use: a resumed run continues with it (same numerics).
-    meta["layer_implementations"] = list(layer_implementations)
+    meta["layer_implementations"] = list(layer_ffn[0])
+    meta["layer_hot_features"] = list(layer_ffn[1])
   return meta
 
 
@@ -317,16 +334,20 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
         np.int32, sharding=tr.batch_sharding)
     steps = layer_choice_lib.BackgroundSteps(
-        lambda names: tr.jit_train_step(names).lower(state_spec, batch_spec).compile(),
+        lambda key: tr.jit_train_step(key).lower(state_spec, batch_spec).compile(),
         background=cfg.layer_choice.background)
-    saved = ((restored or {}).get("meta") or {}).get("layer_implementations")
+    meta = (restored or {}).get("meta") or {}
+    saved = meta.get("layer_implementations")
     if saved is not None and len(saved) == choice.n_layers:
       choice.current = list(saved)
-    running = choice.implementations
+      choice.hot = list(meta.get("layer_hot_features") or [0] * choice.n_layers)
+    running = choice.key
     train_step = steps.get_now(running)
-    logging.info("Per-layer FFN choice: dense until a layer's active features per token "
-                 "fall below %g, then %s (back above %g)", choice.sparse_below,
-                 choice.sparse, choice.dense_above)
+    logging.info("Per-layer FFN choice: dense until a layer's sparse work (features gathered "
+                 "per token, hot features counted as dense columns) falls below %g, then %s "
+                 "(back above %g); features sorted by popularity every %d steps",
+                 choice.sparse_below, choice.sparse, choice.dense_above,
+                 cfg.layer_choice.every)
   last = {}
   t_last, tokens_since = time.time(), 0
   preempted = None
@@ -340,10 +361,16 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       tokens_since += cfg.batch_size * cfg.data.seq_len
       if choice is not None:
         if done % cfg.layer_choice.every == 0 or done == start + 1:
-          if choice.update(jax.device_get(m["active_per_token"])):
+          # This step's feature counts: the layers' choice and hot features, and the order
+          # that puts each layer's hottest features first, applied to the state at once
+          # (the running step's hot features then cover the hottest ones).
+          changed, order = choice.update_from_counts(
+              jax.device_get(m["feature_counts"]), cfg.batch_size * cfg.data.seq_len)
+          state = tr.sort_features(state, order)
+          if changed:
             logging.info("step %d: FFN per layer -> %s (compiling in the background)",
                          done, choice.describe())
-            steps.request(choice.implementations)
+            steps.request(choice.key)
         handed = steps.ready()
         if handed is not None:
           running, train_step = handed
@@ -351,7 +378,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                        choice.describe(running), steps.last_build_s)
       if (done % cfg.log_every == 0 or done == cfg.num_train_steps
           or done == start + 1):  # The first step shows the starting point.
-        m = jax.device_get(m)
+        m = {k: v for k, v in jax.device_get(m).items() if k != "feature_counts"}
         if not np.isfinite(m["loss"]):
           raise FloatingPointError(f"non-finite loss {m['loss']} at step "
                                    f"{done}")
@@ -360,7 +387,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         t_last, tokens_since = now, 0
         m = dict(m, tokens_per_s=tps, params=n_params)
         if ran is not None:
-          m["sparse_layers"] = sum(name != "dense" for name in ran)
+          m["sparse_layers"] = sum(name != "dense" for name in ran[0])
+          m["hot_features"] = np.asarray(ran[1])
         logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, tps, progress)
                      + ("" if ran is None else f" | ffn {choice.describe(ran)}"))
         last = metrics_lib.flatten_metrics(m)

@@ -29,7 +29,7 @@ __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_f
 # Firing rate at which a dense feature costs what a sparse one does (module docstring).
 BREAK_EVEN_RATE = 0.01
 # CTAs the column kernels run at once (an H100's 132 SMs, about 8 each): a feature with more
-# than 1 / PARALLEL_COLUMNS of a call's entries is a column that outlasts the others.
+# than 2 / PARALLEL_COLUMNS of a call's entries is a column that outlasts the others.
 PARALLEL_COLUMNS = 1024
 
 
@@ -77,11 +77,12 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
                       parallel_columns: int = PARALLEL_COLUMNS, multiple: int = TILE_N) -> int:
   """The K (a multiple of `multiple`) for a call whose features are sorted hottest first
   (host-side; `feature_counts` [H] over `tokens` tokens): the K that minimizes `sparse_work`,
-  raised until every feature with more entries than 1 / `parallel_columns` of all entries is
-  dense. The backward's weight-gradient kernels give each feature's column of entries to one
-  CTA, so a column longer than a fair share of the work would set the kernel's time on its own
-  (measured: features on 17-25% of the tokens of a layer with 1.3 active per token made its
-  forward + backward slower than dense)."""
+  raised until every feature with more than twice a fair share of the entries is dense (a
+  share: all entries over `parallel_columns`, or over H when H is smaller). The backward's
+  weight-gradient kernels give each feature's column of entries to one CTA, so a column much
+  longer than a share of the work would set the kernel's time on its own (measured: features
+  on 17-25% of the tokens of a layer with 1.3 active per token made its forward + backward
+  slower than dense)."""
   rates = _sorted_rates(feature_counts, tokens)
   h = rates.shape[0]
   tail = np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])   # tail[k] = sum(rates[k:])
@@ -90,7 +91,7 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
     cost = k * break_even + tail[min(k, h)]
     if cost < best:
       best_k, best = k, cost
-  long_columns = int(np.sum(rates > tail[0] / parallel_columns))
+  long_columns = int(np.sum(rates > 2 * tail[0] / min(parallel_columns, h)))
   return max(best_k, -(-long_columns // multiple) * multiple)
 
 
