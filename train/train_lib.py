@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from train import checkpointing
 from train import config_checks
 from train import data as data_lib
+from train import hf_init
 from train import layer_choice as layer_choice_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
@@ -278,9 +279,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                         accept_config_change: bool, allow_fresh_start: bool) -> dict:
   os.makedirs(workdir, exist_ok=True)
   hf_dir = (cfg.get("init_from_hf") or {}).get("path")
-  if hf_dir:  # shapes and tokenizer of a Hugging Face checkpoint (train/import_hf.py)
-    from train import import_hf  # pylint: disable=import-outside-toplevel
-    cfg = import_hf.configure(cfg, workdir)
+  if hf_dir:  # shapes and tokenizer of a Hugging Face checkpoint
+    cfg = hf_init.configure(cfg, workdir)
   tr = Trainer(cfg)
   is_main = jax.process_index() == 0
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
@@ -303,7 +303,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
     start = 0
     state = tr.new_state(jax.random.key(cfg.seed))
     if hf_dir:
-      state = import_hf.initial_state(tr, state, hf_dir)
+      state = hf_init.initial_state(tr, state, hf_dir)
   else:
     start, state = restored["step"], restored["state"]
     packer.set_state(_my_data_state(restored["data"]))
