@@ -51,9 +51,9 @@ class ForwardConfig:
     only the columns after them. Any K gives the same function; it pays when the first K
     features are the ones that fire on more than about 1% of the tokens (a dense column costs
     what a sparse one costs at that rate: 2 M D FLOPs against 2 D-long row gathers per entry),
-    which is what sorting the hidden features by popularity gives
-    (``twell_jax.sort_features``). Real L1-trained layers have tens to hundreds of such
-    features holding 90-99% of all active entries.
+    which sorting the hidden features by popularity gives (a permutation of the FFN's hidden
+    units, which leaves its function unchanged). Real L1-trained layers have tens to hundreds
+    of such features holding 90-99% of all active entries.
   ``max_row_entries``: rows with more packed entries take the dense fix-up too: the fused
     kernel walks a row's entries in one CTA, so a row of hundreds of cold entries (real
     layers have a few near-dense rows) would outlast the whole batch's other rows.
