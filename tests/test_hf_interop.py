@@ -91,12 +91,15 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     wd = os.path.join(self.create_tempdir().full_path, "imported")
     run = tu.run([sys.executable, "-m", "train.import_hf", f"--hf_dir={self.hf_dir}",
                   f"--workdir={wd}", "--config=configs/tiny.py",
-                  f"--config.data.data_dir={tu.offline_data_dir()}"],
+                  f"--config.data.data_dir={tu.offline_data_dir()}",
+                  # The data stream the training below runs (the workdir keeps its config).
+                  "--config.batch_size=8", "--config.data.seq_len=32"],
                  JAX_DISABLE_MOST_OPTIMIZATIONS="1")
     self.assertEqual(run.returncode, 0, run.stderr[-3000:])
     self.assertEqual(json.loads(run.stdout)["model"]["ffn_activation"], "relu")
     cfg = tu.micro_config(num_train_steps=2)
-    train_lib.train_and_evaluate(cfg, wd)
+    # Same shapes and data stream; the schedule differs from the import's config.
+    train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(checkpointing.read_meta(wd)[0], 2)
     out = os.path.join(self.create_tempdir().full_path, "again")
     run = tu.run([sys.executable, "-m", "train.export_hf", f"--workdir={wd}", f"--out={out}",

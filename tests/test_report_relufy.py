@@ -103,7 +103,7 @@ class ReportTest(tu.FastCompile, absltest.TestCase):
     # A later run resumes from its own checkpoints, without the Hugging Face directory.
     shutil.rmtree(hf)
     cfg.num_train_steps = 52
-    train_lib.train_and_evaluate(cfg, wd)
+    train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(checkpointing.read_meta(wd)[0], 52)
     summary = report.make_report(wd)
     self.assertLess(sum(summary["training"]["last"]["active_per_token"]),

@@ -7,13 +7,9 @@
   loss curve and parameters as one device; the compiled steps gather weights only (no
   all-gather, all-to-all or all-reduce of an activation); a checkpoint written from one mesh
   restores onto the others and continues identically.
-* `MosaicInterpretTest`: the Mosaic GPU kernels in the interpreter under shard_map, data=2
-  against one device. The interpreted kernels run Python threads that dispatch back into the
-  CPU client; a process whose mesh uses all of its host devices hangs there (seen with 2 of 2
-  and 4 of 4), so the meshes take 1 and 2 of 4 devices. The interpreter's end-of-kernel check
-  that no barrier is allocated looks at every device's memory, so it fires when one device
-  finishes a kernel while another is inside it; the test skips that check (barrier misuse is
-  still caught when each barrier is freed).
+The Mosaic GPU kernels themselves refuse the interpreter inside shard_map over more than one
+device (the interpreter keeps one simulated GPU memory per process); they run per device
+under shard_map on a one-device mesh in tests/test_transforms.py, and on GPUs.
 """
 
 import json
@@ -110,37 +106,6 @@ _FOUR_DEVICES = textwrap.dedent("""
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     print("RESULT " + json.dumps(out))
     """)
-
-_MOSAIC = textwrap.dedent("""
-    import json
-    import jax, numpy as np
-    jax.config.update("jax_disable_most_optimizations", True)
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    gpu_callbacks._assert_no_barriers_allocated = lambda token: token  # see the module doc
-    import train_test_util as tu
-    from train import sharding, train_lib
-
-    cfg = tu.micro_config(batch_size=4)
-    cfg.model.update(ffn_implementation="mosaic_gpu", interpret=True, dtype="bfloat16",
-                     n_layers=1)
-    cfg.data.seq_len = 16
-    tokens = np.random.default_rng(0).integers(3, 259, (2, 1, 4, 17)).astype(np.int32)
-    out = {}
-    for data in (1, 2):
-      cfg.mesh.update(data=data, fsdp=1)
-      tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data]))
-      state = tr.new_state(jax.random.key(0))
-      put = lambda t: tr.put_batch(t, tr.batch_sharding)
-      step = tr.jit_train_step().lower(state, put(tokens[0])).compile()
-      losses = []
-      for t in tokens:
-        state, m = step(state, put(t))
-        losses.append(float(m["loss"]))
-      out[data] = {"losses": losses, "active": float(m["active_per_token"][0]),
-                   "collectives": sharding.collectives(step.as_text())}
-    print("RESULT " + json.dumps(out))
-    """)
-
 
 def _run(script: str, devices: int, timeout: int = 300) -> dict:
   out = tu.run([sys.executable, "-c", script], timeout=timeout,
@@ -250,17 +215,6 @@ class FourDevicesTest(absltest.TestCase):
       self.assertTrue(r["laid_out"], mesh)
     np.testing.assert_allclose(self.out["restored_2x2"]["losses"],
                                self.out["restored_1x1"]["losses"], rtol=1e-5)
-
-
-class MosaicInterpretTest(absltest.TestCase):
-
-  def test_kernels_per_device_match_one_device(self):
-    out = _run(_MOSAIC, 4)   # meshes on 1 and 2 of them (see the module docstring)
-    one, two = out["1"], out["2"]
-    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-3)
-    self.assertAlmostEqual(two["active"], one["active"], delta=1e-3)
-    self.assertEqual([c for c in two["collectives"] if c[0] != "all-reduce"], [])
-    self.assertEqual(one["collectives"], [])
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ class Generator:
     return tuple(prefill_names)
 
   def _groups(self, names):
-    """[(start, stop, name)]: runs of layers with one implementation (one scan each)."""
+    """[(start, stop, name, hot features)]: runs of layers with one implementation and one
+    number of hot features (one scan each)."""
     return dataclasses.replace(self.model_cfg, ffn_layer_implementations=tuple(names)
                                ).layer_groups()
 
@@ -200,9 +201,9 @@ class Generator:
     outer = lm.outer_module(params)
     attention = model_lib.attention_implementation(cfg)
 
-    def layer(x, block_params, name):
+    def layer(x, block_params, name, hot):
       block = lm.block_module(block_params)
-      block.ffn.implementation = name
+      block.ffn.implementation, block.ffn.hot_features = name, hot
       q, k, v = block.attn.qkv(block.attn_norm(x))
       o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
       x = x + block.attn.out(o)
@@ -210,9 +211,9 @@ class Generator:
       return x + y.astype(x.dtype), (k, v, stats.nnz_per_token)
 
     x, outs = outer.embed_tokens(tokens), []
-    for start, stop, name in self._groups(names):
+    for start, stop, name, hot in self._groups(names):
       group = jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"])
-      x, ys = jax.lax.scan(functools.partial(layer, name=name), x, group)
+      x, ys = jax.lax.scan(functools.partial(layer, name=name, hot=hot), x, group)
       outs.append(ys)
     ks, vs, active = (jnp.concatenate(a) for a in zip(*outs))
     last = x[jnp.arange(x.shape[0]), lengths - 1]                     # [B, D]
@@ -227,14 +228,14 @@ class Generator:
     outer = lm.outer_module(params)
     rows = jnp.arange(logits.shape[0])
     # Layer groups sliced once, before the loop, not in every step.
-    groups = [(name, jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"]),
-               jnp.arange(start, stop)) for start, stop, name in self._groups(names)]
+    groups = [(name, hot, jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"]),
+               jnp.arange(start, stop)) for start, stop, name, hot in self._groups(names)]
 
-    def layer(carry, xs, name, pos):
+    def layer(carry, xs, name, hot, pos):
       x, ck, cv = carry
       block_params, l = xs
       block = lm.block_module(block_params)
-      block.ffn.implementation = name
+      block.ffn.implementation, block.ffn.hot_features = name, hot
       q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
       ck = ck.at[l, rows, pos].set(k[:, 0])
       cv = cv.at[l, rows, pos].set(v[:, 0])
@@ -246,8 +247,8 @@ class Generator:
 
     def forward(tok, pos, ck, cv):
       carry = (outer.embed_tokens(tok[:, None]), ck, cv)
-      for name, group, layer_ids in groups:
-        carry, _ = jax.lax.scan(functools.partial(layer, name=name, pos=pos), carry,
+      for name, hot, group, layer_ids in groups:
+        carry, _ = jax.lax.scan(functools.partial(layer, name=name, hot=hot, pos=pos), carry,
                                 (group, layer_ids))
       x, ck, cv = carry
       return outer.logits(x)[:, 0], ck, cv
