@@ -110,7 +110,7 @@ class LayerChoice:
     changed = hot != self.hot
     self.hot = hot
     changed = self.update(work) or changed
-    return changed, np.argsort(-counts, axis=1, kind="stable").astype(np.int32)
+    return changed, np.asarray(features_lib.popularity_order(counts))
 
   @property
   def implementations(self) -> tuple[str, ...]:

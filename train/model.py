@@ -81,7 +81,7 @@ class ModelConfig:
   ffn_layer_implementations: tuple | None = None
   # Per-layer numbers of hot features (`twell_jax.ffn`'s hot_features: the first K hidden
   # features, the hottest once the features are sorted, run as dense GEMMs in the sparse
-  # kernels); None: 0 everywhere. Set with the features' order (`sort_ffn_features`).
+  # kernels); None: 0 everywhere. Set with the features' order (`train.layer_choice`).
   ffn_layer_hot_features: tuple | None = None
 
   def __post_init__(self):
@@ -435,16 +435,6 @@ def permute_ffn_features(tree, order):
       return twell_jax.permute_features(None, None, leaf, layer_order)[2]
     return twell_jax.permute_features(leaf, None, None, layer_order)[0]
   return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def sort_ffn_features(params, feature_counts, tokens: int):
-  """(params with each layer's hidden features sorted hottest first by `feature_counts` [L, H]
-  (`FFNStats.feature_counts` over `tokens` tokens), the per-layer hot features to run densely
-  (`ModelConfig.ffn_layer_hot_features`, from `twell_jax.hot_feature_count`))."""
-  counts = jnp.asarray(feature_counts)
-  params = permute_ffn_features(params, twell_jax.features.popularity_order(counts))
-  hot = tuple(twell_jax.hot_feature_count(c, tokens) for c in jax.device_get(counts))
-  return params, hot
 
 
 def count_params(params) -> int:
