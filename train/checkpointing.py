@@ -178,8 +178,15 @@ def _silence_damaged_read_noise():
     back into orbax's already closed asyncio loop; Python reports each as an
     unraisable RuntimeError with a traceback. Only these are filtered; every
     other unraisable exception still reaches the old hook.
+  * "coroutine 'async_serialize_from_host.<locals>.write_fragment' was never
+    awaited": the sibling array writes a failed write abandons, reported (a
+    RuntimeWarning) when they are collected, possibly at interpreter exit,
+    after the error that ended the run.
   """
   import sys  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.filterwarnings("ignore", category=RuntimeWarning,
+                          message=r"coroutine 'async_serialize\S*' was never awaited")
   asyncio_logger = logging_std.getLogger("asyncio")
   if not any(isinstance(f, _DamagedStepNoise) for f in asyncio_logger.filters):
     asyncio_logger.addFilter(_DamagedStepNoise())
