@@ -1,6 +1,6 @@
 r"""Probe: where the training step's conditionals run, and what they cost in wall time.
 
-    python -m benchmarks.probes.conditionals [--spec=paper_16k] [--iters=30]
+    python -m benchmarks.probes.conditionals [--mode=fwd_bwd|fwd] [--spec=paper_16k] [--iters=30]
 
 The mosaic_gpu forward + backward has one conditional per direction (a `lax.switch` over the
 dense-tail buckets and the dense fallback). XLA runs a conditional inside a CUDA-graph
@@ -10,7 +10,10 @@ the branch launched from there: a device -> host synchronization per conditional
 which the per-kernel (CUPTI) times do not show. This prints, for the step as compiled under
 the current XLA_FLAGS, how many conditionals sit in command-buffer computations and how many
 outside, then the step's synchronized and pipelined wall time against XLA dense's (which has
-no conditionals). Run it once per XLA_FLAGS setting (one process each).
+no conditionals), with the device time (CUPTI) and kernel count. ``--mode=fwd`` does the same
+for the inference forward and for variants of it whose conditional is replaced by one branch
+run unconditionally (what the conditional itself costs). Run it once per XLA_FLAGS setting
+(one process each).
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ import re
 from absl import app
 from absl import flags
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from benchmarks import kernels
 from benchmarks import specs as specs_lib
 from benchmarks import timing
+from pallas_kernels import ffn_mgpu
+from pallas_kernels import ffn_train_mgpu
+from pallas_kernels import reference
 
-_SPEC = flags.DEFINE_string("spec", "paper_16k", "benchmarks.specs name.")
+_SPEC = flags.DEFINE_list("spec", ["paper_16k"], "benchmarks.specs names.")
+_MODE = flags.DEFINE_enum("mode", "fwd_bwd", ["fwd", "fwd_bwd"],
+                          "fwd: the inference forward and variants of its conditional")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed calls per measurement.")
 
 
@@ -68,22 +77,85 @@ def conditional_placement(hlo_text: str) -> dict:
   return out
 
 
+class _StaticSwitch:
+  """Stands in for `jax.lax` in a kernel module while tracing: `switch` runs the branch that
+  `pick(number of branches)` names, unconditionally (no conditional in the program)."""
+
+  def __init__(self, pick):
+    self._pick = pick
+
+  def __getattr__(self, name):
+    return getattr(lax, name)
+
+  def switch(self, index, branches, *operands):
+    del index
+    return branches[self._pick(len(branches))](*operands)
+
+
+def _forward_variants(k: int) -> dict:
+  """y-only forward programs: the shipped one, and the same with its conditional replaced by
+  one branch taken unconditionally (no fix-up; the smallest fix-up bucket; the dense FFN)."""
+  cfg = ffn_mgpu.ForwardConfig(hot_features=k)
+
+  def traced_with(pick):
+    def f(*args):
+      saved = ffn_mgpu.lax
+      ffn_mgpu.lax = _StaticSwitch(pick) if pick else lax
+      try:
+        return ffn_mgpu.ffn_forward.__wrapped__(*args, config=cfg)[0]
+      finally:
+        ffn_mgpu.lax = saved
+    return jax.jit(f)
+
+  return {"dense": jax.jit(lambda *a: reference.dense_ffn(*a)[0]),
+          "shipped": traced_with(None),
+          "no_fixup": traced_with(lambda n: 0),
+          "smallest_fixup": traced_with(lambda n: 1),
+          "dense_branch": traced_with(lambda n: n - 1)}
+
+
+def _report(name, f, args) -> dict:
+  text = f.lower(*args).compile().as_text()
+  r = {"conditionals": conditional_placement(text),
+       "wall_ms": timing.wall_ms(f, *args, iters=_ITERS.value),
+       "pipelined_ms": timing.pipelined_ms(f, *args, iters=_ITERS.value),
+       "device_ms": timing.device_ms(f, *args)}
+  table = timing.kernel_breakdown(f, *args)
+  r["kernels"] = len(table) if table else None
+  dev = r["device_ms"] if r["device_ms"] is not None else float("nan")
+  print(f"  {name:15s} conditionals {r['conditionals']}; synchronized {r['wall_ms']:.3f} ms, "
+        f"pipelined {r['pipelined_ms']:.3f} ms/call, device {dev:.3f} ms in "
+        f"{r['kernels']} kernels", flush=True)
+  return r
+
+
 def main(argv):
   del argv
-  spec = specs_lib.get(_SPEC.value)
-  x, wg, wu, wd = spec.inputs()
-  ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   print("device:", jax.devices()[0].device_kind, "| XLA_FLAGS:", os.environ.get("XLA_FLAGS", ""),
         flush=True)
-  for impl in ("dense", "mosaic_gpu"):
-    f = jax.jit(jax.grad(kernels.loss_fn(impl, spec, ct), argnums=(0, 1, 2, 3)))
-    text = f.lower(x, wg, wu, wd).compile().as_text()
-    place = conditional_placement(text)
-    wall = timing.wall_ms(f, x, wg, wu, wd, iters=_ITERS.value)
-    piped = timing.pipelined_ms(f, x, wg, wu, wd, iters=_ITERS.value)
-    print(f"  {impl:10s} conditionals {place}; synchronized {wall:.3f} ms, "
-          f"pipelined {piped:.3f} ms/call", flush=True)
+  for name in _SPEC.value:
+    spec = specs_lib.get(name)
+    if _MODE.value == "fwd":
+      args, k = kernels.calibrated_inputs(spec)
+      print(f"{name} forward, hot_features={k}", flush=True)
+      for variant, f in _forward_variants(k).items():
+        _report(variant, f, args)
+      continue
+    (x, wg, wu, wd), k = kernels.calibrated_inputs(spec)
+    ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+    print(f"{name} forward + backward, hot_features={k}", flush=True)
+    for variant, impl, pick in (("dense", "dense", None), ("mosaic_gpu", "mosaic_gpu", None),
+                                ("smallest_tail", "mosaic_gpu", lambda n: 0)):
+      loss = kernels.loss_fn(impl, spec, False, k)
 
+      def traced(*args, loss=loss, pick=pick):
+        saved = ffn_train_mgpu.lax
+        ffn_train_mgpu.lax = _StaticSwitch(pick) if pick else lax
+        try:
+          return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+        finally:
+          ffn_train_mgpu.lax = saved
+      _report(variant, jax.jit(traced), (x, wg, wu, wd, ct))
 
 if __name__ == "__main__":
   app.run(main)
