@@ -6,6 +6,8 @@ r"""Configuration sweeps on the GPU: every variant against the default, same inp
   variant's words / counts must equal the default's bit for bit. XLA's relu(x @ w_gate)
   without packing for scale.
 * ``forward``: the inference forward per ``ForwardConfig``.
+* ``up_down``: the fused up / down kernel alone (device time) per ``UpDownConfig`` on the
+  packed gate of the calibrated hot features' cold columns; outputs must match bit for bit.
 * ``train``: forward + backward (``jax.grad`` of sum(y * ct) + 2e-5 l1) per ``HybridConfig``
   variant of the training kernels (which kernel computes dh, groups, rows loaded ahead),
   with the dense FFN's time for the ratio.
@@ -32,7 +34,7 @@ from pallas_kernels import reference
 from pallas_kernels import sparse_up_down_mgpu
 from twell_jax import mosaic
 
-_WHAT = flags.DEFINE_list("what", ["train"], "gate, forward and / or train")
+_WHAT = flags.DEFINE_list("what", ["train"], "gate, forward, up_down and / or train")
 _SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_skew"], "benchmarks.specs names")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -48,6 +50,12 @@ FORWARD_VARIANTS = {
     "hot256": ffn_mgpu.ForwardConfig(hot_features=256),
     "hot512": ffn_mgpu.ForwardConfig(hot_features=512),
     "x_f32": ffn_mgpu.ForwardConfig(up_down=sparse_up_down_mgpu.UpDownConfig(x_mode="f32")),
+}
+_UD = sparse_up_down_mgpu.UpDownConfig
+UP_DOWN_VARIANTS = {
+    "default": _UD(),
+    **{f"chunk{c}": _UD(count_chunk=c) for c in (1, 2, 4, 12) if c != _UD().count_chunk},
+    "x_f32": _UD(x_mode="f32"),
 }
 TRAIN_VARIANTS = {
     "default": {},
@@ -137,7 +145,34 @@ def sweep_train(spec, x, wg, wu, wd) -> dict:
   return out
 
 
-SWEEPS = {"gate": sweep_gate, "forward": sweep_forward, "train": sweep_train}
+def sweep_up_down(spec, x, wg, wu, wd, k: int) -> dict:
+  """The fused kernel on the gate packed past the k hot features, every live row walked."""
+  w = wg if spec.gated else wu
+  words, counts = gp.gate_pack(x, w, col_start=k)
+  slots = gp.GateConfig().slots
+  cnt = counts.reshape(x.shape[0], -1, common.COUNT_LANES)[..., 0]
+  row_entries = jnp.where(jnp.all(cnt <= slots, axis=1), jnp.sum(cnt, axis=1), 0)
+  wu_t = wu.T if spec.gated else None
+  out = {"hot_features": k, "entries_per_row": float(jnp.mean(row_entries))}
+  base = None
+  for name, cfg in UP_DOWN_VARIANTS.items():
+    f = jax.jit(lambda *a, cfg=cfg: sparse_up_down_mgpu.sparse_up_down(*a, col_start=k,
+                                                                       config=cfg))
+    args = (x, words, counts, row_entries, wu_t, wd)
+    try:
+      got = jax.block_until_ready(f(*args))
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+      continue
+    base = got if base is None else base
+    out[name] = {"device_ms": timing.device_ms(f, *args), "same_bits": _same(got, base)}
+    print(f"  {spec.m}x{spec.d}x{spec.h} up_down {name}: {out[name]['device_ms']:.4f} ms",
+          flush=True)
+  return out
+
+
+SWEEPS = {"gate": sweep_gate, "forward": sweep_forward, "train": sweep_train,
+          "up_down": sweep_up_down}
 
 
 def main(argv):
@@ -147,9 +182,10 @@ def main(argv):
   for spec_name in _SPECS.value:
     spec = specs_lib.get(spec_name)
     # Features sorted by activity, so that the hot-feature variants take the hottest ones.
-    arrays, _ = kernels.calibrated_inputs(spec)
+    arrays, k = kernels.calibrated_inputs(spec)
     for what in _WHAT.value:
-      r = {"spec": spec_name, "sweep": what, **SWEEPS[what](spec, *arrays)}
+      extra = (k,) if what == "up_down" else ()
+      r = {"spec": spec_name, "sweep": what, **SWEEPS[what](spec, *arrays, *extra)}
       results.append(r)
       print(json.dumps(r), flush=True)
       if _OUT.value:

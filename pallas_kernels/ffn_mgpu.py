@@ -21,7 +21,8 @@ Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
     truncated; ``stats["overflow_rows"]`` counts the rows that took a dense path.
 NaN and infinities propagate as through the dense FFN: a NaN gate pre-activation is packed as
 an active NaN entry (relu(NaN) = NaN), a row with a non-finite x overflows (all its gates are
-non-finite) and is recomputed densely, and non-finite weights take the dense path.
+non-finite) and is recomputed densely, and a non-finite w_up (gated) or w_down takes the dense
+path (the dense FFN multiplies it by the zeros of h).
 
 Shapes: any M >= 1 (padded to a multiple of 128), D padded to a multiple of 128, H to a multiple
 of 256 with zero weights (so padding is exact: zero gate pre-activations are not active).
@@ -173,7 +174,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, col_start=k_hot,
                                              config=config.gate, interpret=interpret)
     cnt = counts.reshape(mp, n_tiles, common.COUNT_LANES)[..., 0]
-  row_over = ((jnp.any(cnt > slots, axis=1) | (jnp.sum(cnt, axis=1) > config.max_row_entries))
+  row_entries = jnp.sum(cnt, axis=1)
+  row_over = ((jnp.any(cnt > slots, axis=1) | (row_entries > config.max_row_entries))
               & valid_row)
   n_over = jnp.sum(row_over.astype(jnp.int32))
   live = ~row_over & valid_row
@@ -184,7 +186,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   else:
     wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
     y, l1_rows = sparse_up_down_mgpu.sparse_up_down(
-        xp, words, counts, live.astype(jnp.int32), wup_t, wd_p, compression=compression,
+        xp, words, counts, jnp.where(live, row_entries, 0), wup_t, wd_p, compression=compression,
         col_start=k_hot, y_init=y_hot, config=config.up_down, interpret=interpret)
     w3 = words.reshape(mp, n_tiles, slots)
     slot_ok = (jnp.arange(slots)[None, None, :] < cnt[..., None]) & live[:, None, None]
@@ -218,7 +220,11 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   # overflowing rows, or the dense FFN (more than `cap` of them, or a non-finite weight).
   buckets = overflow_buckets(cap)
   branch = jnp.where(n_over == 0, 0, 1 + sum((n_over > b).astype(jnp.int32) for b in buckets))
-  branch = jnp.where(reference.any_nonfinite(wg_p, wup_p, wd_p), len(buckets) + 1, branch)
+  # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach the
+  # pre-activations, whose non-finite values are packed as active entries or are -inf, which
+  # ReLU zeroes in the dense FFN as well. The other weights meet the zeros of h densely.
+  branch = jnp.where(reference.any_nonfinite(wup_p if gated else None, wd_p),
+                     len(buckets) + 1, branch)
   y, l1_rows, feature_counts = lax.switch(branch, [keep] + [fix(b) for b in buckets] + [dense],
                                           y, l1_rows, feature_counts)
 

@@ -14,8 +14,9 @@ is, [H, D]: both gathers read one contiguous D-long row per active feature.
 Mapping: one CTA (one warpgroup, 128 threads) per token row; a row's x and
 its f32 accumulator live in registers (D/128 values per thread each), the packed words and
 counts are read as scalars straight from GMEM, weight rows are loaded from GMEM (L2) into
-registers with 16-byte vector loads. Rows flagged in ``row_ok`` == 0 (overflow rows: some tile
-holds more than S entries) are skipped; the caller computes them on another path.
+registers with 16-byte vector loads. A row's walk ends after its last entry (``row_entries``);
+rows given 0 entries (overflow rows: some tile holds more than S entries) are skipped, the
+caller computes them on another path.
 No tensor cores: each active entry costs 2 D-long row reads and ~4D FMAs; the scalar index
 loads are issued one step ahead (``_walk_entries``), so only the weight-row loads and the
 reduction stay on each entry's dependency chain.
@@ -59,28 +60,26 @@ def _sampled_h(x, x_gmem, r, wup_gmem, j, g):
   return (g * u).astype(jnp.bfloat16).astype(jnp.float32)
 
 
-# Tiles whose counts and first words a row's walk loads at once (independent loads: one L2
-# round trip per chunk of tiles instead of one per tile).
-_COUNT_CHUNK = 8
+def _walk_entries(words_gmem, counts_gmem, r, n_entries, *, slots: int, n_tiles: int,
+                  chunk: int, entry, init):
+  """Folds ``entry(t, k, w, state) -> state`` over the packed entries of row r, tile by tile,
+  until ``n_entries`` (the row's entry count; 0: none) have been seen.
 
-
-def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, entry, init):
-  """Folds ``entry(t, k, w, state) -> state`` over the valid packed entries of row r (none
-  unless ``ok``), tile by tile.
-
-  The counts and first words of ``_COUNT_CHUNK`` tiles are loaded together, as independent
-  loads, so that neither a run of empty tiles (most of a row's tiles once the hot features
-  are dense) nor a tile's first entry waits for an L2 round trip of its own; inside a tile
-  the next entry's word is loaded before ``entry`` issues the current entry's weight rows.
+  The counts and first words of ``chunk`` tiles are loaded together, as independent loads,
+  so that neither a run of empty tiles nor a tile's first entry waits for an L2 round trip
+  of its own; inside a tile the next entry's word is loaded before ``entry`` issues the
+  current entry's weight rows. The walk ends after the chunk holding the row's last entry:
+  once the hot features are dense, most rows hold zero or one cold entry and walk none or a
+  few of their tiles.
   """
-  chunk = min(_COUNT_CHUNK, n_tiles)
+  chunk = min(chunk, n_tiles)
   n_chunks = -(-n_tiles // chunk)
   pick = lambda values, i: functools.reduce(
       lambda acc, iv: jnp.where(i == iv[0], iv[1], acc), enumerate(values[1:], 1), values[0])
 
   def chunk_body(c, state):
     tiles = [jnp.minimum(c * chunk + i, n_tiles - 1) for i in range(chunk)]
-    counts = [jnp.where(ok & (c * chunk + i < n_tiles),
+    counts = [jnp.where(c * chunk + i < n_tiles,
                         jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
               for i, t in enumerate(tiles)]
     firsts = [words_gmem[r, t * slots] for t in tiles]
@@ -96,14 +95,23 @@ def _walk_entries(words_gmem, counts_gmem, r, ok, *, slots: int, n_tiles: int, e
       state, _ = lax.fori_loop(0, pick(counts, i), entry_body, (state, pick(firsts, i)))
       return state
 
-    return lax.fori_loop(0, chunk, tile_body, state)
+    return lax.fori_loop(0, chunk, tile_body, state), functools.reduce(jnp.add, counts)
 
-  return lax.fori_loop(0, n_chunks, chunk_body, init)
+  def cond(carry):
+    c, seen, _ = carry
+    return jnp.logical_and(c < n_chunks, seen < n_entries)
+
+  def body(carry):
+    c, seen, state = carry
+    state, n = chunk_body(c, state)
+    return c + 1, seen + n, state
+
+  return lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), init))[2]
 
 
-def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init_gmem, y_gmem,
+def _kernel(x_gmem, words_gmem, counts_gmem, entries_gmem, wup_gmem, wd_gmem, init_gmem, y_gmem,
             l1_gmem, *, slots: int, n_tiles: int, gated: bool, x_mode: str, has_init: bool,
-            col_start: int):
+            col_start: int, chunk: int):
   r = lax.axis_index("r")
   x, acc0 = _row_start(x_gmem, wd_gmem, r, gated, x_mode)
   if has_init:
@@ -117,8 +125,9 @@ def _kernel(x_gmem, words_gmem, counts_gmem, rowok_gmem, wup_gmem, wd_gmem, init
     h = _sampled_h(x, x_gmem, r, wup_gmem, j, g) if gated else g
     return acc + h * wd.astype(jnp.float32), l1 + jnp.abs(h)
 
-  acc, l1 = _walk_entries(words_gmem, counts_gmem, r, rowok_gmem[r] != 0, slots=slots,
-                          n_tiles=n_tiles, entry=entry, init=(acc0, jnp.float32(0.0)))
+  acc, l1 = _walk_entries(words_gmem, counts_gmem, r, entries_gmem[r], slots=slots,
+                          n_tiles=n_tiles, chunk=chunk, entry=entry,
+                          init=(acc0, jnp.float32(0.0)))
   y_gmem[r, :] = acc.astype(y_gmem.dtype)
   l1_gmem[r] = l1
 
@@ -130,22 +139,28 @@ class UpDownConfig:
   x_mode: where x_r lives across its row's entries (``_common.hold_row``): "reload" (read
     again at each entry, an L1 hit) keeps no registers across entries, so more CTAs fit on an
     SM: 0.610 ms against 0.652 for "f32" on an H100 at the paper shape (71 vs 79 registers).
+  count_chunk: tiles whose counts and first words the row walk loads at once (one L2 round
+    trip per chunk instead of per tile, at the cost of registers).
   """
   x_mode: str = "reload"
+  count_chunk: int = 8
 
   def __post_init__(self):
     if self.x_mode not in common.ROW_MODES:
       raise ValueError(f"{self.x_mode=} must be one of {common.ROW_MODES}")
+    if not 1 <= self.count_chunk <= 16:
+      raise ValueError(f"{self.count_chunk=} must be in [1, 16]")
 
 
-def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int = 8,
+def sparse_up_down(x, words, counts, row_entries, w_up_t, w_down, *, compression: int = 8,
                    col_start: int = 0, y_init=None, config: UpDownConfig = UpDownConfig(),
                    interpret=False):
   """y [M, D] x.dtype and l1 [M] f32 from the packed gate (``gate_pack_mgpu.gate_pack``).
 
   x [M, D]; words [M, T*S], counts [M, T*8] int32 (S = 256 / compression) of the hidden
-  columns from ``col_start`` on (``gate_pack``'s ``col_start``); row_ok [M] int32 (0: skip the
-  row, it is computed elsewhere); w_up_t [H, D] (None: non-gated), w_down [H, D].
+  columns from ``col_start`` on (``gate_pack``'s ``col_start``); row_entries [M] int32: row r's
+  number of packed entries (the sum of its tile counts, each at most S), or 0 to skip the row
+  (it is computed elsewhere): the walk ends once it has seen them; w_up_t [H, D] (None: non-gated), w_down [H, D].
   ``y_init`` [M, D] (optional) is added to each row's sum before its one rounding; l1 counts
   only the packed entries.
   """
@@ -173,7 +188,7 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
     f = plgpu.kernel(
         functools.partial(_kernel, slots=slots, n_tiles=(h - col_start) // common.TILE_N,
                           gated=gated, x_mode=config.x_mode, has_init=has_init,
-                          col_start=col_start),
+                          col_start=col_start, chunk=config.count_chunk),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m,), jnp.float32)),
         grid=(m,),
@@ -182,4 +197,4 @@ def sparse_up_down(x, words, counts, row_ok, w_up_t, w_down, *, compression: int
         interpret=common.interpret_params(interpret),
         kernel_name="twell_up_down" if gated else "twell_down",
     )
-    return common.call_kernel(f, x, words, counts, row_ok, w_up_t, w_down, y_init)
+    return common.call_kernel(f, x, words, counts, row_entries, w_up_t, w_down, y_init)

@@ -112,15 +112,17 @@ class ForwardTestBase(ktu.KernelTestBase):
     x, wg, wu, wd = ktu.inputs(128, 128, 768, active=10.0, heavy=0.05, empty=0.02,
                                gated=gated, seed=4)
     words, counts = gate_pack_mgpu.gate_pack(x, wg if gated else wu, interpret=self.INTERPRET)
-    row_ok = (counts.reshape(128, 3, common.COUNT_LANES)[..., 0] <= 32).all(1).astype(jnp.int32)
-    args = (x, words, counts, row_ok, wu.T if gated else None, wd)
+    cnt = counts.reshape(128, 3, common.COUNT_LANES)[..., 0]
+    row_entries = jnp.where((cnt <= 32).all(1), cnt.sum(1), 0)
+    args = (x, words, counts, row_entries, wu.T if gated else None, wd)
     base = sparse_up_down_mgpu.sparse_up_down(*args, interpret=self.INTERPRET)
-    for mode in ("bf16", "f32"):
+    for cfg in (dict(x_mode="bf16"), dict(x_mode="f32"), dict(count_chunk=1),
+                dict(count_chunk=2)):
       got = sparse_up_down_mgpu.sparse_up_down(
-          *args, config=sparse_up_down_mgpu.UpDownConfig(x_mode=mode), interpret=self.INTERPRET)
+          *args, config=sparse_up_down_mgpu.UpDownConfig(**cfg), interpret=self.INTERPRET)
       for a, b in zip(got, base):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                      err_msg=mode)
+                                      err_msg=str(cfg))
 
   def test_rejects_bad_input(self):
     x, wg, wu, wd = ktu.inputs(64, 64, 256)
@@ -135,6 +137,8 @@ class ForwardTestBase(ktu.KernelTestBase):
         ffn_mgpu.ForwardConfig(hot_features=k)
     with self.assertRaisesRegex(ValueError, "x_mode"):
       sparse_up_down_mgpu.UpDownConfig(x_mode="registers")
+    with self.assertRaisesRegex(ValueError, "count_chunk"):
+      sparse_up_down_mgpu.UpDownConfig(count_chunk=0)
 
 
 class ForwardInterpretTest(ForwardTestBase):
@@ -143,9 +147,9 @@ class ForwardInterpretTest(ForwardTestBase):
   def test_no_races(self):
     x, wg, wu, wd = ktu.inputs(128, 128, 256, active=8.0, seed=5)
     words, counts = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
-    row_ok = jnp.ones((128,), jnp.int32)
+    row_entries = counts.reshape(128, 1, common.COUNT_LANES)[..., 0].sum(1)
     ktu.assert_race_free(lambda p: sparse_up_down_mgpu.sparse_up_down(
-        x, words, counts, row_ok, wu.T, wd, interpret=p))
+        x, words, counts, row_entries, wu.T, wd, interpret=p))
 
 
 class ForwardLoweringTest(parameterized.TestCase):

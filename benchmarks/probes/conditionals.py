@@ -35,6 +35,7 @@ from pallas_kernels import ffn_train_mgpu
 from pallas_kernels import reference
 
 _SPEC = flags.DEFINE_list("spec", ["paper_16k"], "benchmarks.specs names.")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False, "print every kernel's device time")
 _MODE = flags.DEFINE_enum("mode", "fwd_bwd", ["fwd", "fwd_bwd"],
                           "fwd: the inference forward and variants of its conditional")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed calls per measurement.")
@@ -122,6 +123,9 @@ def _report(name, f, args) -> dict:
        "device_ms": timing.device_ms(f, *args)}
   table = timing.kernel_breakdown(f, *args)
   r["kernels"] = len(table) if table else None
+  if _BREAKDOWN.value and table:
+    for kname, t in table:
+      print(f"      {t:8.4f} ms  {kname[:100]}")
   dev = r["device_ms"] if r["device_ms"] is not None else float("nan")
   print(f"  {name:15s} conditionals {r['conditionals']}; synchronized {r['wall_ms']:.3f} ms, "
         f"pipelined {r['pipelined_ms']:.3f} ms/call, device {dev:.3f} ms in "
