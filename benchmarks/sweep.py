@@ -54,7 +54,7 @@ FORWARD_VARIANTS = {
 _UD = sparse_up_down_mgpu.UpDownConfig
 UP_DOWN_VARIANTS = {
     "default": _UD(),
-    **{f"chunk{c}": _UD(count_chunk=c) for c in (1, 2, 4, 12) if c != _UD().count_chunk},
+    **{f"chunk{c}": _UD(count_chunk=c) for c in (1, 2, 4, 8) if c != _UD().count_chunk},
     "x_f32": _UD(x_mode="f32"),
 }
 TRAIN_VARIANTS = {

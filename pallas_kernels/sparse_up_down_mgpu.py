@@ -65,25 +65,27 @@ def _walk_entries(words_gmem, counts_gmem, r, n_entries, *, slots: int, n_tiles:
   """Folds ``entry(t, k, w, state) -> state`` over the packed entries of row r, tile by tile,
   until ``n_entries`` (the row's entry count; 0: none) have been seen.
 
-  The counts and first words of ``chunk`` tiles are loaded together, as independent loads,
-  so that neither a run of empty tiles nor a tile's first entry waits for an L2 round trip
-  of its own; inside a tile the next entry's word is loaded before ``entry`` issues the
-  current entry's weight rows. The walk ends after the chunk holding the row's last entry:
-  once the hot features are dense, most rows hold zero or one cold entry and walk none or a
-  few of their tiles.
+  The walk goes ``chunk`` tiles at a time with its scalar loads software-pipelined: the next
+  chunk's tile counts and first words are loaded (independent loads, one L2 round trip for
+  all of them) before the current chunk's entries run, and inside a tile the next entry's
+  word is loaded before ``entry`` issues the current entry's weight rows, so only the
+  weight-row loads and the reduction stay on each entry's dependency chain. The walk ends
+  after the chunk holding the row's last entry: once the hot features are dense, most rows
+  hold zero or one cold entry and walk none or a few of their tiles.
   """
   chunk = min(chunk, n_tiles)
   n_chunks = -(-n_tiles // chunk)
   pick = lambda values, i: functools.reduce(
       lambda acc, iv: jnp.where(i == iv[0], iv[1], acc), enumerate(values[1:], 1), values[0])
 
-  def chunk_body(c, state):
+  def load_chunk(c):
     tiles = [jnp.minimum(c * chunk + i, n_tiles - 1) for i in range(chunk)]
-    counts = [jnp.where(c * chunk + i < n_tiles,
-                        jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
-              for i, t in enumerate(tiles)]
-    firsts = [words_gmem[r, t * slots] for t in tiles]
+    counts = tuple(jnp.where(c * chunk + i < n_tiles,
+                             jnp.minimum(counts_gmem[r, t * common.COUNT_LANES], slots), 0)
+                   for i, t in enumerate(tiles))
+    return counts, tuple(words_gmem[r, t * slots] for t in tiles)
 
+  def run_chunk(c, counts, firsts, state):
     def tile_body(i, state):
       t = c * chunk + i
 
@@ -95,18 +97,22 @@ def _walk_entries(words_gmem, counts_gmem, r, n_entries, *, slots: int, n_tiles:
       state, _ = lax.fori_loop(0, pick(counts, i), entry_body, (state, pick(firsts, i)))
       return state
 
-    return lax.fori_loop(0, chunk, tile_body, state), functools.reduce(jnp.add, counts)
+    if chunk == 1:
+      return tile_body(0, state)
+    return lax.fori_loop(0, chunk, tile_body, state)
 
   def cond(carry):
-    c, seen, _ = carry
+    c, seen = carry[:2]
     return jnp.logical_and(c < n_chunks, seen < n_entries)
 
   def body(carry):
-    c, seen, state = carry
-    state, n = chunk_body(c, state)
-    return c + 1, seen + n, state
+    c, seen, counts, firsts, state = carry
+    next_counts, next_firsts = load_chunk(jnp.minimum(c + 1, n_chunks - 1))
+    state = run_chunk(c, counts, firsts, state)
+    return c + 1, seen + functools.reduce(jnp.add, counts), next_counts, next_firsts, state
 
-  return lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), init))[2]
+  counts, firsts = load_chunk(jnp.int32(0))
+  return lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), counts, firsts, init))[4]
 
 
 def _kernel(x_gmem, words_gmem, counts_gmem, entries_gmem, wup_gmem, wd_gmem, init_gmem, y_gmem,
@@ -143,7 +149,7 @@ class UpDownConfig:
     trip per chunk instead of per tile, at the cost of registers).
   """
   x_mode: str = "reload"
-  count_chunk: int = 8
+  count_chunk: int = 4
 
   def __post_init__(self):
     if self.x_mode not in common.ROW_MODES:
