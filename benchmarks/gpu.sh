@@ -60,7 +60,7 @@ for part in "${parts[@]}"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_E2E:-560} python3 -m benchmarks.e2e --out="$OUT/e2e.json" ${E2E_FLAGS} \
         2>&1 | tee "$OUT/e2e.log" | quiet | tail -60 ;;
     tests)
-      XLA_FLAGS="--xla_gpu_autotune_level=0" timeout -s INT ${T_TESTS:-300} python3 -m pytest -q \
+      XLA_FLAGS="--xla_gpu_autotune_level=0" timeout -s INT ${T_TESTS:-450} python3 -m pytest -q \
         -p no:cacheprovider -m gpu tests/ > "$OUT/tests.log" 2>&1; tail -8 "$OUT/tests.log" ;;
     registers)
       MOSAIC_GPU_DUMP_PTXAS=1 timeout 200 python3 -m benchmarks.probes.registers 2>&1 \

@@ -145,11 +145,14 @@ class UpDownConfig:
   x_mode: where x_r lives across its row's entries (``_common.hold_row``): "reload" (read
     again at each entry, an L1 hit) keeps no registers across entries, so more CTAs fit on an
     SM: 0.610 ms against 0.652 for "f32" on an H100 at the paper shape (71 vs 79 registers).
-  count_chunk: tiles whose counts and first words the row walk loads at once (one L2 round
-    trip per chunk instead of per tile, at the cost of registers).
+  count_chunk: tiles whose counts and first words the row walk loads at once, a chunk ahead
+    (one L2 round trip per chunk, at the cost of registers). H100, paper shape, device ms for
+    chunks of 1 / 2 / 4 / 8 tiles: uniform 30 entries per row 0.692 / 0.720 / 0.707 / 0.897;
+    a captured layer with 0.14 cold entries per row 0.037 / 0.038 / 0.042 / 0.043, one with
+    3.3 0.324 / 0.322 / 0.318 / 0.334 (``python -m benchmarks.sweep --what=up_down``).
   """
   x_mode: str = "reload"
-  count_chunk: int = 4
+  count_chunk: int = 1
 
   def __post_init__(self):
     if self.x_mode not in common.ROW_MODES:
