@@ -24,7 +24,7 @@ import numpy as np
 from twell_jax.stats import TILE_N
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
-           "hot_feature_count", "sparse_work", "calibrate"]
+           "hot_feature_count", "sparse_work", "calibrate", "DENSE_ROW_ENTRIES"]
 
 # Firing rate at which a dense feature costs what a sparse one does (module docstring).
 BREAK_EVEN_RATE = 0.01
@@ -95,13 +95,28 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
   return max(best_k, -(-long_columns // multiple) * multiple)
 
 
-def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE):
+# Rows with more active features than this take the kernels' dense path whatever K is (the
+# inference forward's ``max_row_entries`` and the training kernels' ELL width, 128 by default).
+DENSE_ROW_ENTRIES = 128
+
+
+def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
+              dense_row_entries: int | None = DENSE_ROW_ENTRIES):
   """(w_gate, w_up, w_down, hot_features) for a batch x [M, D] that shows typical activity:
   the weights with their features sorted by how often they fire on x, and the K to pass as
   `ffn(..., hot_features=K)` (a host-side int). One dense gate GEMM; run it once (on a
-  calibration batch), not per call."""
+  calibration batch), not per call.
+
+  Firings on rows with more than `dense_row_entries` active features are not counted (None:
+  all are): the kernels compute such rows densely anyway, so they add nothing to a feature's
+  sparse cost, while 1% of half-dense rows would lift every feature over the break-even rate.
+  """
   pre = jnp.dot(x, w_up if w_gate is None else w_gate, preferred_element_type=jnp.float32)
-  counts = jnp.sum(pre > 0, axis=0, dtype=jnp.int32)
+  active = pre > 0
+  if dense_row_entries is not None:
+    light = jnp.sum(active, axis=1) <= dense_row_entries
+    active = active & light[:, None]
+  counts = jnp.sum(active, axis=0, dtype=jnp.int32)
   w_gate, w_up, w_down, _ = sort_features(w_gate, w_up, w_down, counts)
   k = hot_feature_count(jax.device_get(counts), x.shape[0], break_even=break_even)
   return w_gate, w_up, w_down, k

@@ -1,0 +1,45 @@
+"""twell_jax.features: popularity order, the hot-feature count and calibration."""
+
+from __future__ import annotations
+
+from absl.testing import absltest
+import jax
+import numpy as np
+
+from twell_jax import features
+from twell_jax import testing
+
+
+class CalibrateTest(absltest.TestCase):
+
+  def _inputs(self, heavy_fraction):
+    # 4096 tokens, 0.5% of 1024 features active per ordinary row: under the 1% break-even.
+    return testing.ffn_inputs(jax.random.key(3), 4096, 64, 1024, active_fraction=0.005,
+                              heavy_fraction=heavy_fraction, heavy_fill=0.8)
+
+  def test_uniform_activity_under_break_even_keeps_every_feature_sparse(self):
+    *_, k = features.calibrate(*self._inputs(0.0))
+    self.assertEqual(k, 0)
+
+  def test_heavy_rows_do_not_make_features_hot(self):
+    """1% of 80%-dense rows lift every feature over 1% of the tokens; the kernels compute
+    those rows densely, so counting them would make the whole layer dense."""
+    x, wg, wu, wd = self._inputs(0.01)
+    *_, k = features.calibrate(x, wg, wu, wd)
+    self.assertEqual(k, 0)
+    *_, k_all = features.calibrate(x, wg, wu, wd, dense_row_entries=None)
+    self.assertGreaterEqual(k_all, 512)
+
+  def test_sorted_weights_compute_the_same_function(self):
+    x, wg, wu, wd = testing.ffn_inputs(jax.random.key(4), 256, 64, 512, active_fraction=0.05,
+                                       dead_fraction=0.5, hottest=0.6)
+    sg, su, sd, _ = features.calibrate(x, wg, wu, wd)
+    f32 = lambda a: np.asarray(a, np.float32)
+    y = lambda g, u, d: (np.maximum(f32(x) @ f32(g), 0) * (f32(x) @ f32(u))) @ f32(d)
+    np.testing.assert_allclose(y(sg, su, sd), y(wg, wu, wd), rtol=1e-4, atol=1e-3)
+    counts = np.sum(f32(x) @ f32(sg) > 0, axis=0)
+    np.testing.assert_array_equal(np.diff(counts) <= 0, True)
+
+
+if __name__ == "__main__":
+  absltest.main()
