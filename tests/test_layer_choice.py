@@ -100,6 +100,28 @@ class BackgroundStepsTest(absltest.TestCase):
     finally:
       steps.close()
 
+  def test_a_failed_build_is_reported_and_training_goes_on(self):
+    def build(names):
+      if names == ("bad",):
+        raise RuntimeError("lowering failed")
+      return f"step{names}"
+
+    steps = layer_choice.BackgroundSteps(build)
+    try:
+      with self.assertLogs(level="ERROR") as logs:
+        steps.request(("bad",))
+        for _ in range(200):
+          if steps.failures:
+            break
+          time.sleep(0.01)
+      self.assertIn("lowering failed", "\n".join(r.getMessage() for r in logs.records))
+      self.assertEqual([n for n, _ in steps.failures], [("bad",)])
+      self.assertIsNone(steps.ready())
+      steps.request(("good",))
+      self.assertEqual(self._wait(steps), (("good",), "step('good',)"))
+    finally:
+      steps.close()
+
   def test_newer_requests_supersede_queued_ones(self):
     gate, built = threading.Event(), []
 

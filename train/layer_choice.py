@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from absl import logging
+
 import numpy as np
 
 from twell_jax import features as features_lib
@@ -165,6 +167,7 @@ class BackgroundSteps:
     self._handed = 0                 # request number handed over last
     self._queued = []
     self.last_build_s = None         # seconds the last background build took
+    self.failures = []               # (names, exception) of background builds that failed
 
   def get_now(self, names: tuple):
     """The step for `names`, compiled in this thread if it is not built yet."""
@@ -186,6 +189,12 @@ class BackgroundSteps:
     try:
       self._built(seq, names, self._build(names))
       self.last_build_s = time.perf_counter() - t0
+    except Exception as e:  # pylint: disable=broad-except
+      # Training goes on with the step it runs; the failure must not pass unseen (a
+      # worker thread's exception is otherwise kept in its future, which nobody reads).
+      self.failures.append((names, e))
+      logging.exception("building the train step for %s failed (%s: %s); training goes on "
+                        "with the current one", names, type(e).__name__, e)
     finally:
       sys.setswitchinterval(interval)
 
