@@ -187,8 +187,10 @@ class BackgroundSteps:
     interval, t0 = sys.getswitchinterval(), time.perf_counter()
     sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
     try:
+      logging.info("building the train step for %s in the background", names)
       self._built(seq, names, self._build(names))
       self.last_build_s = time.perf_counter() - t0
+      logging.info("built the train step for %s in %.1f s", names, self.last_build_s)
     except Exception as e:  # pylint: disable=broad-except
       # Training goes on with the step it runs; the failure must not pass unseen (a
       # worker thread's exception is otherwise kept in its future, which nobody reads).
