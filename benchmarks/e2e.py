@@ -59,6 +59,8 @@ def _define_flags():
                        "initialisation this many steps (the sparse one with its per-layer "
                        "choice) and compare tokens/s at every logged step")
   flags.DEFINE_integer("from_init_log_every", 25, "logging interval of the from-init runs")
+  flags.DEFINE_bool("from_init_background", True, "from-init runs: the trainer builds a new "
+                    "layer choice's step in the background (False: at the decision step)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -326,6 +328,7 @@ def from_init(shape: str, fl) -> dict:
     if name == "sparse":
       cfg.model.ffn_implementation = None
       cfg.layer_choice.sparse = fl.sparse
+      cfg.layer_choice.background = fl.from_init_background
       cfg.l1_coeff = trained.PAPER_L1
     else:
       cfg.model.ffn_implementation, cfg.model.ffn_activation = "dense", "silu"

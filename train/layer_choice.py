@@ -210,7 +210,11 @@ class BackgroundSteps:
         future.cancel()                # not started yet: superseded
       self._queued = [self._pool.submit(self._build_in_background, self._seq, names)]
     else:
+      import time  # pylint: disable=import-outside-toplevel
+      t0 = time.perf_counter()
       self._built(self._seq, names, self._build(names))
+      self.last_build_s = time.perf_counter() - t0
+      logging.info("built the train step for %s in %.1f s", names, self.last_build_s)
 
   def ready(self):
     """(names, step) of the newest built request not handed over yet, else None."""
