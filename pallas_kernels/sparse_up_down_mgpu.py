@@ -149,7 +149,7 @@ class UpDownConfig:
     (one L2 round trip per chunk, at the cost of registers). H100, paper shape, device ms for
     chunks of 1 / 2 / 4 / 8 tiles: uniform 30 entries per row 0.692 / 0.720 / 0.707 / 0.897;
     a captured layer with 0.14 cold entries per row 0.037 / 0.038 / 0.042 / 0.043, one with
-    3.3 0.324 / 0.322 / 0.318 / 0.334 (``python -m benchmarks.sweep --what=up_down``).
+    3.3 0.324 / 0.322 / 0.318 / 0.334 (the project's up_down sweep).
   """
   x_mode: str = "reload"
   count_chunk: int = 1
