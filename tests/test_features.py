@@ -30,6 +30,10 @@ class CalibrateTest(absltest.TestCase):
     *_, k_all = features.calibrate(x, wg, wu, wd, dense_row_entries=None)
     self.assertGreaterEqual(k_all, 512)
 
+  def test_rejects_a_negative_row_limit(self):
+    with self.assertRaisesRegex(ValueError, "dense_row_entries"):
+      features.calibrate(*self._inputs(0.0), dense_row_entries=-1)
+
   def test_sorted_weights_compute_the_same_function(self):
     x, wg, wu, wd = testing.ffn_inputs(jax.random.key(4), 256, 64, 512, active_fraction=0.05,
                                        dead_fraction=0.5, hottest=0.6)

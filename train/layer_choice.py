@@ -30,6 +30,8 @@ gains less per entry (it has no backward to save), so `for_inference` uses 48.
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 
 from absl import logging
 
@@ -181,16 +183,19 @@ class BackgroundSteps:
       if seq > self._newest_built[0]:
         self._newest_built = (seq, names)
 
+  def _timed_build(self, names: tuple):
+    t0 = time.perf_counter()
+    step = self._build(names)
+    self.last_build_s = time.perf_counter() - t0
+    logging.info("built the train step for %s in %.1f s", names, self.last_build_s)
+    return step
+
   def _build_in_background(self, seq: int, names: tuple) -> None:
-    import sys  # pylint: disable=import-outside-toplevel
-    import time  # pylint: disable=import-outside-toplevel
-    interval, t0 = sys.getswitchinterval(), time.perf_counter()
+    interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
     try:
       logging.info("building the train step for %s in the background", names)
-      self._built(seq, names, self._build(names))
-      self.last_build_s = time.perf_counter() - t0
-      logging.info("built the train step for %s in %.1f s", names, self.last_build_s)
+      self._built(seq, names, self._timed_build(names))
     except Exception as e:  # pylint: disable=broad-except
       # Training goes on with the step it runs; the failure must not pass unseen (a
       # worker thread's exception is otherwise kept in its future, which nobody reads).
@@ -210,11 +215,7 @@ class BackgroundSteps:
         future.cancel()                # not started yet: superseded
       self._queued = [self._pool.submit(self._build_in_background, self._seq, names)]
     else:
-      import time  # pylint: disable=import-outside-toplevel
-      t0 = time.perf_counter()
-      self._built(self._seq, names, self._build(names))
-      self.last_build_s = time.perf_counter() - t0
-      logging.info("built the train step for %s in %.1f s", names, self.last_build_s)
+      self._built(self._seq, names, self._timed_build(names))
 
   def ready(self):
     """(names, step) of the newest built request not handed over yet, else None."""

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import ffn_mgpu
 from twell_jax.stats import TILE_N
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
@@ -96,8 +97,8 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
 
 
 # Rows with more active features than this take the kernels' dense path whatever K is (the
-# inference forward's ``max_row_entries`` and the training kernels' ELL width, 128 by default).
-DENSE_ROW_ENTRIES = 128
+# inference forward's ``max_row_entries``, which the training kernels' ELL width matches).
+DENSE_ROW_ENTRIES = ffn_mgpu.ForwardConfig().max_row_entries
 
 
 def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
@@ -111,6 +112,8 @@ def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
   all are): the kernels compute such rows densely anyway, so they add nothing to a feature's
   sparse cost, while 1% of half-dense rows would lift every feature over the break-even rate.
   """
+  if dense_row_entries is not None and dense_row_entries < 0:
+    raise ValueError(f"dense_row_entries must be >= 0 or None; got {dense_row_entries}")
   pre = jnp.dot(x, w_up if w_gate is None else w_gate, preferred_element_type=jnp.float32)
   active = pre > 0
   if dense_row_entries is not None:
