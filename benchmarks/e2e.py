@@ -50,8 +50,8 @@ def _define_flags():
   flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
   flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
                      "GPU, xla elsewhere)")
-  flags.DEFINE_float("sparse_below", None, "per-layer choice threshold (default: "
-                     "train.layer_choice's)")
+  flags.DEFINE_float("sparse_below", None, "per-layer choice threshold, a fraction of the "
+                     "dense FFN's work (default: train.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
@@ -244,12 +244,12 @@ def run_shape(shape: str, fl) -> dict:
   kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
                                                dense_above=max(fl.sparse_below,
                                                                layer_choice.DEFAULT_DENSE_ABOVE))
-  choice = layer_choice.LayerChoice(n_layers, sparse=fl.sparse, **kw)
+  choice = layer_choice.LayerChoice(n_layers, mc_sparse.d_ff, sparse=fl.sparse, **kw)
   _, order = choice.update_from_counts(counts, b * t)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
   work = [twell_jax.features.sparse_work(c, b * t, k) for c, k in zip(counts, hot)]
-  infer_choice = layer_choice.LayerChoice.for_inference(work, sparse=fl.sparse)
+  infer_choice = layer_choice.LayerChoice.for_inference(work, mc_sparse.d_ff, sparse=fl.sparse)
   res["hot_features"] = list(hot)
   mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
                                   ffn_layer_hot_features=choice.hot_features)

@@ -15,6 +15,8 @@
 #   tests     the GPU tests (pytest -m gpu)
 #   registers ptxas register / spill report of every kernel
 #   l2        the L2 row-gather ceiling probe
+#   build     benchmarks.probes.background_build (a train step's build time, alone and beside
+#             training)
 #   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained weights)
 #   generate  trains the paper's 0.5B shape for $GEN_STEPS steps (offline corpus, byte tokenizer)
 #             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
@@ -67,6 +69,9 @@ for part in "${parts[@]}"; do
         | grep -E "Compiling entry|Used [0-9]+ registers" \
         | sed -E 's/.*entry function .([a-z_0-9]+).*/\1/; s/ptxas info *: //' | paste - - \
         | sort | uniq -c | tee "$OUT/registers.txt" ;;
+    build)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_BUILD:-560} python3 -m benchmarks.probes.background_build \
+        ${BUILD_FLAGS} 2>&1 | tee "$OUT/build.log" | quiet | tail -30 ;;
     l2)
       timeout 200 python3 -m benchmarks.probes.l2_rows --out="$OUT/l2_rows.json" 2>&1 | quiet | tail -20 ;;
     profile)

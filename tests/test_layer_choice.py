@@ -17,38 +17,58 @@ from train import train_lib
 class LayerChoiceTest(absltest.TestCase):
 
   def test_hysteresis(self):
-    c = layer_choice.LayerChoice(3, sparse="xla", sparse_below=40, dense_above=56)
+    # d_ff 1000: the dense FFN's work is 10 features per token (BREAK_EVEN_RATE 1%).
+    c = layer_choice.LayerChoice(3, 1000, sparse="xla", sparse_below=0.4, dense_above=0.56)
+    self.assertEqual(c.dense_work, 10.0)
     self.assertEqual(c.describe(), "D D D")            # dense from the start
-    self.assertTrue(c.update([39.9, 40.0, 100.0]))
+    self.assertTrue(c.update([3.99, 4.0, 10.0]))
     self.assertEqual(c.implementations, ("xla", "dense", "dense"))
     # Between the thresholds nothing moves, either way.
-    self.assertFalse(c.update([50.0, 50.0, 50.0]))
+    self.assertFalse(c.update([5.0, 5.0, 5.0]))
     self.assertEqual(c.describe(), "S D D")
-    self.assertTrue(c.update([56.1, 10.0, 10.0]))
+    self.assertTrue(c.update([5.61, 1.0, 1.0]))
     self.assertEqual(c.describe(), "D S S")
     self.assertEqual(c.describe((("xla", "xla", "dense"), (512, 0, 0))), "S512 S D")
 
   def test_bad_settings_and_shapes(self):
     with self.assertRaisesRegex(ValueError, "sparse_below"):
-      layer_choice.LayerChoice(2, sparse_below=60, dense_above=50)
-    c = layer_choice.LayerChoice(2)
+      layer_choice.LayerChoice(2, 64, sparse_below=0.6, dense_above=0.5)
+    with self.assertRaisesRegex(ValueError, "d_ff"):
+      layer_choice.LayerChoice(2, 0)
+    c = layer_choice.LayerChoice(2, 64)
     with self.assertRaisesRegex(ValueError, "3 layers' activity for 2 layers"):
       c.update([1.0, 2.0, 3.0])
+    with self.assertRaisesRegex(ValueError, "32 features for d_ff=64"):
+      c.update_from_counts(np.zeros((2, 32)), 100)
 
   def test_inference_threshold_is_below_the_training_one(self):
     # The inference forward saves no backward: it wins at lower work only.
-    active = [10.0, 47.0, 60.0, 85.0]
-    infer = layer_choice.LayerChoice.for_inference(active, sparse="xla")
+    # d_ff 5632: the dense work is 56.3; inference goes sparse below 28.2, training 33.8.
+    active = [10.0, 28.0, 30.0, 40.0]
+    infer = layer_choice.LayerChoice.for_inference(active, 5632, sparse="xla")
     self.assertEqual(infer.describe(), "S S D D")
-    train = layer_choice.LayerChoice(4, sparse="xla")
+    train = layer_choice.LayerChoice(4, 5632, sparse="xla")
     train.update(active)
-    self.assertEqual(train.describe(), "S S S S")
+    self.assertEqual(train.describe(), "S S S D")
+
+  def test_a_layer_with_most_features_hot_stays_dense(self):
+    """5120 of 5632 features on 1.5% of the tokens each: the best K is 5120, work 51 of the
+    dense FFN's 56. The sparse kernels would run nearly the dense GEMMs plus their own
+    overhead: the layer stays dense."""
+    tokens, h = 10_000, 5632
+    counts = np.zeros((1, h), np.int64)
+    counts[0, :5120] = 150
+    c = layer_choice.LayerChoice(1, h, sparse="xla")
+    c.update_from_counts(counts, tokens)
+    self.assertEqual(c.hot, [5120])
+    self.assertEqual(c.describe(), "D")
 
   def test_counts_choose_hot_features_and_sort_them_first(self):
     """A layer of 105 active per token, 100 of them on 300 features that fire on a third of
     the tokens, is sparse with 512 hot features; a uniform layer of 30 is sparse without;
     one of 200 uniform (every feature above the break-even rate) is dense. The order puts
-    the hottest features first. K moves only when the new one saves more than 10%."""
+    the hottest features first. K moves only when the new one saves more than 5% of the dense
+    FFN's work."""
     rng = np.random.default_rng(0)
     tokens, h = 10_000, 5632
     skewed = np.zeros(h, np.int64)
@@ -56,14 +76,15 @@ class LayerChoiceTest(absltest.TestCase):
     skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
     skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
     counts = np.stack([skewed, np.full(h, 30 * tokens // h), np.full(h, 200 * tokens // h)])
-    c = layer_choice.LayerChoice(3, sparse="xla")
+    c = layer_choice.LayerChoice(3, h, sparse="xla")
     changed, order = c.update_from_counts(counts, tokens)
     self.assertTrue(changed)
     self.assertEqual(c.key, (("xla", "xla", "dense"), (512, 0, 0)))
     self.assertEqual(c.describe(), "S512 S D")
     self.assertEqual(set(order[0, :300]), set(hot_ids))
     np.testing.assert_array_equal(np.diff(counts[0][order[0]]) <= 0, True)
-    # 280 hot features would fit in 512 too; 600 need 768, which saves well over 10%.
+    # 280 hot features would fit in 512 too; 600 need 768, which saves a quarter of the dense
+    # work (one 512 column block at 1% against 88 features at 33%).
     self.assertFalse(c.update_from_counts(counts, tokens)[0])
     more = counts.copy()
     more[0, order[0, 300:600]] = tokens // 3
@@ -82,7 +103,7 @@ class BackgroundStepsTest(absltest.TestCase):
   def test_request_hands_over_when_built_and_keeps_executables(self):
     gate, built = threading.Event(), []
 
-    def build(names):
+    def build(names, autotune):
       gate.wait(10)
       built.append(names)
       return f"step{names}"
@@ -101,7 +122,7 @@ class BackgroundStepsTest(absltest.TestCase):
       steps.close()
 
   def test_a_failed_build_is_reported_and_training_goes_on(self):
-    def build(names):
+    def build(names, autotune):
       if names == ("bad",):
         raise RuntimeError("lowering failed")
       return f"step{names}"
@@ -125,7 +146,7 @@ class BackgroundStepsTest(absltest.TestCase):
   def test_newer_requests_supersede_queued_ones(self):
     gate, built = threading.Event(), []
 
-    def build(names):
+    def build(names, autotune):
       gate.wait(10)
       built.append(names)
       return names[0]
@@ -147,10 +168,58 @@ class BackgroundStepsTest(absltest.TestCase):
       steps.close()
 
   def test_foreground_builds_in_request(self):
-    steps = layer_choice.BackgroundSteps(lambda names: names[0], background=False)
+    tuned = []
+    steps = layer_choice.BackgroundSteps(
+        lambda names, autotune: tuned.append(autotune) or names[0], background=False,
+        quick_first=True)
     steps.request(("b",))
     self.assertEqual(steps.ready(), (("b",), "b"))
+    self.assertEqual(tuned, [True])                   # nothing to hurry: one tuned build
     steps.close()
+
+  def test_quick_build_first_then_the_tuned_one_as_an_upgrade(self):
+    gate, quick_gate, built = threading.Event(), threading.Event(), []
+    quick_gate.set()
+
+    def build(names, autotune):
+      (gate if autotune else quick_gate).wait(10)
+      built.append((names, autotune))
+      return f"{names[0]}-{'tuned' if autotune else 'quick'}"
+
+    steps = layer_choice.BackgroundSteps(build, quick_first=True)
+    try:
+      steps.request(("a",))
+      self.assertEqual(self._wait(steps), (("a",), "a-quick"))
+      self.assertIsNone(steps.ready())                   # the tuned build still runs
+      gate.set()
+      self.assertEqual(self._wait(steps), (("a",), "a-tuned"))
+      steps.request(("a",))                              # kept, tuned: nothing to build
+      self.assertEqual(steps.ready(), (("a",), "a-tuned"))
+      self.assertEqual(built, [(("a",), False), (("a",), True)])
+      gate.clear()
+      steps.request(("b",))
+      self.assertEqual(self._wait(steps), (("b",), "b-quick"))
+      steps.request(("c",))                              # while b's tuned build waits
+      gate.set()
+      deadline = time.time() + 10
+      while len(built) < 6 and time.time() < deadline:
+        time.sleep(0.01)
+      # b's tuned build was under way when c came (it is kept); c's quick, then tuned.
+      self.assertEqual(built[2:], [(("b",), False), (("b",), True), (("c",), False),
+                                   (("c",), True)])
+      self.assertEqual(self._wait(steps), (("c",), "c-tuned"))
+      # A request that comes while another's quick build runs: that one is not tuned.
+      quick_gate.clear()
+      steps.request(("d",))
+      time.sleep(0.05)
+      steps.request(("e",))
+      quick_gate.set()
+      deadline = time.time() + 10
+      while len(built) < 9 and time.time() < deadline:
+        time.sleep(0.01)
+      self.assertEqual(built[6:], [(("d",), False), (("e",), False), (("e",), True)])
+    finally:
+      steps.close()
 
 
 class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):

@@ -42,6 +42,12 @@ from train import steps as steps_lib
 
 ConfigError = config_checks.ConfigError
 
+# XLA options for a train step compiled without autotuning: GEMMs on cuBLAS's own heuristics
+# (Triton GEMMs untuned are several times slower). Autotuning runs candidate kernels on the
+# device, which a running training loop keeps busy: a background build with it takes about 5x
+# longer than alone (`benchmarks.probes.background_build`).
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
 
 def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
   """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
@@ -110,6 +116,13 @@ class Trainer:
                    out_shardings=(self.state_sharding, self.replicated),
                    donate_argnums=0)
 
+  def compile_train_step(self, layer_ffn, state_spec, batch_spec, *, autotune: bool = True):
+    """`jit_train_step(layer_ffn)` compiled ahead of time for these argument types (and
+    shardings); `autotune=False` compiles a GPU step with `NO_AUTOTUNE`."""
+    lowered = self.jit_train_step(layer_ffn).lower(state_spec, batch_spec)
+    untuned = not autotune and jax.default_backend() == "gpu"
+    return lowered.compile(compiler_options=NO_AUTOTUNE if untuned else None)
+
   def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
     """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
     lc, mc = self.cfg.get("layer_choice"), self.model_cfg
@@ -123,7 +136,7 @@ class Trainer:
       sparse = ffn_implementation_in_use(self, tokens)
     if sparse == "dense":
       return None
-    return layer_choice_lib.LayerChoice(mc.n_layers, sparse=sparse,
+    return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff, sparse=sparse,
                                         sparse_below=lc.sparse_below,
                                         dense_above=lc.dense_above)
 
@@ -334,8 +347,10 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
         np.int32, sharding=tr.batch_sharding)
     steps = layer_choice_lib.BackgroundSteps(
-        lambda key: tr.jit_train_step(key).lower(state_spec, batch_spec).compile(),
-        background=cfg.layer_choice.background)
+        lambda key, autotune: tr.compile_train_step(key, state_spec, batch_spec,
+                                                     autotune=autotune),
+        background=cfg.layer_choice.background,
+        quick_first=jax.default_backend() == "gpu")
     meta = (restored or {}).get("meta") or {}
     saved = meta.get("layer_implementations")
     if saved is not None and len(saved) == choice.n_layers:

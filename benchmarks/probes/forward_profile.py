@@ -102,12 +102,12 @@ def main(argv):
   probe = model_lib.LanguageModel(dataclasses.replace(mc, ffn_implementation="dense"))
   stats = jax.jit(probe.hidden)(params, toks)[1]
   counts = jax.device_get(stats.feature_counts)
-  choice = layer_choice.LayerChoice(mc.n_layers)     # the trainer's decision (benchmarks.e2e)
+  choice = layer_choice.LayerChoice(mc.n_layers, mc.d_ff)     # the trainer's decision (benchmarks.e2e)
   _, order = choice.update_from_counts(counts, toks.size)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
   work = [tj_features.sparse_work(c, toks.size, k) for c, k in zip(counts, hot)]
-  infer = layer_choice.LayerChoice.for_inference(work)
+  infer = layer_choice.LayerChoice.for_inference(work, mc.d_ff)
   models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=tuple(hot)),
             "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}
