@@ -50,8 +50,8 @@ def _define_flags():
   flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
   flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
                      "GPU, xla elsewhere)")
-  flags.DEFINE_float("sparse_below", None, "per-layer choice threshold, a fraction of the "
-                     "dense FFN's work (default: train.layer_choice's)")
+  flags.DEFINE_float("sparse_below", None, "per-layer choice threshold on the predicted "
+                     "ratio to dense (default: train.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
@@ -236,7 +236,7 @@ def run_shape(shape: str, fl) -> dict:
   # The sparse model's per-layer choices (training, inference) from the trained weights'
   # measured activity, as the trainer makes them (`LayerChoice.update_from_counts`): its
   # hidden features sorted by popularity, the hot ones per layer, each layer's implementation
-  # by the work its sparse kernels would do.
+  # by its predicted ratio to dense.
   probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
   _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
   active = np.asarray(stats.nnz_per_token)
@@ -248,8 +248,10 @@ def run_shape(shape: str, fl) -> dict:
   _, order = choice.update_from_counts(counts, b * t)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
-  work = [twell_jax.features.sparse_work(c, b * t, k) for c, k in zip(counts, hot)]
-  infer_choice = layer_choice.LayerChoice.for_inference(work, mc_sparse.d_ff, sparse=fl.sparse)
+  tail = [twell_jax.features.sparse_work(c, b * t, k, break_even=0.0)
+          for c, k in zip(counts, hot)]
+  infer_choice = layer_choice.LayerChoice.for_inference(tail, mc_sparse.d_ff, hot,
+                                                        sparse=fl.sparse)
   res["hot_features"] = list(hot)
   mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
                                   ffn_layer_hot_features=choice.hot_features)
@@ -257,7 +259,8 @@ def run_shape(shape: str, fl) -> dict:
       mc_sparse, ffn_layer_implementations=infer_choice.implementations,
       ffn_layer_hot_features=tuple(hot)), "dense": mc_dense}
   res["active_per_token"] = [float(a) for a in active]
-  res["sparse_work_per_token"] = work
+  res["tail_per_token"] = tail
+  res["predicted_train_ratio"] = choice.predicted
   res["sparse_layers"] = choice.describe()
   res["sparse_layers_prefill"] = infer_choice.describe((infer_choice.implementations, hot))
   print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)}, hot features "

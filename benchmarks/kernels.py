@@ -73,8 +73,13 @@ def input_stats(spec: specs_lib.Spec, x, wg, wu) -> dict:
 def calibrated_inputs(spec: specs_lib.Spec):
   """The spec's inputs with the features sorted by their activity on x, and the number of hot
   features to compute densely (`twell_jax.features.calibrate`): what a model whose features
-  are kept sorted runs. Uniform activity gives K = 0."""
+  are kept sorted runs. Uniform activity gives K = 0; a spec's `hot_block` is taken as K."""
   x, wg, wu, wd = spec.inputs()
+  if spec.hot_block is not None:
+    counts = jnp.sum(jnp.dot(x, wg if spec.gated else wu, preferred_element_type=F32) > 0,
+                     axis=0, dtype=jnp.int32)
+    wg, wu, wd, _ = tj_features.sort_features(wg, wu, wd, counts)
+    return (x, wg, wu, wd), spec.hot_block
   wg, wu, wd, k = tj_features.calibrate(x, wg, wu, wd)
   return (x, wg, wu, wd), k
 

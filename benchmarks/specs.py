@@ -12,7 +12,7 @@ captures it and prints captured and generated statistics side by side): their ar
 `benchmarks.captured.fit_generator` of the captured statistics, and the tests check that the
 generated batches land on them. `paper_16k_skew` / `paper_16k_extreme` are the layers in the
 middle of their level by activity. Uniform specs (`paper_16k`) are one case among several, not
-the target.
+the target. `paper_16k_block<K>` put all activity on K features with K forced (no tail).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Spec:
   gated: bool = True
   ell_width: int = 128            # training layout: ELL slots per row
   tail_rows: int | None = None    # training layout: dense-tail rows (None: M/8)
+  hot_block: int | None = None    # K hot features forced (features sorted by all firings)
 
   def generator_args(self) -> dict:
     """The activity arguments of `twell_jax.testing.ffn_inputs`."""
@@ -102,6 +103,10 @@ SPECS = {
        for level, layers in _LAYERS.items()},
     **{f"paper_16k_{level}_l{i}": _captured_layer(*row)
        for level, layers in _LAYERS.items() for i, row in enumerate(layers)},
+    # All activity on K features, each on a quarter of the tokens, none outside: what hot
+    # features alone cost (the per-layer choice's cost model, train/layer_choice.py).
+    **{f"paper_16k_block{k}": Spec(_PAPER_M, active=k / 4, dead_fraction=1 - k / 5632,
+                                   hot_block=k) for k in (1024, 2048, 3328)},
     "tiny_skew": Spec(256, 128, 512, active=10.0, heavy=0.02, ell_width=16,
                       dead_fraction=0.8, hottest=0.7, row_spread=0.5),
 }

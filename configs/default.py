@@ -69,17 +69,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.dead_reinit_every = 1000
 
   # Per-layer FFN choice (train/layer_choice.py): with ffn_implementation=None, each layer
-  # trains on the dense FFN until the work of its sparse kernels (active features per token,
-  # hot features at their GEMM cost) falls below sparse_below of the dense FFN's, and goes back
-  # above dense_above; decided every `every` steps. The new
+  # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
+  # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided every `every` steps. The new
   # step compiles in the background (background=False: in the loop, so the switch lands on
   # the decision step, for reproducible runs). Checkpoints keep the choice in use.
   c.layer_choice = ml_collections.ConfigDict(dict(
       enabled=True,
       sparse="auto",          # the sparse layers' implementation; auto: what None resolves to
       every=20,
-      sparse_below=0.6,       # fractions of the dense FFN's work (train/layer_choice.py)
-      dense_above=0.75,
+      sparse_below=0.9,       # predicted FFN time over dense (train/layer_choice.py)
+      dense_above=1.0,
       background=True,
   ))
 

@@ -2,32 +2,34 @@
 
 From random initialisation a ReLU layer fires on about half of its features, where the
 sparse kernels are slower than dense; L1 training brings it down over the first steps, at
-different speeds per layer. `LayerChoice` keeps each layer on the dense FFN until the work its
-sparse kernels would do falls below `sparse_below` of the dense FFN's, and sends it back only
-above `dense_above` (hysteresis: no flapping around one threshold). The work is measured in
-features gathered per token (`twell_jax.features.sparse_work`): the active features per
-token, except that the layer's hot features (those that fire on more than about 1% of the
-tokens, `twell_jax.hot_feature_count`) count as dense GEMM columns at their cost; the dense
-FFN's work in those units is every feature at that cost, `d_ff * BREAK_EVEN_RATE` (56 at
-the paper's 5632). Real L1-trained layers hold 90-99% of their activity in a few hundred hot
-features, so a layer with 60-100 active per token does the sparse work of 3-13.
+different speeds per layer. `LayerChoice` keeps each layer on the dense FFN until its sparse
+FFN's predicted time falls below `sparse_below` of the dense one's, and sends it back only
+above `dense_above` (hysteresis: no flapping around one threshold).
 
-With `update_from_counts`, each decision also picks every layer's number of hot features K
-(a multiple of 256, with hysteresis: a new K is taken when it saves more than
-`HOT_CHANGE_GAIN` of the dense FFN's work) and gives the popularity order of the features,
-which the trainer applies to the parameters (`train.model.permute_ffn_features`) so that the
-first K features are the hottest. Decisions run on the host, every `every` steps, from the
-step metrics; a step is recompiled only when an implementation or a sparse layer's K changes
-(a few times per run), and no conditional runs on the device. The reference implementation
-switches at 50 active features per token every 20 forward calls.
+The prediction (`CostModel`) is linear in what the sparse kernels do: a fixed part (the gate
+GEMM, which stays dense, and the packing), the hot features K computed as dense GEMM columns
+(`twell_jax.hot_feature_count`), and the entries outside them, gathered per token:
 
-The thresholds come from the kernel benchmarks (H100, paper shape, ratio to dense against the
-work fraction): forward + backward 0.46-0.57 at the captured layers (`benchmarks.captured`,
-work 0.1-0.3 of dense with their hot features), 0.74-0.76 on the uniform input of 30 active
-per token (0.53), 1.21 at a captured layer run without hot features (1.6). Training goes
-sparse below 0.6 of the dense work and back above 0.75; the inference forward gains less
-per entry (0.60 captured, 0.85 uniform: it has no backward to save), so `for_inference`
-goes sparse below 0.5.
+    ratio = fixed + hot * K / H + tail * tail_entries_per_token / (H * BREAK_EVEN_RATE)
+
+Its coefficients are fitted to the kernel benchmark (`benchmarks.kernels`, H100, paper shape
+M=16384, D=2048, H=5632, ratio to XLA dense in one process): all activity on K = 1024, 2048
+and 3328 features with no tail (`paper_16k_block<K>`: forward + backward 0.53, 0.75, 0.98;
+forward 0.57, 0.80, 0.84) and 30.6 uniform entries per token with K = 0 (`paper_16k`: 0.73;
+0.88). The captured layers (`benchmarks.captured`: forward + backward 0.46-0.57 with K of
+256-768 and a few tail entries) land within 0.07 of it. Real L1-trained layers hold 90-99% of
+their activity in a few hundred hot features, so a layer with 60-100 active per token is
+predicted at 0.45-0.6 in training.
+
+With `update_from_counts`, each decision also picks every layer's K: a multiple of 256 that
+minimizes the prediction (a hot column is worth `CostModel.break_even` of the tokens), with
+hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`),
+and gives the popularity order of the features, which the trainer applies to the parameters
+(`train.model.permute_ffn_features`) so that the first K features are the hottest. Decisions
+run on the host, every `every` steps, from the step metrics; a step is recompiled only when
+an implementation or a sparse layer's K changes (a few times per run), and no conditional
+runs on the device. The reference implementation switches at 50 active features per token
+every 20 forward calls.
 """
 
 from __future__ import annotations
@@ -43,13 +45,36 @@ import numpy as np
 
 from twell_jax import features as features_lib
 
-# Fractions of the dense FFN's work (module docstring).
-DEFAULT_SPARSE_BELOW = 0.6
-DEFAULT_DENSE_ABOVE = 0.75
-INFERENCE_SPARSE_BELOW = 0.5
-# A new number of hot features is taken when it cuts the modelled work by more than this
-# fraction of the dense FFN's: a smaller gain is not worth a recompiled step.
-HOT_CHANGE_GAIN = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """A sparse FFN layer's time over the dense one's, predicted (module docstring)."""
+  fixed: float
+  hot: float     # per hot fraction K / H
+  tail: float    # per tail entries per token over H * BREAK_EVEN_RATE
+
+  def ratio(self, d_ff: int, hot_features, tail_per_token):
+    return (self.fixed + self.hot * np.asarray(hot_features, np.float64) / d_ff
+            + self.tail * np.asarray(tail_per_token, np.float64)
+            / (d_ff * features_lib.BREAK_EVEN_RATE))
+
+  @property
+  def break_even(self) -> float:
+    """The firing rate above which a feature is cheaper as a hot (dense) column."""
+    return features_lib.BREAK_EVEN_RATE * self.hot / self.tail
+
+
+# Fitted to the H100 kernel benchmark (module docstring).
+TRAINING_COST = CostModel(fixed=0.33, hot=1.10, tail=0.74)     # forward + backward
+INFERENCE_COST = CostModel(fixed=0.50, hot=0.64, tail=0.70)    # forward
+# Thresholds on the predicted ratio.
+DEFAULT_SPARSE_BELOW = 0.9
+DEFAULT_DENSE_ABOVE = 1.0
+INFERENCE_SPARSE_BELOW = 0.9
+# A new number of hot features is taken when it improves the predicted ratio by more than
+# this: a smaller gain is not worth a recompiled step.
+HOT_CHANGE_GAIN = 0.03
 
 
 @dataclasses.dataclass
@@ -61,6 +86,7 @@ class LayerChoice:
   dense: str = "dense"
   sparse_below: float = DEFAULT_SPARSE_BELOW
   dense_above: float = DEFAULT_DENSE_ABOVE
+  cost: CostModel = TRAINING_COST
   current: list[str] | None = None
   hot: list[int] | None = None
 
@@ -74,35 +100,33 @@ class LayerChoice:
       self.current = [self.dense] * self.n_layers
     if self.hot is None:
       self.hot = [0] * self.n_layers
+    self.predicted = None    # the last decision's predicted ratio per layer
 
   @classmethod
-  def for_inference(cls, work, d_ff: int, sparse: str = "mosaic_gpu") -> "LayerChoice":
-    """The per-layer choice for a forward-only model with fixed weights from each layer's
-    sparse work per token (`twell_jax.features.sparse_work`; the active features per token
-    when its features are not sorted): sparse below `INFERENCE_SPARSE_BELOW` of the dense
-    FFN's work (one decision, no hysteresis)."""
-    work = np.asarray(work, np.float64).reshape(-1)
-    choice = cls(work.shape[0], d_ff, sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
-                 dense_above=INFERENCE_SPARSE_BELOW)
-    choice.update(work)
+  def for_inference(cls, tail_per_token, d_ff: int, hot_features=None,
+                    sparse: str = "mosaic_gpu") -> "LayerChoice":
+    """The per-layer choice for a forward-only model with fixed weights: sparse where the
+    forward's predicted ratio (`INFERENCE_COST`) is below `INFERENCE_SPARSE_BELOW` (one
+    decision, no hysteresis). `tail_per_token` [L]: each layer's active features per token
+    outside its `hot_features` [L] (default none: the active features per token)."""
+    tail = np.asarray(tail_per_token, np.float64).reshape(-1)
+    hot = np.zeros_like(tail) if hot_features is None else np.asarray(hot_features)
+    choice = cls(tail.shape[0], d_ff, sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
+                 dense_above=INFERENCE_SPARSE_BELOW, cost=INFERENCE_COST)
+    choice.update(INFERENCE_COST.ratio(d_ff, hot, tail))
     return choice
 
-  @property
-  def dense_work(self) -> float:
-    """The dense FFN's work in `sparse_work`'s units: every feature at the break-even cost."""
-    return self.d_ff * features_lib.BREAK_EVEN_RATE
-
-  def update(self, work) -> bool:
-    """Applies one decision from the layers' sparse work per token (`sparse_work`; without
-    hot features, the active features per token); True if any layer changed."""
-    work = np.asarray(work, np.float64).reshape(-1)
-    if work.shape[0] != self.n_layers:
-      raise ValueError(f"got {work.shape[0]} layers' activity for {self.n_layers} layers")
+  def update(self, ratios) -> bool:
+    """Applies one decision from the layers' predicted ratios (`cost.ratio`); True if any
+    layer changed."""
+    ratios = np.asarray(ratios, np.float64).reshape(-1)
+    if ratios.shape[0] != self.n_layers:
+      raise ValueError(f"got {ratios.shape[0]} layers' activity for {self.n_layers} layers")
     new = list(self.current)
-    for l, a in enumerate(work / self.dense_work):
-      if new[l] == self.dense and a < self.sparse_below:
+    for l, r in enumerate(ratios):
+      if new[l] == self.dense and r < self.sparse_below:
         new[l] = self.sparse
-      elif new[l] == self.sparse and a > self.dense_above:
+      elif new[l] == self.sparse and r > self.dense_above:
         new[l] = self.dense
     changed = new != self.current
     self.current = new
@@ -111,26 +135,29 @@ class LayerChoice:
   def update_from_counts(self, feature_counts, tokens: int):
     """One decision from each layer's feature counts [L, H] over `tokens` tokens
     (`FFNStats.feature_counts`): the hot features per layer (with hysteresis), then the
-    implementations from the work with them. Returns (changed, popularity order [L, H]: the
-    permutation that sorts each layer's features hottest first)."""
+    implementations from the predicted ratios with them. Returns (changed, popularity order
+    [L, H]: the permutation that sorts each layer's features hottest first)."""
     counts = np.asarray(feature_counts)
     if counts.shape[0] != self.n_layers:
       raise ValueError(f"got {counts.shape[0]} layers' counts for {self.n_layers} layers")
     if counts.shape[-1] != self.d_ff:
       raise ValueError(f"got counts of {counts.shape[-1]} features for d_ff={self.d_ff}")
-    hot, work = list(self.hot), []
+
+    def predicted(c, k):
+      tail = features_lib.sparse_work(c, tokens, k, break_even=0.0)
+      return float(self.cost.ratio(self.d_ff, k, tail))
+
+    hot, ratios = list(self.hot), []
     for l, c in enumerate(counts):
-      k = features_lib.hot_feature_count(c, tokens)
-      if k != hot[l] and (features_lib.sparse_work(c, tokens, hot[l])
-                          - features_lib.sparse_work(c, tokens, k)
-                          > HOT_CHANGE_GAIN * self.dense_work):
+      k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even)
+      if k != hot[l] and predicted(c, hot[l]) - predicted(c, k) > HOT_CHANGE_GAIN:
         hot[l] = k
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
-      work.append(np.inf if hot[l] >= c.shape[0]
-                  else features_lib.sparse_work(c, tokens, hot[l]))
+      ratios.append(np.inf if hot[l] >= c.shape[0] else predicted(c, hot[l]))
     changed = hot != self.hot
     self.hot = hot
-    changed = self.update(work) or changed
+    self.predicted = ratios
+    changed = self.update(ratios) or changed
     return changed, np.asarray(features_lib.popularity_order(counts))
 
   @property

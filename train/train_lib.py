@@ -358,8 +358,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       choice.hot = list(meta.get("layer_hot_features") or [0] * choice.n_layers)
     running = choice.key
     train_step = steps.get_now(running)
-    logging.info("Per-layer FFN choice: dense until a layer's sparse work (features gathered "
-                 "per token, hot features counted as dense columns) falls below %g, then %s "
+    logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
+                 "below %g of the dense one's time (train.layer_choice.CostModel), then %s "
                  "(back above %g); features sorted by popularity every %d steps",
                  choice.sparse_below, choice.sparse, choice.dense_above,
                  cfg.layer_choice.every)
@@ -383,8 +383,9 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
               jax.device_get(m["feature_counts"]), cfg.batch_size * cfg.data.seq_len)
           state = tr.sort_features(state, order)
           if changed:
-            logging.info("step %d: FFN per layer -> %s (compiling in the background)",
-                         done, choice.describe())
+            logging.info("step %d: FFN per layer -> %s (predicted %s; compiling in the "
+                         "background)", done, choice.describe(),
+                         " ".join(f"{r:.2f}" for r in choice.predicted))
             steps.request(choice.key)
         handed = steps.ready()
         if handed is not None:

@@ -106,8 +106,8 @@ def main(argv):
   _, order = choice.update_from_counts(counts, toks.size)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
-  work = [tj_features.sparse_work(c, toks.size, k) for c, k in zip(counts, hot)]
-  infer = layer_choice.LayerChoice.for_inference(work, mc.d_ff)
+  tail = [tj_features.sparse_work(c, toks.size, k, break_even=0.0) for c, k in zip(counts, hot)]
+  infer = layer_choice.LayerChoice.for_inference(tail, mc.d_ff, hot)
   models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=tuple(hot)),
             "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}
@@ -116,7 +116,7 @@ def main(argv):
     fwd = jax.jit(lambda p, x, lm=lm: lm.hidden(p, x)[0])
     res[f"{name}_prefill"] = _profile(f"{name} prefill", fwd, params, toks, iters=fl.iters)
   res["sparse_layers_prefill"] = infer.describe()
-  res["hot_features"], res["sparse_work_per_token"] = list(hot), work
+  res["hot_features"], res["tail_per_token"] = list(hot), tail
   if fl.out:
     with open(fl.out, "w") as f:
       json.dump(res, f, indent=1)
