@@ -279,6 +279,8 @@ def run_shape(shape: str, fl) -> dict:
       lm, tx, step = _model(run_cfg, mc_run)
       state = _state(lm, tx, params, n_layers)
       peak = _peak_bytes(step.lower(state, batch).compile())
+      if not remat:
+        res[f"{name}_peak_bytes_no_remat"] = peak
       if limit is None or peak <= 0.92 * limit:
         break
       print(f"  {shape} {name}: {peak / 2**30:.1f} GiB without remat > 92% of "
@@ -307,6 +309,9 @@ def run_shape(shape: str, fl) -> dict:
   res["train_speedup"] = (res["sparse_train"]["tokens_per_s"]
                           / res["dense_train"]["tokens_per_s"])
   res["peak_memory_ratio"] = res["sparse_peak_bytes"] / res["dense_peak_bytes"]
+  # At equal settings (both without remat), whatever each model ran with.
+  res["peak_memory_ratio_no_remat"] = (res["sparse_peak_bytes_no_remat"]
+                                       / res["dense_peak_bytes_no_remat"])
   for rows in _prefill_rows(shape):
     key = f"prefill_{rows}x{t}"
     res[f"prefill_speedup_{rows}x{t}"] = (res[f"sparse_{key}"]["tokens_per_s"]
