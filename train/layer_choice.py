@@ -13,7 +13,8 @@ GEMM, which stays dense, and the packing), the hot features K computed as dense 
     ratio = fixed + hot * K / H + tail * tail_entries_per_token / (H * BREAK_EVEN_RATE)
 
 Its coefficients are fitted to the kernel benchmark (`benchmarks.kernels`, H100, paper shape
-M=16384, D=2048, H=5632, ratio to XLA dense in one process): all activity on K = 1024, 2048
+M=16384, D=2048, H=5632, ratio to XLA dense in one process;
+`benchmarks/results/h100/kernels_hot_block_*.json`): all activity on K = 1024, 2048
 and 3328 features with no tail (`paper_16k_block<K>`: forward + backward 0.53, 0.75, 0.98;
 forward 0.57, 0.80, 0.84) and 30.6 uniform entries per token with K = 0 (`paper_16k`: 0.73;
 0.88). The captured layers (`benchmarks.captured`: forward + backward 0.46-0.57 with K of
