@@ -78,7 +78,9 @@ def _params(fl):
   if fl.shape != "tiny":
     params = {**params, "blocks": jax.tree.map(
         lambda a: a[jnp.arange(fl.layers) % a.shape[0]], params["blocks"])}
-  return params
+  # On the host: each mesh's state is a fresh copy, which its step donates (an array already
+  # on the mesh's device would be placed as is, and deleted by the first step).
+  return jax.device_get(params)
 
 
 def _state(tr, params):
