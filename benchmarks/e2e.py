@@ -36,7 +36,6 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import twell_jax
 
 from benchmarks import timing
 from benchmarks import trained
@@ -248,8 +247,7 @@ def run_shape(shape: str, fl) -> dict:
   _, order = choice.update_from_counts(counts, b * t)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
-  tail = [twell_jax.features.sparse_work(c, b * t, k, break_even=0.0)
-          for c, k in zip(counts, hot)]
+  tail = choice.tail
   infer_choice = layer_choice.LayerChoice.for_inference(tail, mc_sparse.d_ff, hot,
                                                         sparse=fl.sparse)
   res["hot_features"] = list(hot)

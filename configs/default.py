@@ -70,9 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Per-layer FFN choice (train/layer_choice.py): with ffn_implementation=None, each layer
   # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
-  # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided every `every` steps. The new
-  # step compiles in the background (background=False: in the loop, so the switch lands on
-  # the decision step, for reproducible runs). Checkpoints keep the choice in use.
+  # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
+  # every `every` steps. The new step compiles in the background (background=False: in the
+  # loop, so the switch lands on the decision step, for reproducible runs). Checkpoints keep
+  # the choice in use.
   c.layer_choice = ml_collections.ConfigDict(dict(
       enabled=True,
       sparse="auto",          # the sparse layers' implementation; auto: what None resolves to

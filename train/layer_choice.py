@@ -101,7 +101,10 @@ class LayerChoice:
       self.current = [self.dense] * self.n_layers
     if self.hot is None:
       self.hot = [0] * self.n_layers
-    self.predicted = None    # the last decision's predicted ratio per layer
+    # The last update_from_counts: per layer, active features per token outside the hot
+    # ones, and the predicted ratio.
+    self.tail = None
+    self.predicted = None
 
   @classmethod
   def for_inference(cls, tail_per_token, d_ff: int, hot_features=None,
@@ -144,20 +147,22 @@ class LayerChoice:
     if counts.shape[-1] != self.d_ff:
       raise ValueError(f"got counts of {counts.shape[-1]} features for d_ff={self.d_ff}")
 
-    def predicted(c, k):
-      tail = features_lib.sparse_work(c, tokens, k, break_even=0.0)
-      return float(self.cost.ratio(self.d_ff, k, tail))
-
-    hot, ratios = list(self.hot), []
+    tail_of = lambda c, k: features_lib.sparse_work(c, tokens, k, break_even=0.0)
+    hot, tails, ratios = list(self.hot), [], []
     for l, c in enumerate(counts):
       k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even)
-      if k != hot[l] and predicted(c, hot[l]) - predicted(c, k) > HOT_CHANGE_GAIN:
-        hot[l] = k
+      kept = tail_of(c, hot[l])
+      if k != hot[l]:
+        new = tail_of(c, k)
+        gain = (self.cost.ratio(self.d_ff, hot[l], kept) - self.cost.ratio(self.d_ff, k, new))
+        if gain > HOT_CHANGE_GAIN:
+          hot[l], kept = k, new
+      tails.append(kept)
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
-      ratios.append(np.inf if hot[l] >= c.shape[0] else predicted(c, hot[l]))
+      ratios.append(np.inf if hot[l] >= c.shape[0]
+                    else float(self.cost.ratio(self.d_ff, hot[l], kept)))
     changed = hot != self.hot
-    self.hot = hot
-    self.predicted = ratios
+    self.hot, self.tail, self.predicted = hot, tails, ratios
     changed = self.update(ratios) or changed
     return changed, np.asarray(features_lib.popularity_order(counts))
 

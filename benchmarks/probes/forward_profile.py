@@ -106,7 +106,7 @@ def main(argv):
   _, order = choice.update_from_counts(counts, toks.size)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
-  tail = [tj_features.sparse_work(c, toks.size, k, break_even=0.0) for c, k in zip(counts, hot)]
+  tail = choice.tail
   infer = layer_choice.LayerChoice.for_inference(tail, mc.d_ff, hot)
   models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=tuple(hot)),
