@@ -141,5 +141,28 @@ class ScalingSmokeTest(absltest.TestCase):
     self.assertEqual(r["non_weight_collectives"], [])
 
 
+class EndToEndSmokeTest(absltest.TestCase):
+  """`benchmarks.e2e`'s CPU mode as a subprocess (its own flags): the JSON it writes holds the
+  fields the GPU runs report, for trained weights and for the run from initialisation."""
+
+  def test_tiny_cpu_mode(self):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    out = os.path.join(self.create_tempdir().full_path, "e2e.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--shapes=tiny", "--steps=3",
+                    "--iters=2", "--from_init_steps=4", "--from_init_log_every=2",
+                    f"--out={out}"], cwd=root, check=True, capture_output=True, timeout=600)
+    with open(out) as f:
+      r = json.load(f)
+    tiny = r["tiny"]
+    for key in ("train_speedup", "prefill_speedup_2x64", "peak_memory_ratio",
+                "peak_memory_ratio_no_remat"):
+      self.assertGreater(tiny[key], 0, key)
+    self.assertLen(tiny["tail_per_token"], tiny["layers"])
+    self.assertLen(tiny["predicted_train_ratio"], tiny["layers"])
+    self.assertEqual([p["step"] for p in r["tiny_from_init"]["points"]], [2, 4])
+
+
 if __name__ == "__main__":
   absltest.main()
