@@ -6,8 +6,9 @@ r"""Configuration sweeps on the GPU: every variant against the default, same inp
   variant's words / counts must equal the default's bit for bit. XLA's relu(x @ w_gate)
   without packing for scale.
 * ``forward``: the inference forward per ``ForwardConfig``.
-* ``up_down``: the fused up / down kernel alone (device time) per ``UpDownConfig`` on the
-  packed gate of the calibrated hot features' cold columns; outputs must match bit for bit.
+* ``up_down``: the fused up / down kernel alone (device time) per ``GatherConfig`` on the
+  ELL rows of the calibrated hot features' cold columns (outputs must match bit for bit),
+  and the TwELL -> ELL conversion.
 * ``train``: forward + backward (``jax.grad`` of sum(y * ct) + 2e-5 l1) per ``HybridConfig``
   variant of the training kernels (which kernel computes dh, groups, rows loaded ahead),
   with the dense FFN's time for the ratio.
@@ -28,10 +29,10 @@ from benchmarks import kernels
 from benchmarks import specs as specs_lib
 from benchmarks import timing
 from pallas_kernels import _common as common
+from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import gate_pack_mgpu as gp
 from pallas_kernels import reference
-from pallas_kernels import sparse_up_down_mgpu
 from twell_jax import mosaic
 
 _WHAT = flags.DEFINE_list("what", ["train"], "gate, forward, up_down and / or train")
@@ -45,17 +46,19 @@ GATE_VARIANTS = {
     "chunk128": gp.GateConfig(pack_chunk=128),
     "stages2": gp.GateConfig(max_concurrent_steps=2),
 }
+# Variants of the inference forward (at the input's calibrated K unless they set hot_features).
 FORWARD_VARIANTS = {
-    "default": ffn_mgpu.ForwardConfig(),
-    "hot256": ffn_mgpu.ForwardConfig(hot_features=256),
-    "hot512": ffn_mgpu.ForwardConfig(hot_features=512),
-    "x_f32": ffn_mgpu.ForwardConfig(up_down=sparse_up_down_mgpu.UpDownConfig(x_mode="f32")),
+    "default": {},
+    "ell_reload": dict(ell=_G(rows_ahead=True, row_mode="reload")),
+    "ell_no_ahead": dict(ell=_G(row_mode="f32")),
 }
-_UD = sparse_up_down_mgpu.UpDownConfig
+# The fused up / down kernel alone (``ffn_mgpu.ForwardConfig.ell``).
 UP_DOWN_VARIANTS = {
-    "default": _UD(),
-    **{f"chunk{c}": _UD(count_chunk=c) for c in (1, 2, 4, 8) if c != _UD().count_chunk},
-    "x_f32": _UD(x_mode="f32"),
+    "default": ffn_mgpu.ForwardConfig().ell,
+    "reload": _G(rows_ahead=True, row_mode="reload"),
+    "bf16": _G(rows_ahead=True, row_mode="bf16"),
+    "no_ahead": _G(row_mode="f32"),
+    "group2": _G(group=2, row_mode="f32"),
 }
 TRAIN_VARIANTS = {
     "default": {},
@@ -90,19 +93,32 @@ def sweep_gate(spec, x, wg, wu, wd) -> dict:
   return out
 
 
-def sweep_forward(spec, x, wg, wu, wd) -> dict:
-  out = {"dense_ms": timing.wall_ms(jax.jit(lambda *a: reference.dense_ffn(*a)[0]),
-                                    x, wg, wu, wd, iters=20)}
+def sweep_forward(spec, x, wg, wu, wd, k: int) -> dict:
+  """The inference forward (y only) per variant at the input's calibrated K: synchronized
+  wall, pipelined and device ms, each over the dense FFN's."""
+  dense = jax.jit(lambda *a: reference.dense_ffn(*a)[0])
+  args = (x, wg, wu, wd)
+
+  def times(f):
+    return {"ms": timing.wall_ms(f, *args, iters=20),
+            "pipelined_ms": timing.pipelined_ms(f, *args, iters=20),
+            "device_ms": timing.device_ms(f, *args)}
+
+  out = {"hot_features": k, "dense": times(dense)}
   base = None
-  for name, cfg in FORWARD_VARIANTS.items():
+  for name, kw in FORWARD_VARIANTS.items():
+    cfg = ffn_mgpu.ForwardConfig(**{"hot_features": k, **kw})
     f = jax.jit(lambda *a, cfg=cfg: ffn_mgpu.ffn_forward(*a, config=cfg)[0])
-    y = jax.block_until_ready(f(x, wg, wu, wd)).astype(jnp.float32)
+    y = jax.block_until_ready(f(*args)).astype(jnp.float32)
     base = y if base is None else base
-    ms = timing.wall_ms(f, x, wg, wu, wd, iters=20)
-    err = float(jnp.linalg.norm(y - base) / jnp.linalg.norm(base))
-    out[name] = {"ms": ms, "ratio": ms / out["dense_ms"], "rel_vs_default": err}
-    print(f"  {spec.m}x{spec.d}x{spec.h} forward {name}: {ms:.3f} ms, ratio "
-          f"{ms / out['dense_ms']:.3f}", flush=True)
+    t = times(f)
+    t.update({f"{key}_ratio": t[key] / out["dense"][key] for key in t
+              if t[key] is not None and out["dense"][key]})
+    t["rel_vs_default"] = float(jnp.linalg.norm(y - base) / jnp.linalg.norm(base))
+    out[name] = t
+    print(f"  {spec.m}x{spec.d}x{spec.h} forward {name}: " + ", ".join(
+        f"{key} {t[key]:.3f}" for key in ("ms_ratio", "pipelined_ms_ratio", "device_ms_ratio",
+                                          "device_ms") if t.get(key) is not None), flush=True)
   return out
 
 
@@ -146,19 +162,22 @@ def sweep_train(spec, x, wg, wu, wd) -> dict:
 
 
 def sweep_up_down(spec, x, wg, wu, wd, k: int) -> dict:
-  """The fused kernel on the gate packed past the k hot features, every live row walked."""
+  """The fused kernel (inference: no u) on the ELL rows of the gate packed past the k hot
+  features, per ``UP_DOWN_VARIANTS``; the TwELL -> ELL conversion timed on its own."""
   w = wg if spec.gated else wu
   words, counts = gp.gate_pack(x, w, col_start=k)
-  slots = gp.GateConfig().slots
-  cnt = counts.reshape(x.shape[0], -1, common.COUNT_LANES)[..., 0]
-  row_entries = jnp.where(jnp.all(cnt <= slots, axis=1), jnp.sum(cnt, axis=1), 0)
+  width = ffn_mgpu.ForwardConfig().max_row_entries
+  to_ell = jax.jit(lambda words, counts: ell_up_down_mgpu.ell_from_twell(
+      words, counts, slots=gp.GateConfig().slots, width=width, col_start=k))
+  cols, p, n, _, _ = to_ell(words, counts)
   wu_t = wu.T if spec.gated else None
-  out = {"hot_features": k, "entries_per_row": float(jnp.mean(row_entries))}
+  out = {"hot_features": k, "entries_per_row": float(jnp.mean(n)),
+         "conversion_ms": timing.device_ms(to_ell, words, counts)}
   base = None
   for name, cfg in UP_DOWN_VARIANTS.items():
-    f = jax.jit(lambda *a, cfg=cfg: sparse_up_down_mgpu.sparse_up_down(*a, col_start=k,
-                                                                       config=cfg))
-    args = (x, words, counts, row_entries, wu_t, wd)
+    f = jax.jit(lambda *a, cfg=cfg: ell_up_down_mgpu.ell_up_down(*a, write_u=False,
+                                                                 config=cfg))
+    args = (x, cols, p, n, wu_t, wd)
     try:
       got = jax.block_until_ready(f(*args))
     except Exception as e:  # pylint: disable=broad-except
@@ -166,8 +185,8 @@ def sweep_up_down(spec, x, wg, wu, wd, k: int) -> dict:
       continue
     base = got if base is None else base
     out[name] = {"device_ms": timing.device_ms(f, *args), "same_bits": _same(got, base)}
-    print(f"  {spec.m}x{spec.d}x{spec.h} up_down {name}: {out[name]['device_ms']:.4f} ms",
-          flush=True)
+    print(f"  {spec.m}x{spec.d}x{spec.h} up_down {name}: {out[name]['device_ms']:.4f} ms "
+          f"(conversion {out['conversion_ms']:.4f} ms)", flush=True)
   return out
 
 
@@ -184,7 +203,7 @@ def main(argv):
     # Features sorted by activity, so that the hot-feature variants take the hottest ones.
     arrays, k = kernels.calibrated_inputs(spec)
     for what in _WHAT.value:
-      extra = (k,) if what == "up_down" else ()
+      extra = (k,) if what in ("up_down", "forward") else ()
       r = {"spec": spec_name, "sweep": what, **SWEEPS[what](spec, *arrays, *extra)}
       results.append(r)
       print(json.dumps(r), flush=True)

@@ -1,18 +1,20 @@
-"""Training forward, sparse part (Mosaic GPU, Hopper): ``ell_up_down``, the sampled up
-projection and the sparse down projection on the ELL pattern, writing the up values as a
-residual for the backward.
+"""Fused sparse up / down projection over ELL rows (Mosaic GPU, Hopper): ``ell_up_down``,
+the sampled up projection and the sparse down projection, the sparse part of both the
+inference forward (``ffn_mgpu``) and the training forward (``ffn_train_mgpu``, which also
+keeps the up values as a residual for the backward).
 
 Per token row r with ELL entries k < n_r (column j = cols[r, k], gate value p = p[r, k] > 0):
     gated:      u_k = bf16(x_r . W_up^T[j])     (f32 dot, rounded like XLA's bf16 GEMM output)
                 h_k = bf16(p_k * u_k)
     non-gated:  h_k = p_k                        (p is relu(x W_up) itself; no u)
-    y_r  = bf16(sum_k h_k * W_down[j, :])        (f32 accumulation)
+    y_r  = bf16(y_init_r + sum_k h_k * W_down[j, :])   (f32 accumulation)
     l1_r = sum_k |h_k|                           (f32)
-Outputs: y [M, D] bf16, u [M, Wk] f32 (gated; slots k >= n_r hold garbage: the caller masks),
-l1 [M] f32. Rows with n_r == 0 (empty rows, and heavy rows, which the caller computes on its
-dense tail) get y = 0 and l1 = 0.
+Outputs: y [M, D] bf16, u [M, Wk] f32 (gated, ``write_u``; slots k >= n_r hold garbage: the
+caller masks), l1 [M] f32. Rows with n_r == 0 (empty rows, and rows the caller computes on a
+dense path) get y = y_init and l1 = 0.
+``ell_from_twell`` turns the gate kernel's TwELL tiles into these rows.
 
-Mapping (like ``sparse_up_down_mgpu``): one CTA (one warpgroup, 128 threads) per row; x_r and
+Mapping: one CTA (one warpgroup, 128 threads) per row; x_r and
 the f32 accumulator live in registers (D/128 values per thread), ELL columns/values are scalar GMEM
 reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long
 contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and ``w_down`` [H, D]. ``group`` entries are
@@ -38,7 +40,7 @@ _F32 = jnp.float32
 
 def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem,
             y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str,
-            rows_ahead: bool, has_init: bool):
+            rows_ahead: bool, has_init: bool, write_u: bool):
   r = lax.axis_index("r")
   n = n_gmem[r]
   x = common.hold_row(x_gmem, r, x_mode) if gated else None
@@ -66,7 +68,8 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem,
       if gated:
         u = jnp.sum(common.row_at(x, x_gmem, r) * wus[q].astype(_F32))
         u = u.astype(jnp.bfloat16).astype(_F32)
-        u_gmem[r, ks[q]] = u
+        if write_u:
+          u_gmem[r, ks[q]] = u
         h = (ps[q] * u).astype(jnp.bfloat16).astype(_F32)
       else:
         h = ps[q]
@@ -81,9 +84,10 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem,
   l1_gmem[r] = l1
 
 
-def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None,
+def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, write_u: bool = True,
                 config: common.GatherConfig = common.GatherConfig(), interpret=False):
-  """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks.
+  """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks,
+  u is None for them and without ``write_u`` (the inference forward keeps no residuals).
 
   x [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p [M, Wk] bf16 (0 in unused slots);
   n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % config.group == 0,
@@ -111,14 +115,47 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None,
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, gated=gated, group=group, x_mode=config.row_mode,
-                          rows_ahead=config.rows_ahead, has_init=has_init),
+                          rows_ahead=config.rows_ahead, has_init=has_init,
+                          write_u=write_u and gated),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
-                  jax.ShapeDtypeStruct((m, wk if gated else 1), _F32),
+                  jax.ShapeDtypeStruct((m, wk) if gated and write_u else (8, 128), _F32),
                   jax.ShapeDtypeStruct((m,), _F32)),
         grid=(m,),
         grid_names=("r",),
         compiler_params=common.gather_kernel_params(),
         interpret=common.interpret_params(interpret),
-        kernel_name="twell_train_up_down" if gated else "twell_train_down",
+        kernel_name="twell_up_down" if gated else "twell_down",
     )
-    return common.call_kernel(f, x, cols, p, n, w_up_t, w_down, y_init)
+    y, u, l1 = common.call_kernel(f, x, cols, p, n, w_up_t, w_down, y_init)
+  return y, (u if gated and write_u else None), l1
+
+
+def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0):
+  """TwELL (``gate_pack_mgpu.gate_pack``'s words / counts of the hidden columns from
+  ``col_start`` on) -> this kernel's ELL rows: (cols [M, width] int32 hidden feature indices,
+  p [M, width] bf16 gate values, n [M] int32 entries per row, over [M] bool, cnt [M, T] int32
+  true tile counts). Rows with more than ``width`` entries or a tile holding more than
+  ``slots`` (its packed slots lost entries) are ``over``: they get n = 0 and the caller
+  computes them on a dense path. Unused slots hold column 0 and p = 0. XLA glue: a reduction
+  over the row's tile counts gives each slot's word, a gather reads it.
+  """
+  t = words.shape[1] // slots
+  cnt = counts[:, ::common.COUNT_LANES]                                    # [M, T]
+  row_nnz = jnp.sum(cnt, axis=1)
+  over = (row_nnz > width) | jnp.any(cnt > slots, axis=1)
+  n = jnp.where(over, 0, row_nnz).astype(jnp.int32)
+  kept = jnp.minimum(cnt, slots)
+  incl = jnp.cumsum(kept, axis=1)
+  # Slot k of a row lies in tile t* = #{t : incl_t <= k}, at word t* S + k - incl_{t*-1}
+  # = k + sum over those tiles of (S - kept_t): one reduction over the tiles, then a gather.
+  k = jnp.arange(width, dtype=jnp.int32)
+  skipped = jnp.where(incl[:, None, :] <= k[None, :, None], slots - kept[:, None, :], 0)
+  idx = jnp.minimum(k[None, :] + jnp.sum(skipped, axis=-1, dtype=jnp.int32), t * slots - 1)
+  word = jnp.take_along_axis(words, idx, axis=1)
+  valid = k[None, :] < n[:, None]
+  tile = idx // slots
+  cols = jnp.where(valid, col_start + tile * common.TILE_N + lax.shift_right_logical(word, 16),
+                   0).astype(jnp.int32)
+  bits = (word & 0xFFFF).astype(jnp.uint16)
+  p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
+  return cols, p, n, over, cnt

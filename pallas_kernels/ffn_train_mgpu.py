@@ -207,29 +207,17 @@ def _first_true(mask, size: int, fill: int):
 def _hybrid_from_twell(cfg: HybridConfig, words, counts):
   """TwELL words/counts of the cold features -> (cols [Mp, Wk] (hidden feature indices),
   p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
-  mp, t = cfg.mp, cfg.n_tiles
-  s = cfg.gate.slots
-  if t == 0:          # every feature is hot: an empty ELL
+  mp = cfg.mp
+  if cfg.n_tiles == 0:          # every feature is hot: an empty ELL
     zero = jnp.zeros((mp, cfg.wk), jnp.int32)
     return (zero, zero.astype(jnp.bfloat16), jnp.zeros((mp,), jnp.int32),
             jnp.zeros((mp,), bool), jnp.zeros((mp, 0), jnp.int32))
-  cnt = counts.reshape(mp, t, common.COUNT_LANES)[..., 0]
-  row_nnz = jnp.sum(cnt, axis=1)
-  heavy = (row_nnz > cfg.ell_width) | jnp.any(cnt > s, axis=1)
-  n = jnp.where(heavy, 0, row_nnz).astype(jnp.int32)
-  incl = jnp.cumsum(jnp.minimum(cnt, s), axis=1)                         # [Mp, T]
-  k = jnp.arange(cfg.wk, dtype=jnp.int32)
-  tile = jnp.sum(incl[:, None, :] <= k[None, :, None], axis=-1, dtype=jnp.int32)  # [Mp, Wk]
-  tile_c = jnp.minimum(tile, t - 1)
-  start = jnp.take_along_axis(incl - jnp.minimum(cnt, s), tile_c, axis=1)
-  slot = jnp.clip(k[None, :] - start, 0, s - 1)
-  word = jnp.take_along_axis(words, tile_c * s + slot, axis=1)
-  valid = slot_mask(cfg, n)
-  cols = jnp.where(valid, cfg.k_hot + tile_c * common.TILE_N + lax.shift_right_logical(word, 16),
-                   0)
-  bits = (word & 0xFFFF).astype(jnp.uint16)
-  p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
-  return cols.astype(jnp.int32), p, n, heavy, cnt
+  cols, p, n, heavy, cnt = ell_up_down_mgpu.ell_from_twell(
+      words, counts, slots=cfg.gate.slots, width=cfg.ell_width, col_start=cfg.k_hot)
+  if cfg.wk > cfg.ell_width:    # slots padded to a multiple of the kernel's group
+    pad = ((0, 0), (0, cfg.wk - cfg.ell_width))
+    cols, p = jnp.pad(cols, pad), jnp.pad(p, pad)
+  return cols, p, n, heavy, cnt
 
 
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):

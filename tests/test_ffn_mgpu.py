@@ -1,5 +1,5 @@
-"""The inference forward (pallas_kernels/ffn_mgpu.py) and its fused up/down kernel
-(pallas_kernels/sparse_up_down_mgpu.py) against the f32 reference.
+"""The inference forward (pallas_kernels/ffn_mgpu.py), its TwELL -> ELL conversion and its
+fused up / down kernel (pallas_kernels/ell_up_down_mgpu.py) against the f32 reference.
 
 Inputs from `twell_jax.testing.ffn_inputs` with fixed seeds: uniform and skewed activity (a
 feature firing on most rows, most features dead, near-dense rows), heavy rows over the TwELL
@@ -7,6 +7,8 @@ tile capacity, all-zero rows, odd shapes, more overflowing rows than the dense p
 """
 
 from __future__ import annotations
+
+import functools
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -17,10 +19,10 @@ import pytest
 
 import kernel_test_util as ktu
 from pallas_kernels import _common as common
+from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import reference
-from pallas_kernels import sparse_up_down_mgpu
 
 
 def check_forward(tc, x, wg, wu, wd, y, stats):
@@ -107,22 +109,55 @@ class ForwardTestBase(ktu.KernelTestBase):
       self.assertLessEqual(int(st["overflow_rows"]), int(st0["overflow_rows"]))
 
   @parameterized.parameters(True, False)
-  def test_up_down_row_modes_agree(self, gated):
-    """Where x_r lives (f32 / bf16 registers, or reloaded) never changes a bit."""
+  def test_ell_kernel_choices_agree(self, gated):
+    """Where x_r lives (f32 / bf16 registers, or reloaded), rows loaded ahead or not, and
+    entries side by side never change a bit of y or the statistics; nor does an ELL width
+    that is not a multiple of the group (the forward pads it)."""
     x, wg, wu, wd = ktu.inputs(128, 128, 768, active=10.0, heavy=0.05, empty=0.02,
                                gated=gated, seed=4)
-    words, counts = gate_pack_mgpu.gate_pack(x, wg if gated else wu, interpret=self.INTERPRET)
-    cnt = counts.reshape(128, 3, common.COUNT_LANES)[..., 0]
-    row_entries = jnp.where((cnt <= 32).all(1), cnt.sum(1), 0)
-    args = (x, words, counts, row_entries, wu.T if gated else None, wd)
-    base = sparse_up_down_mgpu.sparse_up_down(*args, interpret=self.INTERPRET)
-    for cfg in (dict(x_mode="bf16"), dict(x_mode="f32"), dict(count_chunk=1),
-                dict(count_chunk=2)):
-      got = sparse_up_down_mgpu.sparse_up_down(
-          *args, config=sparse_up_down_mgpu.UpDownConfig(**cfg), interpret=self.INTERPRET)
-      for a, b in zip(got, base):
+    G = common.GatherConfig
+    run = lambda **kw: ffn_mgpu.ffn_forward(x, wg, wu, wd, interpret=self.INTERPRET,
+                                            config=ffn_mgpu.ForwardConfig(**kw))
+    base = run()
+    for kw in (dict(ell=G(row_mode="bf16")), dict(ell=G(row_mode="reload", rows_ahead=True)),
+               dict(ell=G(group=2)), dict(ell=G(group=2), max_row_entries=45)):
+      got = run(**kw)
+      if "max_row_entries" in kw:   # more rows take the dense fix-up: same values, rounding
+        self.assertLess(ktu.rel(got[0], base[0]), 1e-2)
+        continue
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                      err_msg=str(cfg))
+                                      err_msg=str(kw))
+
+  @parameterized.parameters(0, 256)
+  def test_ell_from_twell_lists_each_rows_actives_in_column_order(self, col_start):
+    """Every row that fits holds exactly its positive gates, in increasing column order, with
+    their bf16 values; rows over the width or with an overflowing tile are flagged and empty."""
+    m, d, h, width = 128, 64, 1024, 40
+    x, wg, _, _ = ktu.inputs(m, d, h, active=16.0, heavy=0.05, seed=8)
+    words, counts = gate_pack_mgpu.gate_pack(x, wg, col_start=col_start,
+                                             interpret=self.INTERPRET)
+    cols, p, n, over, cnt = jax.jit(functools.partial(
+        ell_up_down_mgpu.ell_from_twell, slots=32, width=width, col_start=col_start))(
+            words, counts)
+    g = np.asarray(jnp.dot(x, wg, preferred_element_type=jnp.float32))[:, col_start:]
+    act = g > 0
+    tiles = act.reshape(m, -1, 256).sum(-1)
+    np.testing.assert_array_equal(np.asarray(cnt), tiles)
+    want_over = (act.sum(1) > width) | (tiles > 32).any(1)
+    np.testing.assert_array_equal(np.asarray(over), want_over)
+    self.assertTrue(want_over.any() and not want_over.all())
+    cols, p, n = np.asarray(cols), np.asarray(p, np.float32), np.asarray(n)
+    for r in range(m):
+      if want_over[r]:
+        self.assertEqual(n[r], 0)
+        continue
+      (js,) = np.nonzero(act[r])
+      self.assertEqual(n[r], len(js))
+      np.testing.assert_array_equal(cols[r, :n[r]], js + col_start)
+      np.testing.assert_array_equal(p[r, :n[r]],
+                                    g[r, js].astype(jnp.bfloat16).astype(np.float32))
+      self.assertTrue((cols[r, n[r]:] == 0).all() and (p[r, n[r]:] == 0).all())
 
   def test_rejects_bad_input(self):
     x, wg, wu, wd = ktu.inputs(64, 64, 256)
@@ -135,10 +170,8 @@ class ForwardTestBase(ktu.KernelTestBase):
     for k in (-256, 100):
       with self.assertRaisesRegex(ValueError, "hot_features"):
         ffn_mgpu.ForwardConfig(hot_features=k)
-    with self.assertRaisesRegex(ValueError, "x_mode"):
-      sparse_up_down_mgpu.UpDownConfig(x_mode="registers")
-    with self.assertRaisesRegex(ValueError, "count_chunk"):
-      sparse_up_down_mgpu.UpDownConfig(count_chunk=0)
+    with self.assertRaisesRegex(ValueError, "row_mode"):
+      common.GatherConfig(row_mode="registers")
 
 
 class ForwardInterpretTest(ForwardTestBase):
@@ -147,18 +180,19 @@ class ForwardInterpretTest(ForwardTestBase):
   def test_no_races(self):
     x, wg, wu, wd = ktu.inputs(128, 128, 256, active=8.0, seed=5)
     words, counts = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
-    row_entries = counts.reshape(128, 1, common.COUNT_LANES)[..., 0].sum(1)
-    ktu.assert_race_free(lambda p: sparse_up_down_mgpu.sparse_up_down(
-        x, words, counts, row_entries, wu.T, wd, interpret=p))
+    cols, p, n, _, _ = ell_up_down_mgpu.ell_from_twell(words, counts, slots=32, width=64)
+    ktu.assert_race_free(lambda ip: ell_up_down_mgpu.ell_up_down(
+        x, cols, p, n, wu.T, wd, write_u=False,
+        config=ffn_mgpu.ForwardConfig().ell, interpret=ip))
 
 
 class ForwardLoweringTest(parameterized.TestCase):
   """Builds the Mosaic GPU modules for CUDA on any host (no GPU needed)."""
 
-  @parameterized.product(gated=(True, False), x_mode=("reload", "f32", "bf16"))
-  def test_lowers_for_cuda(self, gated, x_mode):
+  @parameterized.product(gated=(True, False), row_mode=("reload", "f32", "bf16"))
+  def test_lowers_for_cuda(self, gated, row_mode):
     x, wg, wu, wd = ktu.inputs(256, 256, 512, gated=gated)
-    cfg = ffn_mgpu.ForwardConfig(up_down=sparse_up_down_mgpu.UpDownConfig(x_mode=x_mode))
+    cfg = ffn_mgpu.ForwardConfig(ell=common.GatherConfig(rows_ahead=True, row_mode=row_mode))
     ktu.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a, config=cfg), x, wg, wu, wd)
 
 
