@@ -16,7 +16,7 @@ Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
     rows (gated) and W_down rows, computes h and accumulates y in f32. A flat list lets the
     kernel load the next entry's rows while the current one computes, across tile borders:
     on an H100 at the paper shape, uniform 30 entries per row, 0.563 ms against 0.693 for a
-    walk of the TwELL tiles themselves; the conversion costs ~0.04 ms.
+    walk of the TwELL tiles themselves; the conversion costs 0.03-0.04 ms.
  3. Overflow rows (some tile count > S, or more than ``max_row_entries`` entries) are skipped
     by step 2 and recomputed exactly by a dense XLA FFN (``reference.dense_ffn``) on those
     rows, gathered up to a static capacity R (``overflow_capacity``). One ``lax.switch`` after
@@ -60,8 +60,8 @@ class ForwardConfig:
     which sorting the hidden features by popularity gives (a permutation of the FFN's hidden
     units, which leaves its function unchanged). Real L1-trained layers have tens to hundreds
     of such features holding 90-99% of all active entries.
-  ``max_row_entries``: rows with more packed entries take the dense fix-up too: the fused
-    kernel walks a row's entries in one CTA, so a row of hundreds of cold entries (real
+  ``max_row_entries``: the ELL width; rows with more packed entries take the dense fix-up
+    too: the fused kernel walks a row's entries in one CTA, so a row of hundreds of cold entries (real
     layers have a few near-dense rows) would outlast the whole batch's other rows.
   ``ell``: the fused kernel's choices (``ell_up_down``): each entry's weight rows loaded a step
     ahead, x_r held as f32 (0.563 ms; x_r re-read at each entry: 0.601 ms; H100, uniform).
