@@ -130,10 +130,12 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, write_u: bool = T
   return y, (u if gated and write_u else None), l1
 
 
-def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0):
+def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0,
+                   group: int = 1):
   """TwELL (``gate_pack_mgpu.gate_pack``'s words / counts of the hidden columns from
-  ``col_start`` on) -> this kernel's ELL rows: (cols [M, width] int32 hidden feature indices,
-  p [M, width] bf16 gate values, n [M] int32 entries per row, over [M] bool, cnt [M, T] int32
+  ``col_start`` on) -> this kernel's ELL rows: (cols [M, Wk] int32 hidden feature indices,
+  p [M, Wk] bf16 gate values (Wk: ``width`` rounded up to whole ``group``s of slots, the
+  kernel's ``GatherConfig.group``), n [M] int32 entries per row, over [M] bool, cnt [M, T] int32
   true tile counts). Rows with more than ``width`` entries or a tile holding more than
   ``slots`` (its packed slots lost entries) are ``over``: they get n = 0 and the caller
   computes them on a dense path. Unused slots hold column 0 and p = 0. XLA glue: a reduction
@@ -158,4 +160,6 @@ def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0)
                    0).astype(jnp.int32)
   bits = (word & 0xFFFF).astype(jnp.uint16)
   p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
+  if (wk := common.round_up(width, group)) > width:
+    cols, p = (jnp.pad(a, ((0, 0), (0, wk - width))) for a in (cols, p))
   return cols, p, n, over, cnt

@@ -184,15 +184,13 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     # Overflow rows (a tile over S entries or more than max_row_entries) get n = 0 here and
     # are recomputed densely below; padding rows have no entries.
     cols, p, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
-        words, counts, slots=slots, width=config.max_row_entries, col_start=k_hot)
-    wk = common.round_up(config.max_row_entries, config.ell.group)   # whole groups of slots
-    if wk > config.max_row_entries:
-      cols, p = (jnp.pad(a, ((0, 0), (0, wk - config.max_row_entries))) for a in (cols, p))
+        words, counts, slots=slots, width=config.max_row_entries, col_start=k_hot,
+        group=config.ell.group)
     wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
     y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
         xp, cols, p, n, wup_t, wd_p, y_init=y_hot, write_u=False, config=config.ell,
         interpret=interpret)
-    in_ell = jnp.arange(wk)[None, :] < n[:, None]
+    in_ell = jnp.arange(cols.shape[1])[None, :] < n[:, None]
     col = jnp.where(in_ell, cols - k_hot, hp - k_hot)
     counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
   row_over = row_over & valid_row

@@ -126,10 +126,14 @@ class HybridConfig:
     return (self.hp - self.k_hot) // common.TILE_N
 
   @property
+  def ell_group(self) -> int:
+    """Slots the ELL rows are stored in whole multiples of: every row kernel's group."""
+    return math.lcm(self.up_down.group, self.dx.group, self.dh.group)
+
+  @property
   def wk(self) -> int:
-    """ELL slots stored per row: W rounded up to every row kernel's group."""
-    return common.round_up(self.ell_width,
-                           math.lcm(self.up_down.group, self.dx.group, self.dh.group))
+    """ELL slots stored per row: W rounded up to ``ell_group``."""
+    return common.round_up(self.ell_width, self.ell_group)
 
 
 def hybrid_config(m: int, d: int, h: int, ell_width: int = 128, tail_rows=None,
@@ -212,12 +216,9 @@ def _hybrid_from_twell(cfg: HybridConfig, words, counts):
     zero = jnp.zeros((mp, cfg.wk), jnp.int32)
     return (zero, zero.astype(jnp.bfloat16), jnp.zeros((mp,), jnp.int32),
             jnp.zeros((mp,), bool), jnp.zeros((mp, 0), jnp.int32))
-  cols, p, n, heavy, cnt = ell_up_down_mgpu.ell_from_twell(
-      words, counts, slots=cfg.gate.slots, width=cfg.ell_width, col_start=cfg.k_hot)
-  if cfg.wk > cfg.ell_width:    # slots padded to a multiple of the kernel's group
-    pad = ((0, 0), (0, cfg.wk - cfg.ell_width))
-    cols, p = jnp.pad(cols, pad), jnp.pad(p, pad)
-  return cols, p, n, heavy, cnt
+  return ell_up_down_mgpu.ell_from_twell(
+      words, counts, slots=cfg.gate.slots, width=cfg.ell_width, col_start=cfg.k_hot,
+      group=cfg.ell_group)
 
 
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
