@@ -31,6 +31,7 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as common
@@ -38,9 +39,9 @@ from pallas_kernels import _common as common
 _F32 = jnp.float32
 
 
-def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem,
-            y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int, x_mode: str,
-            rows_ahead: bool, has_init: bool, write_u: bool):
+def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem,
+            yd_gmem, l1d_gmem, y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int,
+            x_mode: str, rows_ahead: bool, has_init: bool, write_u: bool, has_dense: bool):
   r = lax.axis_index("r")
   n = n_gmem[r]
   x = common.hold_row(x_gmem, r, x_mode) if gated else None
@@ -80,12 +81,26 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem,
   n_groups = (n + (group - 1)) // group
   acc, l1 = common.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)),
                                         fetch=fetch, fetch_ahead=rows_ahead)
-  y_gmem[r, :] = acc.astype(y_gmem.dtype)
-  l1_gmem[r] = l1
+  if not has_dense:
+    y_gmem[r, :] = acc.astype(y_gmem.dtype)
+    l1_gmem[r] = l1
+    return
+  pos = pos_gmem[r]
+
+  @pl.when(pos < 0)
+  def _sparse():
+    y_gmem[r, :] = acc.astype(y_gmem.dtype)
+    l1_gmem[r] = l1
+
+  @pl.when(pos >= 0)
+  def _dense():
+    y_gmem[r, :] = yd_gmem[pos, :]
+    l1_gmem[r] = l1d_gmem[pos]
 
 
-def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, write_u: bool = True,
-                config: common.GatherConfig = common.GatherConfig(), interpret=False):
+def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, dense=None,
+                write_u: bool = True, config: common.GatherConfig = common.GatherConfig(),
+                interpret=False):
   """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks,
   u is None for them and without ``write_u`` (the inference forward keeps no residuals).
 
@@ -94,6 +109,9 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, write_u: bool = T
   D % 128 == 0. With ``config.rows_ahead`` the weight rows are in flight while the step before
   stores its u values. ``y_init`` [M, D]: added to each row's sum before it is rounded (one
   rounding for y = y_init + the sparse products).
+  ``dense`` = (pos [M] int32, y_dense [R, D] bf16, l1_dense [R] f32): rows with pos_r >= 0
+  (which must have n_r == 0) take y_dense[pos_r] and l1_dense[pos_r] instead of their sums
+  (rows another kernel computed densely, ``dense_rows_mgpu``).
   """
   m, d = x.shape
   h, d2 = w_down.shape
@@ -112,11 +130,20 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, write_u: bool = T
     raise ValueError(f"ell_up_down: {y_init.shape=} must be {(m, d)}")
   if not has_init:
     y_init = jnp.zeros((8, 128), x.dtype)       # unused placeholder operand
+  has_dense = dense is not None
+  if has_dense:
+    pos, y_dense, l1_dense = dense
+    if pos.shape != (m,) or y_dense.shape[1:] != (d,) or l1_dense.shape != y_dense.shape[:1]:
+      raise ValueError(f"ell_up_down: dense rows {pos.shape=} {y_dense.shape=} "
+                       f"{l1_dense.shape=} must be [M={m}], [R, D={d}], [R]")
+  else:   # unused placeholder operands
+    pos, y_dense, l1_dense = (jnp.zeros((8,), jnp.int32), jnp.zeros((8, 128), x.dtype),
+                              jnp.zeros((8,), _F32))
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, gated=gated, group=group, x_mode=config.row_mode,
                           rows_ahead=config.rows_ahead, has_init=has_init,
-                          write_u=write_u and gated),
+                          write_u=write_u and gated, has_dense=has_dense),
         out_type=(jax.ShapeDtypeStruct((m, d), x.dtype),
                   jax.ShapeDtypeStruct((m, wk) if gated and write_u else (8, 128), _F32),
                   jax.ShapeDtypeStruct((m,), _F32)),
@@ -126,7 +153,8 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, write_u: bool = T
         interpret=common.interpret_params(interpret),
         kernel_name="twell_up_down" if gated else "twell_down",
     )
-    y, u, l1 = common.call_kernel(f, x, cols, p, n, w_up_t, w_down, y_init)
+    y, u, l1 = common.call_kernel(f, x, cols, p, n, w_up_t, w_down, y_init, pos, y_dense,
+                                  l1_dense)
   return y, (u if gated and write_u else None), l1
 
 

@@ -4,7 +4,7 @@
     non-gated:  h = relu(x @ w_up);                  y = h @ w_down
 x [M, D] bf16, w_gate / w_up [D, H] bf16, w_down [H, D] bf16 -> y [M, D] bf16 (f32 accumulation).
 
-Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
+Pipeline (all on device, no host sync):
  0. The first K = ``ForwardConfig.hot_features`` hidden features (the hottest, once the
     features are sorted by popularity) as dense XLA GEMMs; their products start step 2's sums.
  1. ``gate_pack_mgpu.gate_pack``: wgmma GEMM x @ w_gate[:, K:] (w_up when non-gated) with ReLU
@@ -18,16 +18,14 @@ Pipeline (two kernel launches plus small XLA glue, all on device, no host sync):
     on an H100 at the paper shape, uniform 30 entries per row, 0.563 ms against 0.693 for a
     walk of the TwELL tiles themselves; the conversion costs 0.03-0.04 ms.
  3. Overflow rows (some tile count > S, or more than ``max_row_entries`` entries) are skipped
-    by step 2 and recomputed exactly by a dense XLA FFN (``reference.dense_ffn``) on those
-    rows, gathered up to a static capacity R (``overflow_capacity``). One ``lax.switch`` after
-    the kernels: no overflow, the fix-up in the smallest static bucket that holds the
-    overflowing rows, or the dense XLA FFN on the whole batch (more than R overflowing rows,
-    or a NaN / infinity in a weight, which the dense FFN spreads to every row). Nothing is
-    truncated; ``stats["overflow_rows"]`` counts the rows that took a dense path.
+    by step 2's sums and computed exactly by ``dense_rows_mgpu.dense_ffn_rows``, a dense FFN
+    on a row list whose length the kernels read on the device: no conditional, no host
+    round trip, and with no overflowing row only its three launches. Step 2 then copies
+    those rows' results in. Nothing is truncated; ``stats["overflow_rows"]`` counts them.
 NaN and infinities propagate as through the dense FFN: a NaN gate pre-activation is packed as
 an active NaN entry (relu(NaN) = NaN), a row with a non-finite x overflows (all its gates are
-non-finite) and is recomputed densely, and a non-finite w_up (gated) or w_down takes the dense
-path (the dense FFN multiplies it by the zeros of h).
+non-finite) and is recomputed densely, and a non-finite w_up (gated) or w_down sends every row
+down the dense path (the dense FFN multiplies it by the zeros of h).
 
 Shapes: any M >= 1 (padded to a multiple of 128), D padded to a multiple of 128, H to a multiple
 of 256 with zero weights (so padding is exact: zero gate pre-activations are not active).
@@ -39,10 +37,10 @@ import dataclasses
 import functools
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as common
+from pallas_kernels import dense_rows_mgpu
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import reference
@@ -65,22 +63,17 @@ class ForwardConfig:
     layers have a few near-dense rows) would outlast the whole batch's other rows.
   ``ell``: the fused kernel's choices (``ell_up_down``): each entry's weight rows loaded a step
     ahead, x_r held as f32 (0.563 ms; x_r re-read at each entry: 0.601 ms; H100, uniform).
-  ``overflow_capacity``: R, rows the exact dense path for overflowing rows holds (None:
-    ``default_overflow_capacity``, M/4); it runs in the smallest of the static sizes R/16,
-    R/4, R that holds the batch's overflowing rows (its cost is that of a dense FFN on those
-    rows), and more overflowing rows switch the whole batch to the dense FFN.
+  ``dense_rows``: the tiles of the dense path for overflowing rows (``dense_rows_mgpu``).
   """
   hot_features: int = 0
   max_row_entries: int = 128
-  overflow_capacity: int | None = None
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
   ell: common.GatherConfig = common.GatherConfig(rows_ahead=True, row_mode="f32")
+  dense_rows: dense_rows_mgpu.DenseRowsConfig = dense_rows_mgpu.DenseRowsConfig()
 
   def __post_init__(self):
     if self.max_row_entries < 1:
       raise ValueError(f"{self.max_row_entries=} must be >= 1")
-    if self.overflow_capacity is not None and self.overflow_capacity < 1:
-      raise ValueError(f"{self.overflow_capacity=} must be >= 1 or None")
     if self.hot_features < 0 or self.hot_features % common.TILE_N:
       raise ValueError(f"{self.hot_features=} must be a multiple of {common.TILE_N}, >= 0")
 
@@ -107,22 +100,6 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
   if not interpret and not common.on_hopper():
     return "needs a Hopper GPU (sm_90) as the default device, or interpret=True"
   return None
-
-
-def default_overflow_capacity(m_padded: int) -> int:
-  return min(m_padded, common.round_up(max(64, m_padded // 4), 64))
-
-
-def overflow_buckets(cap: int) -> tuple[int, ...]:
-  """The static sizes of the overflow fix-up (``ForwardConfig.overflow_capacity``)."""
-  return tuple(sorted({min(cap, common.round_up(-(-cap // 16), 8)),
-                       min(cap, common.round_up(-(-cap // 4), 8)), cap}))
-
-
-def _dense_rows(x, w_gate, w_up, w_down):
-  """(y, |h| row sums, active) of the dense FFN (``reference.dense_ffn``) on rows x."""
-  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
-  return y, jnp.sum(jnp.abs(h.astype(jnp.float32)), axis=1), active
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -156,7 +133,6 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   k_hot = min(config.hot_features, hp)
   slots = config.gate.slots
   n_tiles = (hp - k_hot) // common.TILE_N
-  cap = min(config.overflow_capacity or default_overflow_capacity(mp), mp)
 
   pad = common.pad_to
   xp = pad(x, (mp, dp))
@@ -165,7 +141,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   wg_p = pad(w_gate, (dp, hp)) if gated else None
   valid_row = jnp.arange(mp) < m
 
-  # The hot features: dense GEMMs on every row (rows that overflow below are recomputed whole).
+  # The hot features: dense GEMMs on every row (rows that take the dense path below are
+  # recomputed whole).
   y_hot = None
   hot_l1 = jnp.zeros((mp,), jnp.float32)
   hot_active = jnp.zeros((mp, 0), bool)
@@ -173,62 +150,53 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     y_hot, p_hot, _, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, k_hot)
     hot_l1 = jnp.sum(jnp.abs(h_hot.astype(jnp.float32)), axis=1)
     hot_active = p_hot > 0
-  if n_tiles == 0:      # every feature is hot
+  if n_tiles == 0:
+    # Every feature is hot: y_hot is the dense FFN itself (non-finite weights spread as there).
     cnt = jnp.zeros((mp, 0), jnp.int32)
     row_over = jnp.zeros((mp,), bool)
+    take = row_over
     y, l1_rows = y_hot, jnp.zeros((mp,), jnp.float32)
-    counts_cold = jnp.zeros((0,), jnp.int32)
+    counts_cold = counts_dense = jnp.zeros((0,), jnp.int32)
   else:
     words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, col_start=k_hot,
                                              config=config.gate, interpret=interpret)
-    # Overflow rows (a tile over S entries or more than max_row_entries) get n = 0 here and
-    # are recomputed densely below; padding rows have no entries.
+    # Overflow rows (a tile over S entries or more than max_row_entries) get n = 0 here;
+    # padding rows have no entries.
     cols, p, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
         words, counts, slots=slots, width=config.max_row_entries, col_start=k_hot,
         group=config.ell.group)
+    # The rows the sparse kernels cannot hold, or every row when w_up (gated) or w_down holds
+    # a NaN / inf (the dense FFN multiplies it by the zeros of h, spreading it to every row),
+    # run densely; the dense kernels read their count on the device (no host round trip).
+    # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach
+    # the pre-activations, whose non-finite values are packed as active entries or are -inf,
+    # which ReLU zeroes in the dense FFN as well.
+    nonfinite = reference.any_nonfinite(wup_p if gated else None, wd_p)
+    take = (row_over | nonfinite) & valid_row
+    pos = jnp.cumsum(take, dtype=jnp.int32) - 1
+    rows = jnp.zeros((mp,), jnp.int32).at[jnp.where(take, pos, mp)].set(
+        jnp.arange(mp, dtype=jnp.int32), mode="drop")
+    y_d, l1_d, counts_dense = dense_rows_mgpu.dense_ffn_rows(
+        xp, rows, pos[-1] + 1, wg_p, wup_p, wd_p, config=config.dense_rows,
+        interpret=interpret)
+    n = jnp.where(take, 0, n)
     wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
     y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
-        xp, cols, p, n, wup_t, wd_p, y_init=y_hot, write_u=False, config=config.ell,
-        interpret=interpret)
+        xp, cols, p, n, wup_t, wd_p, y_init=y_hot, dense=(jnp.where(take, pos, -1), y_d, l1_d),
+        write_u=False, config=config.ell, interpret=interpret)
     in_ell = jnp.arange(cols.shape[1])[None, :] < n[:, None]
     col = jnp.where(in_ell, cols - k_hot, hp - k_hot)
     counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
+    counts_dense = counts_dense[:hp]
   row_over = row_over & valid_row
   n_over = jnp.sum(row_over.astype(jnp.int32))
-  live = ~row_over & valid_row
-  l1_rows = jnp.where(live, l1_rows + hot_l1, 0.0)
+  live = ~take & valid_row
+  # Dense rows' l1 covers the whole row; the sparse rows' adds the hot features'.
+  l1_rows = jnp.where(live, l1_rows + hot_l1, jnp.where(take, l1_rows, 0.0))
   feature_counts = jnp.concatenate(
       [jnp.sum(hot_active & live[:, None], axis=0, dtype=jnp.int32), counts_cold])
-
-  def keep(y, l1_rows, feature_counts):
-    return y, l1_rows, feature_counts
-
-  def fix(rows):
-    def f(y, l1_rows, feature_counts):
-      # The overflowing rows (at most `rows`), dense and exact.
-      (idx,) = jnp.nonzero(row_over, size=rows, fill_value=mp)
-      y_o, l1_o, act_o = _dense_rows(xp[jnp.minimum(idx, mp - 1)], wg_p, wup_p, wd_p)
-      in_range = idx < mp
-      return (y.at[idx].set(y_o, mode="drop"), l1_rows.at[idx].set(l1_o, mode="drop"),
-              feature_counts + jnp.sum(act_o & in_range[:, None], axis=0, dtype=jnp.int32))
-    return f
-
-  def dense(*_):
-    y, l1_rows, act = _dense_rows(xp, wg_p, wup_p, wd_p)
-    return (y, jnp.where(valid_row, l1_rows, 0.0),
-            jnp.sum(act & valid_row[:, None], axis=0, dtype=jnp.int32))
-
-  # One conditional, after the kernels: no overflow, the smallest fix-up that holds the
-  # overflowing rows, or the dense FFN (more than `cap` of them, or a non-finite weight).
-  buckets = overflow_buckets(cap)
-  branch = jnp.where(n_over == 0, 0, 1 + sum((n_over > b).astype(jnp.int32) for b in buckets))
-  # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach the
-  # pre-activations, whose non-finite values are packed as active entries or are -inf, which
-  # ReLU zeroes in the dense FFN as well. The other weights meet the zeros of h densely.
-  branch = jnp.where(reference.any_nonfinite(wup_p if gated else None, wd_p),
-                     len(buckets) + 1, branch)
-  y, l1_rows, feature_counts = lax.switch(branch, [keep] + [fix(b) for b in buckets] + [dense],
-                                          y, l1_rows, feature_counts)
+  if n_tiles:
+    feature_counts = feature_counts + counts_dense
 
   cnt_valid = jnp.where(valid_row[:, None], cnt, 0)
   hot_valid = hot_active & valid_row[:, None]

@@ -3,17 +3,16 @@ r"""Probe: where the training step's conditionals run, and what they cost in wal
     python -m benchmarks.probes.conditionals [--mode=fwd_bwd|fwd] [--spec=paper_16k] [--iters=30]
 
 The mosaic_gpu forward + backward has one conditional per direction (a `lax.switch` over the
-dense-tail buckets and the dense fallback). XLA runs a conditional inside a CUDA-graph
-command buffer only when its command type CONDITIONAL is enabled
+dense-tail buckets and the dense fallback); the inference forward has none. XLA runs a
+conditional inside a CUDA-graph command buffer only when its command type CONDITIONAL is enabled
 (``--xla_gpu_enable_command_buffer``); otherwise the branch index is copied to the host and
 the branch launched from there: a device -> host synchronization per conditional per step,
 which the per-kernel (CUPTI) times do not show. This prints, for the step as compiled under
 the current XLA_FLAGS, how many conditionals sit in command-buffer computations and how many
 outside, then the step's synchronized and pipelined wall time against XLA dense's (which has
 no conditionals), with the device time (CUPTI) and kernel count. ``--mode=fwd`` does the same
-for the inference forward and for variants of it whose conditional is replaced by one branch
-run unconditionally (what the conditional itself costs). Run it once per XLA_FLAGS setting
-(one process each).
+for the inference forward (it compiles without a conditional). Run it once per XLA_FLAGS
+setting (one process each).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from pallas_kernels import reference
 _SPEC = flags.DEFINE_list("spec", ["paper_16k"], "benchmarks.specs names.")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "print every kernel's device time")
 _MODE = flags.DEFINE_enum("mode", "fwd_bwd", ["fwd", "fwd_bwd"],
-                          "fwd: the inference forward and variants of its conditional")
+                          "fwd: the inference forward")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed calls per measurement.")
 
 
@@ -94,25 +93,11 @@ class _StaticSwitch:
 
 
 def _forward_variants(k: int) -> dict:
-  """y-only forward programs: the shipped one, and the same with its conditional replaced by
-  one branch taken unconditionally (no fix-up; the smallest fix-up bucket; the dense FFN)."""
+  """y-only forward programs: XLA dense and the shipped forward (which has no conditional: its
+  dense path for overflowing rows reads the row count on the device)."""
   cfg = ffn_mgpu.ForwardConfig(hot_features=k)
-
-  def traced_with(pick):
-    def f(*args):
-      saved = ffn_mgpu.lax
-      ffn_mgpu.lax = _StaticSwitch(pick) if pick else lax
-      try:
-        return ffn_mgpu.ffn_forward.__wrapped__(*args, config=cfg)[0]
-      finally:
-        ffn_mgpu.lax = saved
-    return jax.jit(f)
-
   return {"dense": jax.jit(lambda *a: reference.dense_ffn(*a)[0]),
-          "shipped": traced_with(None),
-          "no_fixup": traced_with(lambda n: 0),
-          "smallest_fixup": traced_with(lambda n: 1),
-          "dense_branch": traced_with(lambda n: n - 1)}
+          "shipped": jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, config=cfg)[0])}
 
 
 def _report(name, f, args) -> dict:
