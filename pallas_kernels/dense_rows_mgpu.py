@@ -44,20 +44,25 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DenseRowsConfig:
-  """Tiles of the two GEMMs. One warpgroup per CTA holds the accumulators (two for the gated
-  gate / up GEMM: 2 x block_m x block_n f32 in 128 threads' registers)."""
+  """Tiles of the two GEMMs. One warpgroup per CTA holds the accumulators: two block_m x
+  block_n f32 ones for the gated gate / up GEMM, one block_m x down_block_n for the down GEMM
+  (128 registers per thread either way). Each K step's wgmmas stay in flight while the next
+  step's wait for their tiles (the pipeline releases a stage one step late)."""
   block_m: int = 64
   block_n: int = 128
+  down_block_n: int = 256
   block_k: int = 64
   stages: int = 4
 
   def __post_init__(self):
     if self.block_m != 64:
       raise ValueError(f"{self.block_m=} must be 64 (one wgmma row block)")
-    if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64):
-      raise ValueError(f"{self.block_n=} must be 64, 128 or 256, {self.block_k=} 32 or 64")
-    if self.stages < 1:
-      raise ValueError(f"{self.stages=} must be >= 1")
+    if (self.block_n not in (64, 128, 256) or self.down_block_n not in (64, 128, 256)
+        or self.block_k not in (32, 64)):
+      raise ValueError(f"{self.block_n=} and {self.down_block_n=} must be 64, 128 or 256, "
+                       f"{self.block_k=} 32 or 64")
+    if self.stages < 2:
+      raise ValueError(f"{self.stages=} must be >= 2")
 
 
 def _transforms(minor_elems: int):
@@ -83,11 +88,11 @@ def _gather_kernel(n_gmem, rows_gmem, x_gmem, out_gmem):
     out_gmem[i, :] = x_gmem[rows_gmem[i], :]
 
 
-def _gemm_kernel(n_gmem, a_gmem, *refs, n_b: int, epilogue, cfg: DenseRowsConfig):
+def _gemm_kernel(n_gmem, a_gmem, *refs, n_b: int, bn: int, epilogue, cfg: DenseRowsConfig):
   """Shared body: for each of this CTA's tiles (mi, ni), acc_q = a[mi] @ b_q[:, ni] for the
-  n_b weights b_q, then ``epilogue(mi, ni, n, accs, outs, scratch)``."""
+  n_b weights b_q ([block_m, bn] tiles), then ``epilogue(mi, ni, n, accs, outs, scratch)``."""
   b_gmems, rest = refs[:n_b], refs[n_b:]
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  bm, bk = cfg.block_m, cfg.block_k
   k = a_gmem.shape[1]
   grid_n = b_gmems[0].shape[1] // bn
   n = n_gmem[0]
@@ -103,15 +108,20 @@ def _gemm_kernel(n_gmem, a_gmem, *refs, n_b: int, epilogue, cfg: DenseRowsConfig
       def body(_, a_smem, *b_smems):
         for acc, b_smem in zip(accs, b_smems):
           plgpu.wgmma(acc, a_smem, b_smem)
-        plgpu.wgmma_wait(0)   # the pipeline refills this stage right after the body
+        # This step's n_b wgmma groups stay in flight; the step before's are done, and the
+        # pipeline (delay_release=1) refills that step's stage after this body.
+        plgpu.wgmma_wait(n_b)
 
       plgpu.emit_pipeline(
           body,
           grid=(k // bk,),
-          in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), transforms=a_tr)]
-          + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=b_tr)] * n_b,
+          in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), transforms=a_tr,
+                                    delay_release=1)]
+          + [plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), transforms=b_tr,
+                             delay_release=1)] * n_b,
           max_concurrent_steps=cfg.stages,
       )(a_gmem, *b_gmems)
+      plgpu.wgmma_wait(0)
       return tuple(acc[...] for acc in accs)
 
     accs = pl.run_scoped(acc_scope, *[plgpu.ACC((bm, bn), _F32)] * n_b)
@@ -149,7 +159,7 @@ def _gate_up_epilogue(mi, ni, n, accs, refs, *, cfg: DenseRowsConfig):
 def _down_epilogue(mi, ni, n, accs, refs, *, cfg: DenseRowsConfig):
   del n
   y_gmem, y_smem = refs
-  bm, bn = cfg.block_m, cfg.block_n
+  bm, bn = cfg.block_m, cfg.down_block_n
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   y_smem[...] = accs[0].astype(y_smem.dtype)
   plgpu.commit_smem()
@@ -189,7 +199,7 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
 
     tr = _transforms(bn)
     gate_up = plgpu.kernel(
-        functools.partial(_gemm_kernel, n_b=2 if gated else 1, cfg=cfg,
+        functools.partial(_gemm_kernel, n_b=2 if gated else 1, bn=bn, cfg=cfg,
                           epilogue=functools.partial(_gate_up_epilogue, cfg=cfg)),
         out_type=(jax.ShapeDtypeStruct((r, h), jnp.bfloat16),
                   jax.ShapeDtypeStruct((h // bn, r), _F32),
@@ -200,14 +210,16 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
     ws = (w_gate, w_up) if gated else (w_up,)
     h_rows, l1_part, cnt_part = common.call_kernel(gate_up, n, x_rows, *ws)
 
+    dbn = cfg.down_block_n
+    while d % dbn:     # D is a multiple of 128, not always of 256
+      dbn //= 2
+    dcfg = dataclasses.replace(cfg, down_block_n=dbn)
     down = plgpu.kernel(
-        functools.partial(_gemm_kernel, n_b=1, cfg=cfg,
-                          epilogue=functools.partial(_down_epilogue, cfg=cfg)),
+        functools.partial(_gemm_kernel, n_b=1, bn=dbn, cfg=dcfg,
+                          epilogue=functools.partial(_down_epilogue, cfg=dcfg)),
         out_type=jax.ShapeDtypeStruct((r, d), x.dtype),
-        scratch_types=(plgpu.SMEM((bm, bn), x.dtype, transforms=tr),),
+        scratch_types=(plgpu.SMEM((bm, dbn), x.dtype, transforms=_transforms(dbn)),),
         compiler_params=lane, kernel_name="twell_dense_rows_down", **grid)
-    if d % bn:
-      raise ValueError(f"dense_ffn_rows: D={d} must be a multiple of block_n={bn}")
     y_rows = common.call_kernel(down, n, h_rows, w_down)
 
   # Partials of row blocks past n were never written: mask them before summing.
