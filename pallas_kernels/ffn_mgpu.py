@@ -22,6 +22,8 @@ Pipeline (all on device, no host sync):
     on a row list whose length the kernels read on the device: no conditional, no host
     round trip, and with no overflowing row only its three launches. Step 2 then copies
     those rows' results in. Nothing is truncated; ``stats["overflow_rows"]`` counts them.
+    Its buffers hold every row (x, h and y of the whole batch, as XLA's dense FFN does),
+    since the count is known only on the device.
 NaN and infinities propagate as through the dense FFN: a NaN gate pre-activation is packed as
 an active NaN entry (relu(NaN) = NaN), a row with a non-finite x overflows (all its gates are
 non-finite) and is recomputed densely, and a non-finite w_up (gated) or w_down sends every row
