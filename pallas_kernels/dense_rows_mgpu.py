@@ -79,10 +79,9 @@ def _my_tiles(n, block_m: int, grid_n: int):
 
 
 def _gather_kernel(n_gmem, rows_gmem, x_gmem, out_gmem):
-  sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
-  n = n_gmem[0]
+  sm, num_sms, count = _my_tiles(n_gmem[0], 1, 1)     # one row per "tile"
 
-  @pl.loop(0, lax.div(jnp.maximum(n - sm, 0) + (num_sms - 1), num_sms))
+  @pl.loop(0, count)
   def _(t):
     i = sm + t * num_sms
     out_gmem[i, :] = x_gmem[rows_gmem[i], :]

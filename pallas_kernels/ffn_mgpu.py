@@ -158,7 +158,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     row_over = jnp.zeros((mp,), bool)
     take = row_over
     y, l1_rows = y_hot, jnp.zeros((mp,), jnp.float32)
-    counts_cold = counts_dense = jnp.zeros((0,), jnp.int32)
+    counts_cold = jnp.zeros((0,), jnp.int32)
+    counts_dense = jnp.zeros((hp,), jnp.int32)
   else:
     words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, col_start=k_hot,
                                              config=config.gate, interpret=interpret)
@@ -189,16 +190,13 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     in_ell = jnp.arange(cols.shape[1])[None, :] < n[:, None]
     col = jnp.where(in_ell, cols - k_hot, hp - k_hot)
     counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
-    counts_dense = counts_dense[:hp]
   row_over = row_over & valid_row
   n_over = jnp.sum(row_over.astype(jnp.int32))
   live = ~take & valid_row
   # Dense rows' l1 covers the whole row; the sparse rows' adds the hot features'.
   l1_rows = jnp.where(live, l1_rows + hot_l1, jnp.where(take, l1_rows, 0.0))
   feature_counts = jnp.concatenate(
-      [jnp.sum(hot_active & live[:, None], axis=0, dtype=jnp.int32), counts_cold])
-  if n_tiles:
-    feature_counts = feature_counts + counts_dense
+      [jnp.sum(hot_active & live[:, None], axis=0, dtype=jnp.int32), counts_cold]) + counts_dense
 
   cnt_valid = jnp.where(valid_row[:, None], cnt, 0)
   hot_valid = hot_active & valid_row[:, None]
