@@ -45,6 +45,11 @@ GATE_VARIANTS = {
     "no_packer_wg": gp.GateConfig(epilogue_wg=False, max_concurrent_steps=4, extract_ways=2),
     "chunk128": gp.GateConfig(pack_chunk=128),
     "stages2": gp.GateConfig(max_concurrent_steps=2),
+    "lag0": gp.GateConfig(delay_release=0),
+    "k32_stages6": gp.GateConfig(tile_k=32, max_concurrent_steps=6),
+    "minor_n": gp.GateConfig(grid_minor_dim=1),
+    "snake4": gp.GateConfig(grid_tile_width=4),
+    "snake16": gp.GateConfig(grid_tile_width=16),
 }
 # Variants of the inference forward (at the input's calibrated K unless they set hot_features).
 FORWARD_VARIANTS = {

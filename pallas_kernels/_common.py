@@ -25,8 +25,6 @@ from jax.extend import backend
 TILE_N = 256
 # The stored value of an unused slot: larger than every packed (col << 16 | bf16 bits) word.
 EMPTY_WORD = 0x7FFFFFFF
-# Counts are stored replicated over 8 int32 lanes per (row, tile) (32 bytes, one TMA box row).
-COUNT_LANES = 8
 
 
 def tile_max(active):

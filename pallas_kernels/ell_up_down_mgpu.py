@@ -160,29 +160,30 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, dense=None,
 
 def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0,
                    group: int = 1):
-  """TwELL (``gate_pack_mgpu.gate_pack``'s words / counts of the hidden columns from
-  ``col_start`` on) -> this kernel's ELL rows: (cols [M, Wk] int32 hidden feature indices,
-  p [M, Wk] bf16 gate values (Wk: ``width`` rounded up to whole ``group``s of slots, the
-  kernel's ``GatherConfig.group``), n [M] int32 entries per row, over [M] bool, cnt [M, T] int32
-  true tile counts). Rows with more than ``width`` entries or a tile holding more than
-  ``slots`` (its packed slots lost entries) are ``over``: they get n = 0 and the caller
-  computes them on a dense path. Unused slots hold column 0 and p = 0. XLA glue: a reduction
-  over the row's tile counts gives each slot's word, a gather reads it.
+  """TwELL (``gate_pack_mgpu.gate_pack``'s words [M, T*S] / counts [T, M] of the hidden columns
+  from ``col_start`` on) -> this kernel's ELL rows: (cols [M, Wk] int32 hidden feature
+  indices, p [M, Wk] bf16 gate values (Wk: ``width`` rounded up to whole ``group``s of slots,
+  the kernel's ``GatherConfig.group``), n [M] int32 entries per row, over [M] bool, counts
+  [T, M] int32 true tile counts, as given). Rows with more than ``width`` entries or a tile
+  holding more than ``slots`` (its packed slots lost entries) are ``over``: they get n = 0 and
+  the caller computes them on a dense path. Unused slots hold column 0 and p = 0. XLA glue: a
+  reduction over the row's tile counts gives each slot's word, a gather reads it. The counts
+  stay in their [T, M] layout (a transpose would cost a pass of its own).
   """
   t = words.shape[1] // slots
-  cnt = counts[:, ::common.COUNT_LANES]                                    # [M, T]
-  row_nnz = jnp.sum(cnt, axis=1)
-  over = (row_nnz > width) | jnp.any(cnt > slots, axis=1)
+  row_nnz = jnp.sum(counts, axis=0)                                         # [M]
+  over = (row_nnz > width) | jnp.any(counts > slots, axis=0)
   n = jnp.where(over, 0, row_nnz).astype(jnp.int32)
-  kept = jnp.minimum(cnt, slots)
-  incl = jnp.cumsum(kept, axis=1)
+  kept = jnp.minimum(counts, slots)
+  incl = jnp.cumsum(kept, axis=0)                                           # [T, M]
   # Slot k of a row lies in tile t* = #{t : incl_t <= k}, at word t* S + k - incl_{t*-1}
   # = k + sum over those tiles of (S - kept_t): one reduction over the tiles, then a gather.
   k = jnp.arange(width, dtype=jnp.int32)
-  skipped = jnp.where(incl[:, None, :] <= k[None, :, None], slots - kept[:, None, :], 0)
-  idx = jnp.minimum(k[None, :] + jnp.sum(skipped, axis=-1, dtype=jnp.int32), t * slots - 1)
-  word = jnp.take_along_axis(words, idx, axis=1)
+  skipped = jnp.where(incl[:, :, None] <= k[None, None, :], slots - kept[:, :, None], 0)
+  idx = jnp.minimum(k[None, :] + jnp.sum(skipped, axis=0, dtype=jnp.int32), t * slots - 1)
   valid = k[None, :] < n[:, None]
+  # Unused slots read the row's first word: one sector for all of them, not one each.
+  word = jnp.take_along_axis(words, jnp.where(valid, idx, 0), axis=1)
   tile = idx // slots
   cols = jnp.where(valid, col_start + tile * common.TILE_N + lax.shift_right_logical(word, 16),
                    0).astype(jnp.int32)
@@ -190,4 +191,4 @@ def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0,
   p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
   if (wk := common.round_up(width, group)) > width:
     cols, p = (jnp.pad(a, ((0, 0), (0, wk - width))) for a in (cols, p))
-  return cols, p, n, over, cnt
+  return cols, p, n, over, counts

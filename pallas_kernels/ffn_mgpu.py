@@ -154,7 +154,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     hot_active = p_hot > 0
   if n_tiles == 0:
     # Every feature is hot: y_hot is the dense FFN itself (non-finite weights spread as there).
-    cnt = jnp.zeros((mp, 0), jnp.int32)
+    cnt = jnp.zeros((0, mp), jnp.int32)
     row_over = jnp.zeros((mp,), bool)
     take = row_over
     y, l1_rows = y_hot, jnp.zeros((mp,), jnp.float32)
@@ -174,7 +174,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach
     # the pre-activations, whose non-finite values are packed as active entries or are -inf,
     # which ReLU zeroes in the dense FFN as well.
-    nonfinite = reference.any_nonfinite(wup_p if gated else None, wd_p)
+    wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
+    nonfinite = reference.any_nonfinite(wup_t, wd_p)     # both [Hp, Dp]: one reduction
     take = (row_over | nonfinite) & valid_row
     pos = jnp.cumsum(take, dtype=jnp.int32) - 1
     rows = jnp.zeros((mp,), jnp.int32).at[jnp.where(take, pos, mp)].set(
@@ -183,7 +184,6 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
         xp, rows, pos[-1] + 1, wg_p, wup_p, wd_p, config=config.dense_rows,
         interpret=interpret)
     n = jnp.where(take, 0, n)
-    wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
     y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
         xp, cols, p, n, wup_t, wd_p, y_init=y_hot, dense=(jnp.where(take, pos, -1), y_d, l1_d),
         write_u=False, config=config.ell, interpret=interpret)
@@ -198,7 +198,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   feature_counts = jnp.concatenate(
       [jnp.sum(hot_active & live[:, None], axis=0, dtype=jnp.int32), counts_cold]) + counts_dense
 
-  cnt_valid = jnp.where(valid_row[:, None], cnt, 0)
+  cnt_valid = jnp.where(valid_row[None, :], cnt, 0)                    # [T, M]
   hot_valid = hot_active & valid_row[:, None]
   stats = {
       "l1": jnp.sum(l1_rows) / m,

@@ -210,12 +210,12 @@ def _first_true(mask, size: int, fill: int):
 
 def _hybrid_from_twell(cfg: HybridConfig, words, counts):
   """TwELL words/counts of the cold features -> (cols [Mp, Wk] (hidden feature indices),
-  p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [Mp, T])."""
+  p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [T, Mp])."""
   mp = cfg.mp
   if cfg.n_tiles == 0:          # every feature is hot: an empty ELL
     zero = jnp.zeros((mp, cfg.wk), jnp.int32)
     return (zero, zero.astype(jnp.bfloat16), jnp.zeros((mp,), jnp.int32),
-            jnp.zeros((mp,), bool), jnp.zeros((mp, 0), jnp.int32))
+            jnp.zeros((mp,), bool), jnp.zeros((0, mp), jnp.int32))
   return ell_up_down_mgpu.ell_from_twell(
       words, counts, slots=cfg.gate.slots, width=cfg.ell_width, col_start=cfg.k_hot,
       group=cfg.ell_group)
@@ -297,7 +297,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   y, l1, feature_counts, tile_top, (u, pt, ut) = lax.switch(
       _branch(cfg, heavy_rows, nonfinite), [tail(rb) for rb in tail_buckets(cfg)] + [dense],
       y_ell, u)
-  cnt = jnp.where((jnp.arange(cfg.mp) < m)[:, None], cnt, 0)
+  cnt = jnp.where((jnp.arange(cfg.mp) < m)[None, :], cnt, 0)
   # Every row's actives are in feature_counts: the ELL rows' cold entries (col_count) and hot
   # ones (their dense GEMMs; padding rows have none), the heavy rows' from their dense tail
   # (or the dense branch's). The tile maximum likewise: the cold tiles' true counts, the ELL

@@ -1,7 +1,7 @@
 """Gate projection with TwELL packing in the epilogue (Mosaic GPU, Hopper).
 
     packed(relu(x @ w)):   x [M, K] bf16,  w [K, N] bf16  ->  words [M, N/256*S] int32,
-                                                             counts [M, N/256*8] int32
+                                                             counts [N/256, M] int32
 
 The dense [M, N] activation never reaches HBM: every 128 x 256 output tile is computed with
 wgmma (TMA, warp-specialized pipeline, f32 accumulators in registers) and packed in registers.
@@ -9,7 +9,7 @@ wgmma (TMA, warp-specialized pipeline, f32 accumulators in registers) and packed
 Internal TwELL layout (one record per row and 256-column tile t, S = 256 / compression slots):
   words[r, t*S + k] = (local_col << 16) | bf16_bits(relu(acc))   for the k-th positive of the
                       tile in increasing column order (k < min(count, S));  0x7FFFFFFF after.
-  counts[r, t*8 + i] = true number of positives of (r, t) for every i in [0, 8) (may exceed S:
+  counts[t, r]      = true number of positives of (r, t) (may exceed S:
                       the row is then an overflow row, which the caller must compute elsewhere;
                       the words of an overflowing record are all 0x7FFFFFFF).
 ReLU is the strict test acc > 0 on the f32 accumulator; the value is rounded to bf16 (RN).
@@ -51,15 +51,17 @@ class GateConfig:
   fastest measured on an H100 at the paper shape (0.532 ms against XLA's 0.474 ms for the
   plain GEMM without any packing)."""
   tile_k: int = 64
-  # SMEM pipeline stages (the packing warpgroup's hand-over buffer takes a 4th stage's space).
+  # SMEM pipeline stages (the packing warpgroup's hand-over buffer takes a 4th stage's space:
+  # with it, at most 3 stages of tile_k = 64 or 6 of 32 fit; 6 of 32 measured 0.63-0.65 ms
+  # against 0.50-0.53 for 3 of 64). Never more than the K steps of one tile are used.
   max_concurrent_steps: int = 3
   grid_minor_dim: int = 0       # 0: M is the minor (fast) dimension of the tile walk, 1: N
   grid_tile_width: int = 8
   compression: int = 8
-  # wgmma groups left in flight at the end of each K step (the pipeline then releases an SMEM
-  # stage one step later): 0 serializes MMA issue and completion, 1 overlaps them. Measured no
-  # faster at the paper shape. (``_kernel`` only.)
-  delay_release: int = 0
+  # wgmma groups left in flight at the end of each K step (an SMEM stage is then released one
+  # step later): 0 serializes MMA issue and completion, 1 overlaps them. With the packing
+  # warpgroup 0.496 against 0.529 ms (H100, paper shape); with ``_kernel`` no faster.
+  delay_release: int = 1
   # 2-CTA clusters along M sharing each W tile through TMA multicast (halves W's L2 traffic;
   # needs M % 256 == 0). Measured no faster at the paper shape. (``_kernel`` only.)
   cluster_m: bool = False
@@ -96,10 +98,21 @@ class GateConfig:
       raise ValueError(f"{self.pack_chunk=} must be 64, 128 or 256")
     if self.packer_row_max not in ("reduce", "smem"):
       raise ValueError(f"{self.packer_row_max=} must be 'reduce' or 'smem'")
-    if self.epilogue_wg and (self.cluster_m or self.delay_release
-                             or self.max_concurrent_steps > 3):
-      raise ValueError("epilogue_wg supports neither cluster_m nor delay_release, and at "
-                       f"most 3 SMEM stages (SMEM); got {self}")
+    if self.max_concurrent_steps < 1:
+      raise ValueError(f"{self.max_concurrent_steps=} must be >= 1")
+    if self.epilogue_wg and self.cluster_m:
+      raise ValueError(f"epilogue_wg does not support cluster_m; got {self}")
+    if self.epilogue_wg and self.smem_bytes() > _SMEM_BYTES:
+      raise ValueError(f"{self.max_concurrent_steps} SMEM stages of tile_k={self.tile_k} and "
+                       f"the hand-over buffer need {self.smem_bytes()} bytes of SMEM, more "
+                       f"than {_SMEM_BYTES}; got {self}")
+
+  def smem_bytes(self) -> int:
+    """SMEM of ``_kernel_epilogue_wg``: the (x, w) stages, the bf16 hand-over buffer of both
+    compute warpgroups and the words / counts staging buffers."""
+    stage = (CTA_M + TILE_N) * self.tile_k * 2
+    return (self.max_concurrent_steps * stage + 2 * WG_M * TILE_N * 2
+            + WG_M * (self.slots + 2) * 4)
 
   @property
   def slots(self) -> int:
@@ -109,6 +122,8 @@ class GateConfig:
 WG_M = 64          # rows per compute warpgroup
 CTA_M = 2 * WG_M   # rows per CTA tile
 TILE_N = common.TILE_N
+# Dynamic SMEM one CTA may use on Hopper (227 KiB).
+_SMEM_BYTES = 227 * 1024
 
 
 # A non-positive gate entry is written as bf16 -0.0 (bits 0x8000, negative as int16), while
@@ -130,7 +145,7 @@ def _handover_tile(acc):
 
 
 def _pack_tile(acc, cfg: GateConfig, cnt_smem):
-  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64, 8] int32)."""
+  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64] int32)."""
   vals = _handover_tile(acc)
   return _pack_chunks(lambda _: vals, 1, cfg, cnt_smem)
 
@@ -174,7 +189,6 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
   cnts = [jnp.sum((_bits(first if c == 0 else load(c)) >= 0).astype(jnp.int32), axis=1)
           for c in range(n_chunks)]                                     # [64], row layout
   total = functools.reduce(jnp.add, cnts)
-  counts = lax.broadcast_in_dim(total, (WG_M, common.COUNT_LANES), (0,))
   slot_iota = plgpu.layout_cast(
       lax.broadcasted_iota(jnp.int32, (WG_M, slots), 1), plgpu.Layout.WGMMA)
   words = slot_iota * 0 + common.EMPTY_WORD
@@ -223,21 +237,21 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
   # Overflowing records: EMPTY (their row is computed elsewhere; a partial record would
   # depend on the loop bounds of the other rows).
   words = jnp.where(lax.broadcast_in_dim(fits, (WG_M, slots), (0,)), words, common.EMPTY_WORD)
-  return words, counts
+  return words, total
 
 
 def _smem_transforms(cfg: GateConfig):
-  """SMEM tiling / swizzle of the (x, w) stages, the words and the counts staging buffers."""
+  """SMEM tiling / swizzle of the (x, w) stages and of the words staging buffer."""
   swizzle = plgpu.find_swizzle(cfg.tile_k * 16)
   words_sw = plgpu.find_swizzle(cfg.slots * 32)
   return ((plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)),
-          (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw)),
-          (plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
+          (plgpu.TilingTransform((8, words_sw // 4)), plgpu.SwizzleTransform(words_sw)))
 
 
 def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem, rows,
                   n_idx):
-  """Stages one 64-row record block in SMEM and TMA-stores it at (rows, tile n_idx)."""
+  """Stages one 64-row record block in SMEM and TMA-stores it at (rows, tile n_idx): words
+  [64, S] into words[rows, tile slots], the row counts [64] into counts[n_idx, rows]."""
   slots = words.shape[1]
   # The previous TMA stores must be done reading the staging buffers.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -246,10 +260,7 @@ def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gme
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(words_smem, words_gmem.at[rows, pl.ds(n_idx * slots, slots)],
                           commit_group=False)
-  plgpu.copy_smem_to_gmem(
-      counts_smem,
-      counts_gmem.at[rows, pl.ds(n_idx * common.COUNT_LANES, common.COUNT_LANES)],
-      commit_group=False)
+  plgpu.copy_smem_to_gmem(counts_smem, counts_gmem.at[n_idx, rows], commit_group=False)
   plgpu.commit_smem_to_gmem_group()
 
 
@@ -260,7 +271,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig, tile_st
   tile_k = cfg.tile_k
   csize = 2 if cfg.cluster_m else 1
   m_iters, n_iters, k_iters = m // (CTA_M * csize), n // TILE_N - tile_start, k // tile_k
-  transforms, words_tr, counts_tr = _smem_transforms(cfg)
+  transforms, words_tr = _smem_transforms(cfg)
 
   def get_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -286,8 +297,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig, tile_st
       pl.run_scoped,
       pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
       words_smem=plgpu.SMEM((2, WG_M, slots), jnp.int32, transforms=words_tr),
-      counts_smem=plgpu.SMEM((2, WG_M, common.COUNT_LANES), jnp.int32,
-                             transforms=counts_tr),
+      counts_smem=plgpu.SMEM((2, WG_M), jnp.int32),
       cnt_smem=plgpu.SMEM((2, WG_M), jnp.int32),
       collective_axes="wg",
   )
@@ -342,9 +352,12 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
   """
   m, k = x_gmem.shape
   _, n = w_gmem.shape
-  slots, tile_k, stages = cfg.slots, cfg.tile_k, cfg.max_concurrent_steps
+  slots, tile_k = cfg.slots, cfg.tile_k
   m_iters, n_iters, k_iters = m // CTA_M, n // TILE_N - tile_start, k // tile_k
-  transforms, words_tr, counts_tr = _smem_transforms(cfg)
+  # A refill lands at most one tile ahead (see _release), so never more stages than K steps.
+  stages = min(cfg.max_concurrent_steps, k_iters)
+  lag = cfg.delay_release
+  transforms, words_tr = _smem_transforms(cfg)
   vals_tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   packer_wg = 2
   sm, num_sms = lax.axis_index("sm"), lax.axis_size("sm")
@@ -362,7 +375,7 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
       w_smem=plgpu.SMEM((stages, tile_k, TILE_N), w_gmem.dtype, transforms=transforms),
       vals_smem=plgpu.SMEM((2, WG_M, TILE_N), jnp.bfloat16, transforms=vals_tr),
       words_smem=plgpu.SMEM((WG_M, slots), jnp.int32, transforms=words_tr),
-      counts_smem=plgpu.SMEM((WG_M, common.COUNT_LANES), jnp.int32, transforms=counts_tr),
+      counts_smem=plgpu.SMEM((WG_M,), jnp.int32),
       cnt_smem=plgpu.SMEM((WG_M,), jnp.int32),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -401,24 +414,40 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
         # Refills run `stages` steps ahead: into this tile or the next one.
         this_tile, next_tile = tile_coords(lin), tile_coords(lin + num_sms)
 
+        def _release(kk):
+          # Step kk's MMAs are done: free its stage and (warpgroup 0, once both are done with
+          # it) load step kk + stages into it, which stages <= k_iters puts in this tile or
+          # the next.
+          g = base + kk
+          slot = lax.rem(g, stages)
+          plgpu.barrier_arrive(consumed.at[slot])
+
+          @pl.when(jnp.logical_and(wg == 0, g + stages < total_steps))
+          def _refill():
+            plgpu.barrier_wait(consumed.at[slot])
+            same = kk + stages < k_iters
+            coords = tuple(jnp.where(same, a, b) for a, b in zip(this_tile, next_tile))
+            issue_load(g + stages, coords)
+
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
         def _acc_scope(acc_ref):
           @pl.loop(0, k_iters)
           def _step(kk):
-            g = base + kk
-            slot = lax.rem(g, stages)
+            slot = lax.rem(base + kk, stages)
             plgpu.barrier_wait(produced.at[slot])
             plgpu.wgmma(acc_ref, x_smem.at[slot, pl.ds(wg * WG_M, WG_M)], w_smem.at[slot])
+            # With lag 1 the MMAs of step kk stay in flight while step kk - 1's stage is freed.
+            plgpu.wgmma_wait(lag)
+            if lag:
+              @pl.when(kk > 0)
+              def _():
+                _release(kk - 1)
+            else:
+              _release(kk)
+
+          if lag:
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[slot])
-
-            @pl.when(jnp.logical_and(wg == 0, g + stages < total_steps))
-            def _refill():
-              plgpu.barrier_wait(consumed.at[slot])   # both warpgroups are done with it
-              same = kk + stages < k_iters
-              coords = tuple(jnp.where(same, a, b) for a, b in zip(this_tile, next_tile))
-              issue_load(g + stages, coords)
-
+            _release(k_iters - 1)
           vals = _handover_tile(acc_ref[...])
           plgpu.barrier_wait(vals_free)
           vals_smem[wg] = vals
@@ -461,7 +490,7 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
 def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
               interpret=False):
   """TwELL-packed relu(x @ w[:, col_start:]). Returns (words [M, T*S] int32,
-  counts [M, T*8] int32), T = (N - col_start) / 256 tiles; packed columns are local to the
+  counts [T, M] int32), T = (N - col_start) / 256 tiles; packed columns are local to the
   packed range. ``col_start`` (a multiple of 256) leaves the leading columns out: the callers
   compute those (the hottest features) as dense GEMMs."""
   m, k = x.shape
@@ -482,7 +511,7 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
         functools.partial(_kernel_epilogue_wg if config.epilogue_wg else _kernel, cfg=config,
                           tile_start=col_start // TILE_N),
         out_type=(jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
-                  jax.ShapeDtypeStruct((m, t * common.COUNT_LANES), jnp.int32)),
+                  jax.ShapeDtypeStruct((t, m), jnp.int32)),
         grid=(common.num_sms() // (2 if config.cluster_m else 1),),
         grid_names=("sm",),
         cluster=(2,) if config.cluster_m else (),
@@ -505,7 +534,7 @@ def unpack_to_dense(words, counts, n: int, compression: int = 8, dtype=jnp.bfloa
   s = common.TILE_N // compression
   t = n // common.TILE_N
   w = words.reshape(m, t, s)
-  cnt = counts.reshape(m, t, common.COUNT_LANES)[..., 0]
+  cnt = counts.T
   valid = (jnp.arange(s)[None, None, :] < cnt[..., None]) & (cnt[..., None] <= s)
   col = (w >> 16) + (jnp.arange(t) * common.TILE_N)[None, :, None]
   val = lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
@@ -529,5 +558,4 @@ def pack_reference(g, compression: int = 8):
   cnt = jnp.sum(pos, axis=-1).astype(jnp.int32)
   words = jnp.where((cnt <= s)[..., None], jnp.sort(key, axis=-1)[..., :s],
                     common.EMPTY_WORD).reshape(m, t * s)
-  counts = jnp.repeat(cnt[..., None], common.COUNT_LANES, -1).reshape(m, -1)
-  return words, counts
+  return words, cnt.T

@@ -55,10 +55,19 @@ def any_nonfinite(*arrays):
   a non-finite dy or L1 cotangent every weight gradient. The arrays pass an optimization
   barrier first: XLA would otherwise constant-fold the reduction over arrays that are
   constants of the program (weights or a cotangent closed over by a jitted function), which
-  takes minutes for [H, D] arrays.
+  takes minutes for [H, D] arrays. Arrays of one shape share one reduction (one pass over
+  them all instead of a reduction kernel pair each).
   """
-  return functools.reduce(jnp.logical_or, [jnp.any(~jnp.isfinite(lax.optimization_barrier(a)))
-                                           for a in arrays if a is not None])
+  groups = {}
+  for a in arrays:
+    if a is not None:
+      groups.setdefault(tuple(a.shape), []).append(a)
+  found = []
+  for same in groups.values():
+    same = lax.optimization_barrier(tuple(same))
+    bad = functools.reduce(jnp.logical_or, [~jnp.isfinite(a) for a in same])
+    found.append(jnp.any(bad))
+  return functools.reduce(jnp.logical_or, found)
 
 
 def columns(w, cols, axis: int):

@@ -142,7 +142,7 @@ class ForwardTestBase(ktu.KernelTestBase):
     g = np.asarray(jnp.dot(x, wg, preferred_element_type=jnp.float32))[:, col_start:]
     act = g > 0
     tiles = act.reshape(m, -1, 256).sum(-1)
-    np.testing.assert_array_equal(np.asarray(cnt), tiles)
+    np.testing.assert_array_equal(np.asarray(cnt), tiles.T)
     want_over = (act.sum(1) > width) | (tiles > 32).any(1)
     np.testing.assert_array_equal(np.asarray(over), want_over)
     self.assertTrue(want_over.any() and not want_over.all())
