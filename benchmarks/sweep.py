@@ -173,8 +173,8 @@ def sweep_up_down(spec, x, wg, wu, wd, k: int) -> dict:
   words, counts = gp.gate_pack(x, w, col_start=k)
   width = ffn_mgpu.ForwardConfig().max_row_entries
   to_ell = jax.jit(lambda words, counts: ell_up_down_mgpu.ell_from_twell(
-      words, counts, slots=gp.GateConfig().slots, width=width, col_start=k))
-  cols, p, n, _, _ = to_ell(words, counts)
+      words, counts, slots=gp.GateConfig().slots, width=width))
+  entries, n, _, _ = to_ell(words, counts)
   wu_t = wu.T if spec.gated else None
   out = {"hot_features": k, "entries_per_row": float(jnp.mean(n)),
          "conversion_ms": timing.device_ms(to_ell, words, counts)}
@@ -182,7 +182,7 @@ def sweep_up_down(spec, x, wg, wu, wd, k: int) -> dict:
   for name, cfg in UP_DOWN_VARIANTS.items():
     f = jax.jit(lambda *a, cfg=cfg: ell_up_down_mgpu.ell_up_down(*a, write_u=False,
                                                                  config=cfg))
-    args = (x, cols, p, n, wu_t, wd)
+    args = (x, entries, n, wu_t, wd)
     try:
       got = jax.block_until_ready(f(*args))
     except Exception as e:  # pylint: disable=broad-except

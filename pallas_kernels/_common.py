@@ -37,6 +37,20 @@ def tile_max(active):
   return jnp.max(jnp.sum(active.reshape(m, -1, TILE_N), axis=-1, dtype=jnp.int32))
 
 
+def first_true(mask, size: int, fill: int):
+  """Indices of the first ``size`` True entries of the 1-D ``mask`` (int32), ``fill`` after
+  them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
+  True entries write (each to its own slot). jnp.nonzero's scatter-add sends every False
+  entry to one counter, and those colliding atomics took 0.013 ms at M = 16384 (H100)."""
+  n = mask.shape[0]
+  pos = jnp.arange(n, dtype=jnp.int32)
+  rank = jnp.cumsum(mask, dtype=jnp.int32) - 1          # in [0, n): distinct for True entries
+  # True entries past `size`, and every False entry (sent to its own index >= n), are out of
+  # bounds and dropped; all indices stay distinct, as unique_indices promises.
+  at = jnp.where(mask, rank, n + pos)
+  return jnp.full((size,), fill, jnp.int32).at[at].set(pos, mode="drop", unique_indices=True)
+
+
 def round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 

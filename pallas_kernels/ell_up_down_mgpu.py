@@ -3,7 +3,8 @@ the sampled up projection and the sparse down projection, the sparse part of bot
 inference forward (``ffn_mgpu``) and the training forward (``ffn_train_mgpu``, which also
 keeps the up values as a residual for the backward).
 
-Per token row r with ELL entries k < n_r (column j = cols[r, k], gate value p = p[r, k] > 0):
+Per token row r with ELL entries k < n_r (entries[r, k] = j << 16 | bf16 bits of p: column j,
+gate value p > 0):
     gated:      u_k = bf16(x_r . W_up^T[j])     (f32 dot, rounded like XLA's bf16 GEMM output)
                 h_k = bf16(p_k * u_k)
     non-gated:  h_k = p_k                        (p is relu(x W_up) itself; no u)
@@ -14,13 +15,13 @@ caller masks), l1 [M] f32. Rows with n_r == 0 (empty rows, and rows the caller c
 dense path) get y = y_init and l1 = 0.
 ``ell_from_twell`` turns the gate kernel's TwELL tiles into these rows.
 
-Mapping: one CTA (one warpgroup, 128 threads) per row; x_r and
-the f32 accumulator live in registers (D/128 values per thread), ELL columns/values are scalar GMEM
-reads issued one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long
-contiguous GMEM (L2) reads of ``w_up_t`` [H, D] and ``w_down`` [H, D]. ``group`` entries are
-processed side by side per step, so 2 * group row loads are in flight (twice that with
-``rows_ahead``, which issues the next step's rows before this step's work); slots past n_r hold
-column 0 and p = 0 (the caller pads the ELL arrays to a multiple of ``group`` slots).
+Mapping: one CTA (one warpgroup, 128 threads) per row; x_r and the f32 accumulator live in
+registers (D/128 values per thread), ELL entries are scalar GMEM reads (one per entry) issued
+one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long contiguous GMEM
+(L2) reads of ``w_up_t`` [H, D] and ``w_down`` [H, D]. ``group`` entries are processed side
+by side per step, so 2 * group row loads are in flight (twice that with ``rows_ahead``, which
+issues the next step's rows before this step's work); slots past n_r hold 0 (column 0, p = 0;
+the caller pads the ELL arrays to a multiple of ``group`` slots).
 No tensor cores. Requires D % 128 == 0.
 """
 
@@ -39,7 +40,7 @@ from pallas_kernels import _common as common
 _F32 = jnp.float32
 
 
-def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem,
+def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem,
             yd_gmem, l1d_gmem, y_gmem, u_gmem, l1_gmem, *, gated: bool, group: int,
             x_mode: str, rows_ahead: bool, has_init: bool, write_u: bool, has_dense: bool):
   r = lax.axis_index("r")
@@ -50,11 +51,14 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos
   else:
     acc0 = common.zeros_like_row(wd_gmem[0, :])
 
-  last = cols_gmem.shape[1] - 1
+  last = entries_gmem.shape[1] - 1
 
   def load(gi):
-    ks = common.group_slots(gi, group, last)
-    return [cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks]
+    # One scalar per entry: the column is its high half, p its low half (bf16 bits, which
+    # shifted up are the f32 value).
+    es = [entries_gmem[r, k] for k in common.group_slots(gi, group, last)]
+    return ([lax.shift_right_logical(e, 16) for e in es],
+            [lax.bitcast_convert_type(lax.shift_left(e, 16), _F32) for e in es])
 
   def fetch(loaded):
     js = loaded[0]
@@ -98,14 +102,14 @@ def _kernel(x_gmem, cols_gmem, p_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos
     l1_gmem[r] = l1d_gmem[pos]
 
 
-def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, dense=None,
+def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
                 write_u: bool = True, config: common.GatherConfig = common.GatherConfig(),
                 interpret=False):
   """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks,
   u is None for them and without ``write_u`` (the inference forward keeps no residuals).
 
-  x [M, D] bf16; cols [M, Wk] int32 (0 in unused slots); p [M, Wk] bf16 (0 in unused slots);
-  n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % config.group == 0,
+  x [M, D] bf16; entries [M, Wk] int32 (``ell_from_twell``: col << 16 | bf16 bits of p, 0 in
+  unused slots); n [M] int32 entries per row; w_up_t, w_down [H, D] bf16. Wk % config.group == 0,
   D % 128 == 0. With ``config.rows_ahead`` the weight rows are in flight while the step before
   stores its u values. ``y_init`` [M, D]: added to each row's sum before it is rounded (one
   rounding for y = y_init + the sparse products).
@@ -115,11 +119,11 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, dense=None,
   """
   m, d = x.shape
   h, d2 = w_down.shape
-  wk = cols.shape[1]
+  wk = entries.shape[1]
   gated = w_up_t is not None
   group = config.group
-  if d != d2 or d % 128 or wk % group or cols.shape != (m, wk) or p.shape != (m, wk):
-    raise ValueError(f"ell_up_down: bad shapes {x.shape=} {cols.shape=} {p.shape=} "
+  if d != d2 or d % 128 or wk % group or entries.shape != (m, wk):
+    raise ValueError(f"ell_up_down: bad shapes {x.shape=} {entries.shape=} "
                      f"{w_down.shape=} {group=}")
   if gated and w_up_t.shape != (h, d):
     raise ValueError(f"ell_up_down: {w_up_t.shape=} must be {(h, d)}")
@@ -153,42 +157,50 @@ def ell_up_down(x, cols, p, n, w_up_t, w_down, *, y_init=None, dense=None,
         interpret=common.interpret_params(interpret),
         kernel_name="twell_up_down" if gated else "twell_down",
     )
-    y, u, l1 = common.call_kernel(f, x, cols, p, n, w_up_t, w_down, y_init, pos, y_dense,
+    y, u, l1 = common.call_kernel(f, x, entries, n, w_up_t, w_down, y_init, pos, y_dense,
                                   l1_dense)
   return y, (u if gated and write_u else None), l1
 
 
-def ell_from_twell(words, counts, *, slots: int, width: int, col_start: int = 0,
-                   group: int = 1):
-  """TwELL (``gate_pack_mgpu.gate_pack``'s words [M, T*S] / counts [T, M] of the hidden columns
-  from ``col_start`` on) -> this kernel's ELL rows: (cols [M, Wk] int32 hidden feature
-  indices, p [M, Wk] bf16 gate values (Wk: ``width`` rounded up to whole ``group``s of slots,
-  the kernel's ``GatherConfig.group``), n [M] int32 entries per row, over [M] bool, counts
-  [T, M] int32 true tile counts, as given). Rows with more than ``width`` entries or a tile
-  holding more than ``slots`` (its packed slots lost entries) are ``over``: they get n = 0 and
-  the caller computes them on a dense path. Unused slots hold column 0 and p = 0. XLA glue: a
-  reduction over the row's tile counts gives each slot's word, a gather reads it. The counts
-  stay in their [T, M] layout (a transpose would cost a pass of its own).
+def ell_from_twell(words, counts, *, slots: int, width: int, group: int = 1):
+  """TwELL (``gate_pack_mgpu.gate_pack``'s words [M, T*S] / counts [T, M]) -> this kernel's
+  ELL rows: (entries [M, Wk] int32, the row's packed words (col << 16 | bf16 bits of p, col a
+  hidden feature index) in column order, 0 in unused slots; Wk: ``width`` rounded up to whole
+  ``group``s of slots, the kernel's ``GatherConfig.group``), n [M] int32 entries per row,
+  over [M] bool, counts [T, M] int32 true tile counts, as given). Rows with more than
+  ``width`` entries or a tile holding more than ``slots`` (its packed slots lost entries)
+  are ``over``: they get n = 0 and the caller computes them on a dense path. XLA glue: a sum
+  over the row's tiles gives each slot's word, a gather reads it. The counts stay in their
+  [T, M] layout (a transpose would cost a pass of its own).
   """
   t = words.shape[1] // slots
-  row_nnz = jnp.sum(counts, axis=0)                                         # [M]
-  over = (row_nnz > width) | jnp.any(counts > slots, axis=0)
-  n = jnp.where(over, 0, row_nnz).astype(jnp.int32)
-  kept = jnp.minimum(counts, slots)
-  incl = jnp.cumsum(kept, axis=0)                                           # [T, M]
-  # Slot k of a row lies in tile t* = #{t : incl_t <= k}, at word t* S + k - incl_{t*-1}
-  # = k + sum over those tiles of (S - kept_t): one reduction over the tiles, then a gather.
-  k = jnp.arange(width, dtype=jnp.int32)
-  skipped = jnp.where(incl[:, :, None] <= k[None, None, :], slots - kept[:, :, None], 0)
-  idx = jnp.minimum(k[None, :] + jnp.sum(skipped, axis=0, dtype=jnp.int32), t * slots - 1)
-  valid = k[None, :] < n[:, None]
+  k = jnp.arange(width, dtype=jnp.int32)[None, :]
+  # The tiles are unrolled into elementwise ops over [M] and [M, width] (a cumsum and a
+  # reduction over the tiles took kernels of their own).
+  row_nnz = counts[0] * 0
+  incl = row_nnz                  # kept entries of the tiles so far
+  tile_over = row_nnz != 0
+  skipped = k * 0                 # words skipped before slot k: S - kept of each earlier tile
+  for ti in range(t):
+    c = counts[ti]
+    kept = jnp.minimum(c, slots)
+    row_nnz, incl, tile_over = row_nnz + c, incl + kept, tile_over | (c > slots)
+    # Slot k lies past tile ti when the tiles up to ti keep at most k entries.
+    skipped = skipped + jnp.where(incl[:, None] <= k, (slots - kept)[:, None], 0)
+  over = (row_nnz > width) | tile_over
+  n = jnp.where(over, 0, row_nnz)
+  valid = k < n[:, None]
   # Unused slots read the row's first word: one sector for all of them, not one each.
-  word = jnp.take_along_axis(words, jnp.where(valid, idx, 0), axis=1)
-  tile = idx // slots
-  cols = jnp.where(valid, col_start + tile * common.TILE_N + lax.shift_right_logical(word, 16),
-                   0).astype(jnp.int32)
-  bits = (word & 0xFFFF).astype(jnp.uint16)
-  p = jnp.where(valid, lax.bitcast_convert_type(bits, jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
+  idx = jnp.where(valid, jnp.minimum(k + skipped, t * slots - 1), 0)
+  entries = jnp.where(valid, jnp.take_along_axis(words, idx, axis=1), 0)
   if (wk := common.round_up(width, group)) > width:
-    cols, p = (jnp.pad(a, ((0, 0), (0, wk - width))) for a in (cols, p))
-  return cols, p, n, over, counts
+    entries = jnp.pad(entries, ((0, 0), (0, wk - width)))
+  return entries, n, over, counts
+
+
+def split_entries(entries):
+  """ELL entries -> (cols int32 hidden feature indices, p bf16 values); 0 and 0 in unused
+  slots."""
+  cols = lax.shift_right_logical(entries, 16)
+  p = lax.bitcast_convert_type((entries & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
+  return cols, p

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as common
@@ -165,9 +166,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
                                              config=config.gate, interpret=interpret)
     # Overflow rows (a tile over S entries or more than max_row_entries) get n = 0 here;
     # padding rows have no entries.
-    cols, p, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
-        words, counts, slots=slots, width=config.max_row_entries, col_start=k_hot,
-        group=config.ell.group)
+    entries, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
+        words, counts, slots=slots, width=config.max_row_entries, group=config.ell.group)
     # The rows the sparse kernels cannot hold, or every row when w_up (gated) or w_down holds
     # a NaN / inf (the dense FFN multiplies it by the zeros of h, spreading it to every row),
     # run densely; the dense kernels read their count on the device (no host round trip).
@@ -180,17 +180,16 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
     take = (row_over | nonfinite) & valid_row
     pos = jnp.cumsum(take, dtype=jnp.int32) - 1
-    rows = jnp.zeros((mp,), jnp.int32).at[jnp.where(take, pos, mp)].set(
-        jnp.arange(mp, dtype=jnp.int32), mode="drop")
+    rows = common.first_true(take, mp, fill=0)
     y_d, l1_d, counts_dense = dense_rows_mgpu.dense_ffn_rows(
         xp, rows, pos[-1] + 1, wg_p, wup_p, wd_p, config=config.dense_rows,
         interpret=interpret)
     n = jnp.where(take, 0, n)
     y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
-        xp, cols, p, n, wup_t, wd_p, y_init=y_hot, dense=(jnp.where(take, pos, -1), y_d, l1_d),
+        xp, entries, n, wup_t, wd_p, y_init=y_hot, dense=(jnp.where(take, pos, -1), y_d, l1_d),
         write_u=False, config=config.ell, interpret=interpret)
-    in_ell = jnp.arange(cols.shape[1])[None, :] < n[:, None]
-    col = jnp.where(in_ell, cols - k_hot, hp - k_hot)
+    in_ell = jnp.arange(entries.shape[1])[None, :] < n[:, None]
+    col = jnp.where(in_ell, lax.shift_right_logical(entries, 16) - k_hot, hp - k_hot)
     counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
   row_over = row_over & valid_row
   n_over = jnp.sum(row_over.astype(jnp.int32))

@@ -194,31 +194,15 @@ def slot_mask(cfg: HybridConfig, n):
   return jnp.arange(cfg.wk)[None, :] < n[:, None]
 
 
-def _first_true(mask, size: int, fill: int):
-  """Indices of the first ``size`` True entries of the 1-D ``mask`` (int32), ``fill`` after
-  them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
-  True entries write (each to its own slot). jnp.nonzero's scatter-add sends every False
-  entry to one counter, and those colliding atomics took 0.013 ms at M = 16384 (H100)."""
-  n = mask.shape[0]
-  pos = jnp.arange(n, dtype=jnp.int32)
-  rank = jnp.cumsum(mask, dtype=jnp.int32) - 1          # in [0, n): distinct for True entries
-  # True entries past `size`, and every False entry (sent to its own index >= n), are out of
-  # bounds and dropped; all indices stay distinct, as unique_indices promises.
-  at = jnp.where(mask, rank, n + pos)
-  return jnp.full((size,), fill, jnp.int32).at[at].set(pos, mode="drop", unique_indices=True)
-
-
 def _hybrid_from_twell(cfg: HybridConfig, words, counts):
-  """TwELL words/counts of the cold features -> (cols [Mp, Wk] (hidden feature indices),
-  p [Mp, Wk] bf16, n [Mp], heavy [Mp], cnt [T, Mp])."""
+  """TwELL words/counts of the cold features -> (entries [Mp, Wk] int32 (``ell_up_down``'s),
+  n [Mp], heavy [Mp], cnt [T, Mp])."""
   mp = cfg.mp
   if cfg.n_tiles == 0:          # every feature is hot: an empty ELL
-    zero = jnp.zeros((mp, cfg.wk), jnp.int32)
-    return (zero, zero.astype(jnp.bfloat16), jnp.zeros((mp,), jnp.int32),
+    return (jnp.zeros((mp, cfg.wk), jnp.int32), jnp.zeros((mp,), jnp.int32),
             jnp.zeros((mp,), bool), jnp.zeros((0, mp), jnp.int32))
   return ell_up_down_mgpu.ell_from_twell(
-      words, counts, slots=cfg.gate.slots, width=cfg.ell_width, col_start=cfg.k_hot,
-      group=cfg.ell_group)
+      words, counts, slots=cfg.gate.slots, width=cfg.ell_width, group=cfg.ell_group)
 
 
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
@@ -233,9 +217,11 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
                                              interpret=interpret)
   else:
     words = counts = None
-  cols, p, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
+  entries, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
+  # The backward's kernels take columns and values apart (XLA writes them beside the entries).
+  cols, p = ell_up_down_mgpu.split_entries(entries)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
-  tail_index = _first_true(heavy, cfg.tail_rows, fill=cfg.mp)
+  tail_index = common.first_true(heavy, cfg.tail_rows, fill=cfg.mp)
   valid = slot_mask(cfg, n)
   # ELL entries per hidden feature: the forward's feature counts and the backward's CSC column
   # pointers from one scatter (saved: Hp int32; zero for the hot features).
@@ -256,7 +242,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
     y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, k, ~heavy)
     l1_hot = jnp.sum(jnp.abs(h_hot.astype(_F32)))
     feature_counts = feature_counts.at[:k].add(jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32))
-  y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, cols, p, n, wu_t, wd, y_init=y_hot,
+  y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, entries, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
   l1_ell = jnp.sum(l1_rows) + l1_hot

@@ -7,8 +7,9 @@ The dense [M, N] activation never reaches HBM: every 128 x 256 output tile is co
 wgmma (TMA, warp-specialized pipeline, f32 accumulators in registers) and packed in registers.
 
 Internal TwELL layout (one record per row and 256-column tile t, S = 256 / compression slots):
-  words[r, t*S + k] = (local_col << 16) | bf16_bits(relu(acc))   for the k-th positive of the
-                      tile in increasing column order (k < min(count, S));  0x7FFFFFFF after.
+  words[r, t*S + k] = (col << 16) | bf16_bits(relu(acc))   for the k-th positive of the tile
+                      in increasing column order (k < min(count, S)), col its column in w
+                      (read as an unsigned 16-bit field: N <= 65536);  0x7FFFFFFF after.
   counts[t, r]      = true number of positives of (r, t) (may exceed S:
                       the row is then an overflow row, which the caller must compute elsewhere;
                       the words of an overflowing record are all 0x7FFFFFFF).
@@ -249,10 +250,15 @@ def _smem_transforms(cfg: GateConfig):
 
 
 def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem, rows,
-                  n_idx):
+                  n_idx, col_base):
   """Stages one 64-row record block in SMEM and TMA-stores it at (rows, tile n_idx): words
-  [64, S] into words[rows, tile slots], the row counts [64] into counts[n_idx, rows]."""
+  [64, S] (columns local to the tile) into words[rows, tile slots] with ``col_base``, the
+  tile's first column in w, added to their columns, the row counts [64] into
+  counts[n_idx, rows]."""
   slots = words.shape[1]
+  # Columns of w in the words: the ELL rows built from them need no tile arithmetic. (Past
+  # column 32767 the word is negative as an int32; nothing compares packed words any more.)
+  words = words + jnp.where(words == common.EMPTY_WORD, 0, col_base * 65536)
   # The previous TMA stores must be done reading the staging buffers.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   words_smem[...] = words
@@ -319,7 +325,7 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig, tile_st
           eval_pipeline(acc_ref)
           words, counts = _pack_tile(acc_ref[...], cfg, cnt_smem.at[wg])
           _store_packed(words, counts, words_smem.at[wg], counts_smem.at[wg],
-                        words_gmem, counts_gmem, rows, n_idx)
+                        words_gmem, counts_gmem, rows, n_idx, (n_idx + tile_start) * TILE_N)
 
       def mma_body(_, x_smem, w_smem, acc_ref):
         plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_M, WG_M)], w_smem)
@@ -482,7 +488,7 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
                                        release)
           rows = pl.ds(m_idx * CTA_M + half * WG_M, WG_M)
           _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem,
-                        rows, n_idx)
+                        rows, n_idx, (n_idx + tile_start) * TILE_N)
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -490,8 +496,8 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
 def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
               interpret=False):
   """TwELL-packed relu(x @ w[:, col_start:]). Returns (words [M, T*S] int32,
-  counts [T, M] int32), T = (N - col_start) / 256 tiles; packed columns are local to the
-  packed range. ``col_start`` (a multiple of 256) leaves the leading columns out: the callers
+  counts [T, M] int32), T = (N - col_start) / 256 tiles; the words hold columns of w (from
+  col_start on). ``col_start`` (a multiple of 256) leaves the leading columns out: the callers
   compute those (the hottest features) as dense GEMMs."""
   m, k = x.shape
   k2, n = w.shape
@@ -526,17 +532,17 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
 
 
 def unpack_to_dense(words, counts, n: int, compression: int = 8, dtype=jnp.bfloat16):
-  """Pure-JAX decoder of the internal layout (for tests): dense [M, N] relu values.
+  """Pure-JAX decoder of the internal layout (for tests): dense [M, n] relu values (n: w's N;
+  the columns before gate_pack's col_start stay zero).
 
   Entries of overflowing tiles (count > S) are not representable and decode to zeros.
   """
   m = words.shape[0]
   s = common.TILE_N // compression
-  t = n // common.TILE_N
-  w = words.reshape(m, t, s)
+  w = words.reshape(m, words.shape[1] // s, s)
   cnt = counts.T
   valid = (jnp.arange(s)[None, None, :] < cnt[..., None]) & (cnt[..., None] <= s)
-  col = (w >> 16) + (jnp.arange(t) * common.TILE_N)[None, :, None]
+  col = lax.shift_right_logical(w, 16)
   val = lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
   val = jnp.where(valid, val, 0).astype(dtype)
   col = jnp.where(valid, col, n)  # out of range -> dropped
@@ -556,6 +562,7 @@ def pack_reference(g, compression: int = 8):
   key = jnp.where(pos, (jnp.arange(common.TILE_N) << 16)[None, None, :] | bits,
                   common.EMPTY_WORD)
   cnt = jnp.sum(pos, axis=-1).astype(jnp.int32)
-  words = jnp.where((cnt <= s)[..., None], jnp.sort(key, axis=-1)[..., :s],
-                    common.EMPTY_WORD).reshape(m, t * s)
+  words = jnp.where((cnt <= s)[..., None], jnp.sort(key, axis=-1)[..., :s], common.EMPTY_WORD)
+  tile_base = (jnp.arange(t, dtype=jnp.int32) * common.TILE_N * 65536)[None, :, None]
+  words = jnp.where(words == common.EMPTY_WORD, words, words + tile_base).reshape(m, t * s)
   return words, cnt.T

@@ -55,13 +55,14 @@ def any_nonfinite(*arrays):
   a non-finite dy or L1 cotangent every weight gradient. The arrays pass an optimization
   barrier first: XLA would otherwise constant-fold the reduction over arrays that are
   constants of the program (weights or a cotangent closed over by a jitted function), which
-  takes minutes for [H, D] arrays. Arrays of one shape share one reduction (one pass over
-  them all instead of a reduction kernel pair each).
+  takes minutes for [H, D] arrays. Arrays of one size share one reduction over their flat
+  views (one pass over them all instead of a reduction kernel pair each; w_up [D, H] and
+  w_down [H, D] are one).
   """
   groups = {}
   for a in arrays:
     if a is not None:
-      groups.setdefault(tuple(a.shape), []).append(a)
+      groups.setdefault(a.size, []).append(a.reshape(-1))
   found = []
   for same in groups.values():
     same = lax.optimization_barrier(tuple(same))

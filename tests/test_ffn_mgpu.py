@@ -136,9 +136,9 @@ class ForwardTestBase(ktu.KernelTestBase):
     x, wg, _, _ = ktu.inputs(m, d, h, active=16.0, heavy=0.05, seed=8)
     words, counts = gate_pack_mgpu.gate_pack(x, wg, col_start=col_start,
                                              interpret=self.INTERPRET)
-    cols, p, n, over, cnt = jax.jit(functools.partial(
-        ell_up_down_mgpu.ell_from_twell, slots=32, width=width, col_start=col_start))(
-            words, counts)
+    entries, n, over, cnt = jax.jit(functools.partial(
+        ell_up_down_mgpu.ell_from_twell, slots=32, width=width))(words, counts)
+    cols, p = ell_up_down_mgpu.split_entries(entries)
     g = np.asarray(jnp.dot(x, wg, preferred_element_type=jnp.float32))[:, col_start:]
     act = g > 0
     tiles = act.reshape(m, -1, 256).sum(-1)
@@ -179,9 +179,9 @@ class ForwardInterpretTest(ForwardTestBase):
   def test_no_races(self):
     x, wg, wu, wd = ktu.inputs(128, 128, 256, active=8.0, seed=5)
     words, counts = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
-    cols, p, n, _, _ = ell_up_down_mgpu.ell_from_twell(words, counts, slots=32, width=64)
+    entries, n, _, _ = ell_up_down_mgpu.ell_from_twell(words, counts, slots=32, width=64)
     ktu.assert_race_free(lambda ip: ell_up_down_mgpu.ell_up_down(
-        x, cols, p, n, wu.T, wd, write_u=False,
+        x, entries, n, wu.T, wd, write_u=False,
         config=ffn_mgpu.ForwardConfig().ell, interpret=ip))
 
 

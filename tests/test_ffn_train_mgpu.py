@@ -259,7 +259,7 @@ class CscTest(parameterized.TestCase):
     rng = np.random.default_rng(29)
     for n, size, frac in ((100, 8, 0.05), (100, 8, 0.5), (50, 4, 0.0), (30, 30, 1.0)):
       mask = rng.random(n) < frac
-      got = ffn_train_mgpu._first_true(jnp.asarray(mask), size, fill=n)  # pylint: disable=protected-access
+      got = common.first_true(jnp.asarray(mask), size, fill=n)
       (want,) = jnp.nonzero(mask, size=size, fill_value=n)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(mask))
 

@@ -98,6 +98,33 @@ class GatePackInterpretTest(GatePackTestBase):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+class PackedWordsTest(absltest.TestCase):
+  """The word layout itself (pure JAX, no kernel): columns past 32767 make a word negative as
+  an int32; decoders read the column as an unsigned field."""
+
+  def test_columns_past_32767_decode(self):
+    from pallas_kernels import ell_up_down_mgpu  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(3)
+    m, n = 8, 129 * 256
+    g = np.full((m, n), -1.0, np.float32)
+    cols = [[0, 255, 32767, 32768, n - 1], [33000], [], [1, 2, 3], [n - 256], [], [7], [9]]
+    for r, js in enumerate(cols):
+      g[r, js] = rng.uniform(0.5, 2.0, len(js))
+    words, counts = gate_pack_mgpu.pack_reference(jnp.asarray(g))
+    self.assertLess(int(jnp.min(words)), 0)
+    dense = np.asarray(gate_pack_mgpu.unpack_to_dense(words, counts, n), np.float32)
+    want = np.maximum(g, 0).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(dense, want)
+    entries, cnt_n, over, _ = ell_up_down_mgpu.ell_from_twell(words, counts, slots=32, width=8)
+    got_cols, got_p = ell_up_down_mgpu.split_entries(entries)
+    self.assertFalse(bool(jnp.any(over)))
+    for r, js in enumerate(cols):
+      self.assertEqual(int(cnt_n[r]), len(js))
+      np.testing.assert_array_equal(np.asarray(got_cols[r, :len(js)]), js)
+      np.testing.assert_array_equal(np.asarray(got_p[r, :len(js)], np.float32), want[r, js])
+      self.assertTrue((np.asarray(entries[r, len(js):]) == 0).all())
+
+
 class GatePackLoweringTest(parameterized.TestCase):
 
   @parameterized.parameters(True, False)
