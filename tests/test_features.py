@@ -30,6 +30,18 @@ class CalibrateTest(absltest.TestCase):
     *_, k_all = features.calibrate(x, wg, wu, wd, dense_row_entries=None)
     self.assertGreaterEqual(k_all, 512)
 
+  def test_long_columns_raise_k_for_the_backward_only(self):
+    """A layer with 1.2 entries per token, a few features on ~20% of the tokens each: under
+    the break-even by cost, but each such column is far over a fair share of the entries,
+    which the backward's column kernels would wait on. The inference forward walks rows and
+    keeps them sparse."""
+    tokens, h = 10000, 4096
+    counts = np.zeros(h)
+    counts[:4] = 2000                      # 20% of the tokens each: 8000 of 12000 entries
+    counts[4:4004] = 1                     # the rest spread thin
+    self.assertEqual(features.hot_feature_count(counts, tokens, backward=False), 0)
+    self.assertEqual(features.hot_feature_count(counts, tokens), 256)
+
   def test_rejects_a_negative_row_limit(self):
     with self.assertRaisesRegex(ValueError, "dense_row_entries"):
       features.calibrate(*self._inputs(0.0), dense_row_entries=-1)

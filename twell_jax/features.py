@@ -75,15 +75,19 @@ def sparse_work(feature_counts, tokens: int, hot_features: int, *,
 
 
 def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_EVEN_RATE,
-                      parallel_columns: int = PARALLEL_COLUMNS, multiple: int = TILE_N) -> int:
+                      parallel_columns: int = PARALLEL_COLUMNS, multiple: int = TILE_N,
+                      backward: bool = True) -> int:
   """The K (a multiple of `multiple`) for a call whose features are sorted hottest first
   (host-side; `feature_counts` [H] over `tokens` tokens): the K that minimizes `sparse_work`,
-  raised until every feature with more than twice a fair share of the entries is dense (a
-  share: all entries over `parallel_columns`, or over H when H is smaller). The backward's
-  weight-gradient kernels give each feature's column of entries to one CTA, so a column much
-  longer than a share of the work would set the kernel's time on its own (measured: features
-  on 17-25% of the tokens of a layer with 1.3 active per token made its forward + backward
-  slower than dense)."""
+  raised, with `backward`, until every feature with more than twice a fair share of the
+  entries is dense (a share: all entries over `parallel_columns`, or over H when H is
+  smaller). The backward's weight-gradient kernels give each feature's column of entries to
+  one CTA, so a column much longer than a share of the work would set the kernel's time on
+  its own (measured: features on 17-25% of the tokens of a layer with 1.3 active per token
+  made its forward + backward slower than dense). The inference forward walks rows, not
+  columns: for calls that are never differentiated, `backward=False` gives its K (an H100
+  layer with 1.2 active per token: forward 0.49 of dense at K = 0, 0.75 at the K = 256 that
+  its long columns ask for)."""
   rates = _sorted_rates(feature_counts, tokens)
   h = rates.shape[0]
   tail = np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])   # tail[k] = sum(rates[k:])
@@ -92,6 +96,8 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
     cost = k * break_even + tail[min(k, h)]
     if cost < best:
       best_k, best = k, cost
+  if not backward:
+    return best_k
   long_columns = int(np.sum(rates > 2 * tail[0] / min(parallel_columns, h)))
   return max(best_k, -(-long_columns // multiple) * multiple)
 
@@ -102,10 +108,11 @@ DENSE_ROW_ENTRIES = ffn_mgpu.ForwardConfig().max_row_entries
 
 
 def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
-              dense_row_entries: int | None = DENSE_ROW_ENTRIES):
+              dense_row_entries: int | None = DENSE_ROW_ENTRIES, backward: bool = True):
   """(w_gate, w_up, w_down, hot_features) for a batch x [M, D] that shows typical activity:
   the weights with their features sorted by how often they fire on x, and the K to pass as
-  `ffn(..., hot_features=K)` (a host-side int). One dense gate GEMM; run it once (on a
+  `ffn(..., hot_features=K)` (a host-side int; `backward=False`: the K of calls that are
+  never differentiated, see `hot_feature_count`). One dense gate GEMM; run it once (on a
   calibration batch), not per call.
 
   Firings on rows with more than `dense_row_entries` active features are not counted (None:
@@ -121,5 +128,6 @@ def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
     active = active & light[:, None]
   counts = jnp.sum(active, axis=0, dtype=jnp.int32)
   w_gate, w_up, w_down, _ = sort_features(w_gate, w_up, w_down, counts)
-  k = hot_feature_count(jax.device_get(counts), x.shape[0], break_even=break_even)
+  k = hot_feature_count(jax.device_get(counts), x.shape[0], break_even=break_even,
+                        backward=backward)
   return w_gate, w_up, w_down, k
