@@ -56,6 +56,7 @@ FORWARD_VARIANTS = {
     "default": {},
     "ell_reload": dict(ell=_G(rows_ahead=True, row_mode="reload")),
     "ell_no_ahead": dict(ell=_G(row_mode="f32")),
+    "weight_check_gate": dict(weight_check="gate"),
 }
 # The fused up / down kernel alone (``ffn_mgpu.ForwardConfig.ell``).
 UP_DOWN_VARIANTS = {
@@ -82,19 +83,28 @@ def _same(a, b) -> bool:
 
 
 def sweep_gate(spec, x, wg, wu, wd) -> dict:
-  del wd
+  """Per ``GATE_VARIANTS`` entry; "default_checking" is the default kernel with the forward's
+  NaN / infinity check of w_up (gated) and w_down in its packing warpgroup
+  (``gate_pack(check=)``), against XLA's reduction over the same arrays ("xla_check_ms")."""
   w = wg if spec.gated else wu
-  out = {"xla_gate_ms": timing.device_ms(jax.jit(lambda a, b: jnp.maximum(a @ b, 0)), x, w)}
+  checked = (wu if spec.gated else None, wd)
+  out = {"xla_gate_ms": timing.device_ms(jax.jit(lambda a, b: jnp.maximum(a @ b, 0)), x, w),
+         "xla_check_ms": timing.device_ms(jax.jit(reference.any_nonfinite), *checked)}
   base = None
-  for name, cfg in GATE_VARIANTS.items():
-    f = jax.jit(lambda a, b, cfg=cfg: gp.gate_pack(a, b, config=cfg))
+  variants = [(name, cfg, ()) for name, cfg in GATE_VARIANTS.items()]
+  variants.append(("default_checking", gp.GateConfig(), checked))
+  for name, cfg, check in variants:
+    f = jax.jit(lambda a, b, *c, cfg=cfg: gp.gate_pack(a, b, config=cfg, check=c))
     try:
-      got = jax.block_until_ready(f(x, w))
+      got = jax.block_until_ready(f(x, w, *check))
     except Exception as e:  # pylint: disable=broad-except
       out[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
       continue
     base = got if base is None else base
-    out[name] = {"device_ms": timing.device_ms(f, x, w), "same_bits": _same(got, base)}
+    out[name] = {"device_ms": timing.device_ms(f, x, w, *check),
+                 "same_bits": _same(got[:2], base[:2])}
+    if check:
+      out[name]["found_nonfinite"] = bool(got[2])
   return out
 
 

@@ -67,16 +67,27 @@ class ForwardConfig:
   ``ell``: the fused kernel's choices (``ell_up_down``): each entry's weight rows loaded a step
     ahead, x_r held as f32 (0.563 ms; x_r re-read at each entry: 0.601 ms; H100, uniform).
   ``dense_rows``: the tiles of the dense path for overflowing rows (``dense_rows_mgpu``).
+  ``weight_check``: what looks for a NaN / infinity in w_up (gated) and w_down, which sends
+    every row down the dense path: "xla", a reduction of its own over both
+    (``reference.any_nonfinite``: 0.016 ms at the paper shape on an H100), or "gate", the
+    gate kernel's packing warpgroup while the tensor cores run (``gate_pack(check=)``: no
+    pass of its own; not yet timed on a GPU, so not the default).
   """
   hot_features: int = 0
   max_row_entries: int = 128
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
   ell: common.GatherConfig = common.GatherConfig(rows_ahead=True, row_mode="f32")
   dense_rows: dense_rows_mgpu.DenseRowsConfig = dense_rows_mgpu.DenseRowsConfig()
+  weight_check: str = "xla"
 
   def __post_init__(self):
     if self.max_row_entries < 1:
       raise ValueError(f"{self.max_row_entries=} must be >= 1")
+    if self.weight_check not in ("xla", "gate"):
+      raise ValueError(f"{self.weight_check=} must be 'xla' or 'gate'")
+    if self.weight_check == "gate" and not self.gate.epilogue_wg:
+      raise ValueError("weight_check='gate' needs the gate kernel's packing warpgroup "
+                       f"(GateConfig.epilogue_wg); got {self.gate}")
     if self.hot_features < 0 or self.hot_features % common.TILE_N:
       raise ValueError(f"{self.hot_features=} must be a multiple of {common.TILE_N}, >= 0")
 
@@ -162,8 +173,15 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     counts_cold = jnp.zeros((0,), jnp.int32)
     counts_dense = jnp.zeros((hp,), jnp.int32)
   else:
-    words, counts = gate_pack_mgpu.gate_pack(xp, wg_p if gated else wup_p, col_start=k_hot,
-                                             config=config.gate, interpret=interpret)
+    # w_up (gated) and w_down: see the non-finite note below.
+    checked = (wup_p if gated else None, wd_p)
+    packed = gate_pack_mgpu.gate_pack(
+        xp, wg_p if gated else wup_p, col_start=k_hot, config=config.gate,
+        check=checked if config.weight_check == "gate" else (), interpret=interpret)
+    if config.weight_check == "gate":
+      words, counts, nonfinite = packed
+    else:
+      (words, counts), nonfinite = packed, reference.any_nonfinite(*checked)
     # Overflow rows (a tile over S entries or more than max_row_entries) get n = 0 here;
     # padding rows have no entries.
     entries, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
@@ -176,7 +194,6 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     # which ReLU zeroes in the dense FFN as well.
     # (Checking w_up's transposed copy beside w_down in one reduction measured no faster: the
     # transpose then slows down by what the reduction saves.)
-    nonfinite = reference.any_nonfinite(wup_p if gated else None, wd_p)
     wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
     take = (row_over | nonfinite) & valid_row
     pos = jnp.cumsum(take, dtype=jnp.int32) - 1

@@ -29,6 +29,9 @@ kernels, same words bit for bit:
     packing warpgroup packs it meanwhile, in 64-column chunks (0.499 ms on an H100).
   * ``_kernel``: jax's warp-specialized pipeline with a TMA producer warpgroup; the compute
     warpgroups pack their own tiles after the MMAs (the tensor cores idle meanwhile: 0.58 ms).
+With ``check=`` the packing warpgroup also scans other arrays of one size (the forward's
+w_up and w_down) for NaN / infinities, a few [64, 64] blocks before each of its tiles while
+the tensor cores run, and a bool says whether it found one (``_ScanPlan``).
 M must be a multiple of 128, N of 256, K of tile_k.
 """
 
@@ -241,6 +244,65 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
   return words, total
 
 
+# The arrays the packing warpgroup checks for NaN / infinities are viewed as [rows, SCAN_COLS]
+# and read in [64, SCAN_COLS] blocks in the WGMMA layout (whose reductions the packer already
+# runs: a row-wise one, then one over the 64 rows). 64 columns: one block of each of two
+# arrays is 32 registers per thread, well within what the packer has beside the MMAs'
+# warpgroups.
+SCAN_COLS = 64
+SCAN_BLOCK = WG_M * SCAN_COLS
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScanPlan:
+  """How the CTAs share the ``blocks`` [64, SCAN_COLS] blocks of each of the ``arrays``
+  arrays they check.
+
+  CTA ``sm`` checks blocks sm + num_sms * j, j < per_cta (clamped to the last block), of
+  each: ``per_tile`` of them before each of its first ``slots`` tiles (every CTA has at least
+  ``slots`` tiles), writing one flag per tile; or, where some CTA has no tile at all
+  (``per_tile`` 0), all of them after its tiles, into one flag.
+  """
+  arrays: int
+  blocks: int
+  per_cta: int
+  per_tile: int
+  slots: int
+
+  @classmethod
+  def make(cls, arrays: int, blocks: int, num_sms: int, tiles: int) -> "_ScanPlan":
+    per_cta = -(-blocks // num_sms)
+    min_tiles = tiles // num_sms
+    if min_tiles == 0:
+      return cls(arrays, blocks, per_cta, 0, 1)
+    per_tile = -(-per_cta // min_tiles)
+    return cls(arrays, blocks, per_cta, per_tile, -(-per_cta // per_tile))
+
+
+def _scan_nonfinite(refs, plan: _ScanPlan, sm, j0, count: int):
+  """1 (int32) if blocks j0 .. j0 + count - 1 of CTA ``sm``'s share (``_ScanPlan``) of any of
+  ``refs`` (bf16 [blocks * 64, SCAN_COLS]) hold a NaN or an infinity (all exponent bits set),
+  else 0. Each step loads one block of every array before testing any, so that their loads
+  are in flight together."""
+  num_sms = lax.axis_size("sm")
+
+  def step(j, found):
+    b = jnp.minimum(sm + num_sms * jnp.minimum(j, plan.per_cta - 1), plan.blocks - 1)
+    blocks = [plgpu.load(ref.at[pl.ds(b * WG_M, WG_M)], layout=plgpu.Layout.WGMMA,
+                         optimized=False)
+              for ref in refs]
+    for v in blocks:
+      bits = lax.bitcast_convert_type(v, jnp.int16).astype(jnp.int32)
+      bad = jnp.max(((bits & 0x7F80) == 0x7F80).astype(jnp.int32), axis=1)   # [64]
+      found = bad if found is None else jnp.maximum(found, bad)
+    return found
+
+  found = step(j0, None)
+  if count > 1:
+    found = lax.fori_loop(j0 + 1, j0 + count, step, found)
+  return jnp.max(found)
+
+
 def _smem_transforms(cfg: GateConfig):
   """SMEM tiling / swizzle of the (x, w) stages and of the words staging buffer."""
   swizzle = plgpu.find_swizzle(cfg.tile_k * 16)
@@ -341,8 +403,8 @@ def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig, tile_st
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig,
-                        tile_start: int):
+def _kernel_epilogue_wg(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int,
+                        scan: _ScanPlan | None):
   """Gate GEMM with a packing warpgroup (3 warpgroups, hand-written pipeline).
 
   Warpgroups 0 and 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers);
@@ -355,7 +417,14 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
   arrivals / 2 compute arrivals), ``vals_full`` (2 compute arrivals), ``vals_free`` (the
   packer; it pre-arrives once so that the first tile does not wait). Every barrier phase is
   waited for before the kernel ends (the interpreter checks it; harmless on the device).
+
+  With ``scan``, ``refs`` starts with the arrays to check for NaN / infinities ([R,
+  SCAN_COLS] views) and ends with their flags; the packer checks its share of their blocks
+  (``_ScanPlan``) before it waits for each tile, while the tensor cores run.
   """
+  n_scan = scan.arrays if scan is not None else 0
+  scan_refs, (words_gmem, counts_gmem), flags = (
+      refs[:n_scan], refs[n_scan:n_scan + 2], refs[n_scan + 2:])
   m, k = x_gmem.shape
   _, n = w_gmem.shape
   slots, tile_k = cfg.slots, cfg.tile_k
@@ -475,6 +544,11 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
       def _tile(info):
         (lin,) = info.index
         m_idx, n_idx = tile_coords(lin)
+        if scan is not None and scan.per_tile:
+          @pl.when(info.local_index < scan.slots)
+          def _check():
+            flags[0][sm, info.local_index] = _scan_nonfinite(
+                scan_refs, scan, sm, info.local_index * scan.per_tile, scan.per_tile)
         plgpu.barrier_wait(vals_full)
         for half in range(2):
           load = lambda c, half=half: plgpu.load(
@@ -490,15 +564,23 @@ def _kernel_epilogue_wg(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateCon
           _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem,
                         rows, n_idx, (n_idx + tile_start) * TILE_N)
 
+      if scan is not None and not scan.per_tile:
+        # Fewer tiles than CTAs for some: each checks all its blocks once its tiles are done.
+        flags[0][sm, 0] = _scan_nonfinite(scan_refs, scan, sm, 0, scan.per_cta)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
+def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), check=(),
               interpret=False):
   """TwELL-packed relu(x @ w[:, col_start:]). Returns (words [M, T*S] int32,
   counts [T, M] int32), T = (N - col_start) / 256 tiles; the words hold columns of w (from
   col_start on). ``col_start`` (a multiple of 256) leaves the leading columns out: the callers
-  compute those (the hottest features) as dense GEMMs."""
+  compute those (the hottest features) as dense GEMMs.
+
+  ``check``: bf16 arrays of one size, a multiple of ``SCAN_BLOCK`` elements (None entries
+  skipped), which the packing warpgroup checks for NaN / infinities while the tensor cores
+  run (``GateConfig.epilogue_wg`` only): then a third output, a bool scalar, True when one of
+  them holds such a value (``reference.any_nonfinite`` without a pass of its own)."""
   m, k = x.shape
   k2, n = w.shape
   if k != k2:
@@ -511,14 +593,26 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
     raise ValueError(f"gate_pack needs col_start a multiple of {TILE_N} in [0, N={n}); "
                      f"got {col_start}")
   t = (n - col_start) // TILE_N
+  check = tuple(a for a in check if a is not None)
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with common.interpret_context(bool(interpret)):
+    grid = common.num_sms() // (2 if config.cluster_m else 1)
+    out_type = (jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
+                jax.ShapeDtypeStruct((t, m), jnp.int32))
+    kernel = functools.partial(_kernel, cfg=config, tile_start=col_start // TILE_N)
+    if config.epilogue_wg:
+      plan = _scan_plan(check, grid, (m // CTA_M) * t)
+      kernel = functools.partial(_kernel_epilogue_wg, cfg=config,
+                                 tile_start=col_start // TILE_N, scan=plan)
+      if plan is not None:
+        out_type += (jax.ShapeDtypeStruct((grid, plan.slots), jnp.int32),)
+    elif check:
+      raise ValueError(f"gate_pack checks arrays only with the packing warpgroup "
+                       f"(GateConfig.epilogue_wg); got {config}")
     f = plgpu.kernel(
-        functools.partial(_kernel_epilogue_wg if config.epilogue_wg else _kernel, cfg=config,
-                          tile_start=col_start // TILE_N),
-        out_type=(jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
-                  jax.ShapeDtypeStruct((t, m), jnp.int32)),
-        grid=(common.num_sms() // (2 if config.cluster_m else 1),),
+        kernel,
+        out_type=out_type,
+        grid=(grid,),
         grid_names=("sm",),
         cluster=(2,) if config.cluster_m else (),
         cluster_names=("cluster",) if config.cluster_m else (),
@@ -528,7 +622,24 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(),
         interpret=common.interpret_params(interpret),
         kernel_name="twell_gate_pack",
     )
-    return common.call_kernel(f, x, w)
+    outs = common.call_kernel(f, x, w, *[a.reshape(-1, SCAN_COLS) for a in check])
+  if not check:
+    return outs
+  words, counts, flags = outs
+  return words, counts, jnp.any(flags != 0)
+
+
+def _scan_plan(check, num_sms: int, tiles: int) -> _ScanPlan | None:
+  """The blocks each CTA checks (``_ScanPlan``), None without arrays; refuses arrays the
+  scan cannot read."""
+  if not check:
+    return None
+  size = check[0].size
+  for a in check:
+    if a.dtype != jnp.bfloat16 or a.size != size or size % SCAN_BLOCK:
+      raise ValueError(f"gate_pack checks bf16 arrays of one size, a multiple of {SCAN_BLOCK} "
+                       f"elements; got {[(c.shape, str(c.dtype)) for c in check]}")
+  return _ScanPlan.make(len(check), size // SCAN_BLOCK, num_sms, tiles)
 
 
 def unpack_to_dense(words, counts, n: int, compression: int = 8, dtype=jnp.bfloat16):

@@ -158,6 +158,25 @@ class ForwardTestBase(ktu.KernelTestBase):
                                     g[r, js].astype(jnp.bfloat16).astype(np.float32))
       self.assertTrue((cols[r, n[r]:] == 0).all() and (p[r, n[r]:] == 0).all())
 
+  @parameterized.parameters(True, False)
+  def test_weight_check_in_the_gate_kernel_agrees(self, gated):
+    """The gate kernel's check of w_up (gated) and w_down gives the bits of the XLA check's
+    forward: on finite weights (heavy and empty rows), and with an infinity in w_up or a NaN
+    in w_down, which send every row down the dense path."""
+    x, wg, wu, wd = ktu.inputs(256, 128, 512, active=10.0, heavy=0.05, empty=0.02,
+                               gated=gated, seed=9)
+    run = lambda *w, check: ffn_mgpu.ffn_forward(
+        x, *w, interpret=self.INTERPRET, config=ffn_mgpu.ForwardConfig(weight_check=check))
+    cases = [(wg, wu, wd), (wg, wu, wd.at[300, 5].set(jnp.nan))]
+    if gated:
+      cases.append((wg, wu.at[100, 511].set(jnp.inf), wd))
+    for i, w in enumerate(cases):
+      got, want = run(*w, check="gate"), run(*w, check="xla")
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=f"case {i}")
+      self.assertEqual(bool(np.isfinite(np.asarray(got[0], np.float32)).all()), i == 0)
+
   def test_rejects_bad_input(self):
     x, wg, wu, wd = ktu.inputs(64, 64, 256)
     with self.assertRaisesRegex(ValueError, "w_down"):
@@ -171,6 +190,11 @@ class ForwardTestBase(ktu.KernelTestBase):
         ffn_mgpu.ForwardConfig(hot_features=k)
     with self.assertRaisesRegex(ValueError, "row_mode"):
       common.GatherConfig(row_mode="registers")
+    with self.assertRaisesRegex(ValueError, "weight_check"):
+      ffn_mgpu.ForwardConfig(weight_check="host")
+    with self.assertRaisesRegex(ValueError, "packing warpgroup"):
+      ffn_mgpu.ForwardConfig(weight_check="gate", gate=gate_pack_mgpu.GateConfig(
+          epilogue_wg=False, max_concurrent_steps=4))
 
 
 class ForwardInterpretTest(ForwardTestBase):
@@ -192,6 +216,12 @@ class ForwardLoweringTest(parameterized.TestCase):
   def test_lowers_for_cuda(self, gated, row_mode):
     x, wg, wu, wd = ktu.inputs(256, 256, 512, gated=gated)
     cfg = ffn_mgpu.ForwardConfig(ell=common.GatherConfig(rows_ahead=True, row_mode=row_mode))
+    ktu.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a, config=cfg), x, wg, wu, wd)
+
+  @parameterized.parameters(True, False)
+  def test_lowers_for_cuda_with_the_gate_kernels_weight_check(self, gated):
+    x, wg, wu, wd = ktu.inputs(256, 256, 512, gated=gated)
+    cfg = ffn_mgpu.ForwardConfig(weight_check="gate")
     ktu.lower_for_cuda(lambda *a: ffn_mgpu.ffn_forward(*a, config=cfg), x, wg, wu, wd)
 
 

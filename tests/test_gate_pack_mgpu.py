@@ -83,6 +83,47 @@ class GatePackTestBase(ktu.KernelTestBase):
     with self.assertRaisesRegex(ValueError, "gate_pack needs"):
       gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
 
+  @parameterized.named_parameters(
+      # 8 tiles on the interpreter's 8 CTAs: each checks its rows before its tile.
+      dict(testcase_name="before_tiles", m=512, d=128, h=512),
+      # 2 tiles: most CTAs have none, so each checks its blocks after the tile loop.
+      dict(testcase_name="after_tiles", m=128, d=128, h=512),
+      # 64 tiles, 8 per CTA: a CTA's blocks spread over two of its tiles.
+      dict(testcase_name="spread", m=2048, d=128, h=1024),
+      # 8 tiles, 32 blocks per array: four blocks of each before a CTA's one tile.
+      dict(testcase_name="several_per_tile", m=256, d=256, h=1024))
+  def test_weight_check(self, m, d, h):
+    """The packing warpgroup's NaN / infinity check of other weights: the same words and
+    counts, no flag on finite weights, a flag for a NaN, +inf or -inf anywhere in any of
+    them (the first and last element of each, and inside)."""
+    x, wg, wu, wd = ktu.inputs(m, d, h, active=8.0, heavy=0.02, seed=6)
+    base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
+    words, counts, bad = gate_pack_mgpu.gate_pack(x, wg, check=(wu, None, wd),
+                                                  interpret=self.INTERPRET)
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(base[0]))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(base[1]))
+    self.assertFalse(bool(bad))
+    size = d * h
+    for which, flat, value in ((0, 0, np.nan), (1, size - 1, np.inf), (0, size - 1, -np.inf),
+                               (1, 0, np.nan), (1, size // 2 + 77, -np.inf)):
+      ws = [np.asarray(wu).copy(), np.asarray(wd).copy()]
+      ws[which].reshape(-1)[flat] = value
+      *_, bad = gate_pack_mgpu.gate_pack(x, wg, check=[jnp.asarray(a) for a in ws],
+                                         interpret=self.INTERPRET)
+      self.assertTrue(bool(bad), (which, flat, value))
+
+  def test_weight_check_rejects_what_it_cannot_read(self):
+    x, wg, wu, wd = ktu.inputs(128, 128, 512)
+    with self.assertRaisesRegex(ValueError, "one size"):
+      gate_pack_mgpu.gate_pack(x, wg, check=(wu, wd[:256]), interpret=self.INTERPRET)
+    with self.assertRaisesRegex(ValueError, "one size"):
+      gate_pack_mgpu.gate_pack(x, wg, check=(wu.astype(jnp.float32),),
+                               interpret=self.INTERPRET)
+    with self.assertRaisesRegex(ValueError, "packing warpgroup"):
+      gate_pack_mgpu.gate_pack(x, wg, check=(wu,), interpret=self.INTERPRET,
+                               config=gate_pack_mgpu.GateConfig(
+                                   epilogue_wg=False, max_concurrent_steps=4))
+
 
 class GatePackInterpretTest(GatePackTestBase):
   INTERPRET = True
@@ -96,6 +137,13 @@ class GatePackInterpretTest(GatePackTestBase):
     base = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
     for a, b in zip(got, base):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_no_races_with_a_weight_check(self):
+    """The packer's reads of the checked weights and its flag stores, two tiles per CTA."""
+    x, wg, wu, wd = ktu.inputs(2048, 128, 512, active=8.0, seed=3)
+    *_, bad = ktu.assert_race_free(
+        lambda p: gate_pack_mgpu.gate_pack(x, wg, check=(wu, wd), interpret=p))
+    self.assertFalse(bool(bad))
 
 
 class PackedWordsTest(absltest.TestCase):
@@ -125,6 +173,26 @@ class PackedWordsTest(absltest.TestCase):
       self.assertTrue((np.asarray(entries[r, len(js):]) == 0).all())
 
 
+class ScanPlanTest(parameterized.TestCase):
+  """Which blocks each CTA checks (pure Python): together they cover every block."""
+
+  @parameterized.product(blocks=(1, 7, 132, 1000, 1408), num_sms=(1, 8, 132),
+                         tiles=(1, 5, 131, 132, 133, 2816))
+  def test_every_block_is_checked(self, blocks, num_sms, tiles):
+    plan = gate_pack_mgpu._ScanPlan.make(2, blocks, num_sms, tiles)  # pylint: disable=protected-access
+    seen = set()
+    for sm in range(num_sms):
+      local_tiles = len(range(sm, tiles, num_sms))
+      if plan.per_tile:
+        self.assertGreaterEqual(local_tiles, plan.slots)
+        js = range(plan.slots * plan.per_tile)
+      else:
+        self.assertEqual(plan.slots, 1)
+        js = range(plan.per_cta)
+      seen.update(min(sm + num_sms * min(j, plan.per_cta - 1), blocks - 1) for j in js)
+    self.assertEqual(seen, set(range(blocks)))
+
+
 class GatePackLoweringTest(parameterized.TestCase):
 
   @parameterized.parameters(True, False)
@@ -133,6 +201,11 @@ class GatePackLoweringTest(parameterized.TestCase):
     cfg = gate_pack_mgpu.GateConfig(epilogue_wg=epilogue_wg,
                                     max_concurrent_steps=3 if epilogue_wg else 4)
     ktu.lower_for_cuda(lambda a, b: gate_pack_mgpu.gate_pack(a, b, config=cfg), x, wg)
+
+  def test_lowers_for_cuda_with_a_weight_check(self):
+    x, wg, wu, wd = ktu.inputs(256, 256, 512)
+    ktu.lower_for_cuda(lambda *a: gate_pack_mgpu.gate_pack(a[0], a[1], check=a[2:]),
+                       x, wg, wu, wd)
 
 
 @pytest.mark.gpu
