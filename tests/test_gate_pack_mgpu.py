@@ -88,8 +88,8 @@ class GatePackTestBase(ktu.KernelTestBase):
       dict(testcase_name="before_tiles", m=512, d=128, h=512),
       # 2 tiles: most CTAs have none, so each checks its blocks after the tile loop.
       dict(testcase_name="after_tiles", m=128, d=128, h=512),
-      # 64 tiles, 8 per CTA: a CTA's blocks spread over two of its tiles.
-      dict(testcase_name="spread", m=2048, d=128, h=1024),
+      # 32 tiles, 4 per CTA: a CTA's blocks spread over all four.
+      dict(testcase_name="spread", m=1024, d=128, h=1024),
       # 8 tiles, 32 blocks per array: four blocks of each before a CTA's one tile.
       dict(testcase_name="several_per_tile", m=256, d=256, h=1024))
   def test_weight_check(self, m, d, h):
