@@ -71,7 +71,7 @@ class ForwardConfig:
     every row down the dense path: "xla", a reduction of its own over both
     (``reference.any_nonfinite``: 0.016 ms at the paper shape on an H100), or "gate", the
     gate kernel's packing warpgroup while the tensor cores run (``gate_pack(check=)``: no
-    pass of its own; not yet timed on a GPU, so not the default).
+    pass of its own; untimed on a GPU, so not the default).
   """
   hot_features: int = 0
   max_row_entries: int = 128

@@ -90,13 +90,16 @@ class GatePackTestBase(ktu.KernelTestBase):
       dict(testcase_name="after_tiles", m=128, d=128, h=512),
       # 32 tiles, 4 per CTA: a CTA's blocks spread over all four.
       dict(testcase_name="spread", m=1024, d=128, h=1024),
-      # 8 tiles, 32 blocks per array: four blocks of each before a CTA's one tile.
-      dict(testcase_name="several_per_tile", m=256, d=256, h=1024))
-  def test_weight_check(self, m, d, h):
+      # 8 tiles, 32 blocks per array: four blocks of each before a CTA's one tile; skewed
+      # activity (a feature on 70% of the rows, 90% dead, near-dense rows), whose overflowing
+      # tiles make the packer's loops uneven around the check.
+      dict(testcase_name="several_per_tile", m=256, d=256, h=1024,
+           skew=dict(dead_fraction=0.9, hottest=0.7, row_spread=0.5)))
+  def test_weight_check(self, m, d, h, skew=None):
     """The packing warpgroup's NaN / infinity check of other weights: the same words and
     counts, no flag on finite weights, a flag for a NaN, +inf or -inf anywhere in any of
     them (the first and last element of each, and inside)."""
-    x, wg, wu, wd = ktu.inputs(m, d, h, active=8.0, heavy=0.02, seed=6)
+    x, wg, wu, wd = ktu.inputs(m, d, h, active=8.0, heavy=0.02, seed=6, **(skew or {}))
     base = gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET)
     words, counts, bad = gate_pack_mgpu.gate_pack(x, wg, check=(wu, None, wd),
                                                   interpret=self.INTERPRET)
