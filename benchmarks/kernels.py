@@ -15,8 +15,9 @@ as dense GEMMs (``hot_features``, ``twell_jax.features.calibrate``; 0 for unifor
 a model that keeps its features sorted runs them. Times: medians of synchronized calls
 (``benchmarks.timing.wall_ms``: "ratio"; each call also pays the host's launch and wait,
 ~0.3 ms at the paper shape for either implementation) and the mean of back-to-back calls
-(``pipelined_ms``: "piped", as in a model's step, where nothing waits for each FFN);
-``--breakdown`` adds each kernel's device time (CUPTI). Each spec's result is printed as
+(``pipelined_ms``: "piped", as in a model's step, where nothing waits for each FFN) and the
+device time, all kernels summed (``device_ms``, CUPTI: "device"); ``--breakdown`` adds each
+kernel's device time. Each spec's result is printed as
 JSON and the list so far rewritten to ``--out`` after every spec. ``--interpret`` runs the
 kernels in the Mosaic GPU interpreter (a CPU smoke test of this file; use the ``tiny`` specs).
 """
@@ -100,6 +101,10 @@ def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool
   res["dense_pipelined_ms"] = timing.pipelined_ms(dense, x, wg, wu, wd, iters=iters)
   res["twell_pipelined_ms"] = timing.pipelined_ms(sparse, x, wg, wu, wd, iters=iters)
   res["pipelined_ratio"] = res["twell_pipelined_ms"] / res["dense_pipelined_ms"]
+  res["dense_device_ms"] = timing.device_ms(dense, x, wg, wu, wd)
+  res["twell_device_ms"] = timing.device_ms(sparse, x, wg, wu, wd)
+  if res["dense_device_ms"] and res["twell_device_ms"]:
+    res["device_ratio"] = res["twell_device_ms"] / res["dense_device_ms"]
   # The training path's forward (hybrid ELL layout, hot features dense), y only.
   cfg = ffn_train_mgpu.hybrid_config(spec.m, spec.d, spec.h, spec.ell_width, spec.tail_rows,
                                      hot_features=k)
@@ -114,8 +119,6 @@ def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool
   res["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
   if breakdown:
     for label, fn in (("dense", dense), ("twell", sparse)):
-      res[f"{label}_device_ms"] = timing.device_ms(fn, x, wg, wu, wd)
-      res[f"{label}_pipelined_ms"] = timing.pipelined_ms(fn, x, wg, wu, wd, iters=iters)
       res[f"{label}_breakdown"] = timing.summarize_breakdown(
           label, timing.kernel_breakdown(fn, x, wg, wu, wd))
   res["input"] = input_stats(spec, x, wg, wu)
@@ -161,8 +164,8 @@ def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
       res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, interpret, k),
                                                      x, wg, wu, wd, F32(1.0))
       res[f"{impl}_pipelined_ms"] = timing.pipelined_ms(f, *args, iters=iters)
+      res[f"{impl}_device_ms"] = timing.device_ms(f, *args)
       if breakdown:
-        res[f"{impl}_device_ms"] = timing.device_ms(f, *args)
         res[f"{impl}_breakdown"] = timing.summarize_breakdown(
             impl, timing.kernel_breakdown(f, *args))
     except Exception as e:  # pylint: disable=broad-except  # report it, time the rest
@@ -177,6 +180,8 @@ def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
                                         / res["dense_pipelined_ms"])
       res[f"{impl}_residual_ratio"] = (res[f"{impl}_residual_bytes"]
                                        / res["dense_residual_bytes"])
+      if res.get(f"{impl}_device_ms") and res.get("dense_device_ms"):
+        res[f"{impl}_device_ratio"] = res[f"{impl}_device_ms"] / res["dense_device_ms"]
     if impl in grads and "dense" in grads and impl != "dense":
       res[f"{impl}_grad_rel_vs_dense"] = [
           float(jnp.linalg.norm(a.astype(F32) - b.astype(F32))
@@ -189,24 +194,28 @@ def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
 def _print_table(mode: str, results: list[dict], impls) -> None:
   print()
   if mode == "fwd":
-    print(f"{'spec':<22}{'dense ms':>10}{'twell ms':>10}{'ratio':>8}{'piped':>8}{'+stats':>8}"
+    print(f"{'spec':<22}{'dense ms':>10}{'twell ms':>10}{'ratio':>8}{'piped':>8}{'device':>8}"
+          f"{'+stats':>8}"
           f"{'hybrid':>8}{'ratio':>8}{'nnz':>7}{'ovf':>7}{'relerr':>10}")
   else:
-    print(f"{'spec':<22}" + "".join(f"{i + ' ms':>16}{'ratio':>8}{'piped':>8}" for i in impls)
+    print(f"{'spec':<22}" + "".join(f"{i + ' ms':>16}{'ratio':>8}{'piped':>8}{'device':>8}"
+                                    for i in impls)
           + f"{'residual':>10}")
   for r in results:
     if "error" in r:
       print(f"{r['spec']:<22} ERROR {r['error'][:100]}")
     elif mode == "fwd":
       print(f"{r['spec']:<22}{r['dense_ms']:>10.3f}{r['twell_ms']:>10.3f}{r['ratio']:>8.3f}"
-            f"{r['pipelined_ratio']:>8.3f}{r['twell_with_stats_ms']:>8.3f}{r['hybrid_ms']:>8.3f}{r['hybrid_ratio']:>8.3f}"
+            f"{r['pipelined_ratio']:>8.3f}{r.get('device_ratio', math.nan):>8.3f}"
+            f"{r['twell_with_stats_ms']:>8.3f}{r['hybrid_ms']:>8.3f}{r['hybrid_ratio']:>8.3f}"
             f"{r['nnz_per_token']:>7.1f}"
             f"{r['overflow_rows']:>7d}{r['rel_err']:>10.2e}")
     else:
       row = f"{r['spec']:<22}"
       for i in impls:
         row += (f"{r.get(i + '_ms', math.nan):>16.3f}{r.get(i + '_ratio', math.nan):>8.3f}"
-                f"{r.get(i + '_pipelined_ratio', math.nan):>8.3f}")
+                f"{r.get(i + '_pipelined_ratio', math.nan):>8.3f}"
+                f"{r.get(i + '_device_ratio', math.nan):>8.3f}")
       print(row + f"{r.get('mosaic_gpu_residual_ratio', math.nan):>10.3f}")
 
 

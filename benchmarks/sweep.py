@@ -56,7 +56,9 @@ FORWARD_VARIANTS = {
     "default": {},
     "ell_reload": dict(ell=_G(rows_ahead=True, row_mode="reload")),
     "ell_no_ahead": dict(ell=_G(row_mode="f32")),
-    "weight_check_gate": dict(weight_check="gate"),
+    "weight_check_xla": dict(weight_check="xla"),
+    # A layer that holds w_up^T [H, D] beside w_up (``ffn_forward(w_up_t=)``).
+    "held_w_up_t": dict(hold_w_up_t=True),
 }
 # The fused up / down kernel alone (``ffn_mgpu.ForwardConfig.ell``).
 UP_DOWN_VARIANTS = {
@@ -121,9 +123,13 @@ def sweep_forward(spec, x, wg, wu, wd, k: int) -> dict:
 
   out = {"hot_features": k, "dense": times(dense)}
   base = None
+  wu_t = jnp.asarray(wu.T) if spec.gated else None
   for name, kw in FORWARD_VARIANTS.items():
+    kw = dict(kw)
+    held = wu_t if kw.pop("hold_w_up_t", False) else None
     cfg = ffn_mgpu.ForwardConfig(**{"hot_features": k, **kw})
-    f = jax.jit(lambda *a, cfg=cfg: ffn_mgpu.ffn_forward(*a, config=cfg)[0])
+    f = jax.jit(lambda *a, cfg=cfg, held=held: ffn_mgpu.ffn_forward(
+        *a, config=cfg, w_up_t=held)[0])
     y = jax.block_until_ready(f(*args)).astype(jnp.float32)
     base = y if base is None else base
     t = times(f)

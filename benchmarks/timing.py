@@ -3,8 +3,9 @@
 * ``wall_ms``: median wall-clock ms of synchronized calls after warm-up (what a caller waits).
 * ``device_ms``: median device time of one call, all its kernels summed (mosaic's CUPTI
   profiler), or None where CUPTI is unavailable.
-* ``pipelined_ms``: mean ms per call of back-to-back calls with one final sync (host dispatch
-  overlaps the device, as in a training loop; host syncs inside the call still show).
+* ``pipelined_ms``: ms per call of back-to-back calls with one final sync (host dispatch
+  overlaps the device, as in a training loop; host syncs inside the call still show), the
+  median of several rounds.
 * ``kernel_breakdown``: per-kernel device time in launch order.
 """
 
@@ -47,12 +48,17 @@ def device_ms(f, *args, iterations: int = 10) -> float | None:
   return statistics.median(rt) if isinstance(rt, list) else float(rt)
 
 
-def pipelined_ms(f, *args, iters: int) -> float:
+def pipelined_ms(f, *args, iters: int, rounds: int = 5) -> float:
+  """Median over ``rounds`` of the mean ms per call of ``iters`` back-to-back calls (one round
+  alone moves by a few percent with the host's scheduling)."""
   jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  outs = [f(*args) for _ in range(iters)]
-  jax.block_until_ready(outs)
-  return (time.perf_counter() - t0) * 1e3 / iters
+  per_call = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    outs = [f(*args) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    per_call.append((time.perf_counter() - t0) * 1e3 / iters)
+  return statistics.median(per_call)
 
 
 def kernel_breakdown(f, *args, iterations: int = 5) -> list[tuple[str, float]] | None:

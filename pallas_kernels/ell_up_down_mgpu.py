@@ -174,9 +174,10 @@ def ell_from_twell(words, counts, *, slots: int, width: int, group: int = 1):
   [T, M] layout (a transpose would cost a pass of its own).
   """
   t = words.shape[1] // slots
-  row_nnz = jnp.sum(counts, axis=0)                                         # [M]
-  over = (row_nnz > width) | jnp.any(counts > slots, axis=0)
-  n = jnp.where(over, 0, row_nnz).astype(jnp.int32)
+  # One reduction for both tests: a tile over S adds more than the width, so its row is over.
+  total = jnp.sum(jnp.where(counts > slots, counts + width + 1, counts), axis=0)   # [M]
+  over = total > width
+  n = jnp.where(over, 0, total).astype(jnp.int32)
   kept = jnp.minimum(counts, slots)
   incl = jnp.cumsum(kept, axis=0)                                           # [T, M]
   # Slot k of a row lies in tile t* = #{t : incl_t <= k}, at word t* S + k - incl_{t*-1}

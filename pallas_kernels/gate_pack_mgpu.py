@@ -629,6 +629,17 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), ch
   return words, counts, jnp.any(flags != 0)
 
 
+def check_blocks_per_tile(size: int, m: int, n_tiles: int, config: GateConfig = GateConfig(),
+                          interpret=False) -> int:
+  """The [64, SCAN_COLS] blocks of each checked array of ``size`` elements that a CTA of
+  ``gate_pack(check=)`` reads before each of its tiles (x [m, K], ``n_tiles`` 256-column
+  tiles): 0 when some CTA has no tile, which then reads its whole share after its tiles, one
+  block after another."""
+  with common.interpret_context(bool(interpret)):
+    grid = common.num_sms() // (2 if config.cluster_m else 1)
+  return _ScanPlan.make(1, -(-size // SCAN_BLOCK), grid, (m // CTA_M) * n_tiles).per_tile
+
+
 def _scan_plan(check, num_sms: int, tiles: int) -> _ScanPlan | None:
   """The blocks each CTA checks (``_ScanPlan``), None without arrays; refuses arrays the
   scan cannot read."""

@@ -9,6 +9,7 @@ tile capacity, all-zero rows, odd shapes, most rows overflowing.
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -176,6 +177,27 @@ class ForwardTestBase(ktu.KernelTestBase):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                       err_msg=f"case {i}")
       self.assertEqual(bool(np.isfinite(np.asarray(got[0], np.float32)).all()), i == 0)
+
+  def test_auto_weight_check_goes_to_the_gate_kernel_where_a_tile_covers_two_blocks(self):
+    """weight_check="auto" hands the check to the gate kernel exactly when every CTA has a
+    tile for each one or two blocks of its share (8 SMs in the interpreter)."""
+    per_tile = functools.partial(gate_pack_mgpu.check_blocks_per_tile, interpret=True)
+    self.assertEqual(per_tile(128 * 512, 256, 2), 0)      # 4 tiles: some CTAs have none
+    self.assertEqual(per_tile(128 * 512, 1024, 2), 1)     # 16 blocks, 16 tiles
+    self.assertEqual(per_tile(512 * 512, 1024, 2), 4)     # 64 blocks, 16 tiles
+    bf16, wants = jnp.bfloat16, {}
+    real = gate_pack_mgpu.gate_pack
+
+    def spy(*a, check=(), **kw):
+      wants["check"] = len(check)
+      return real(*a, check=check, **kw)
+
+    for d, want in ((128, 2), (512, 0)):
+      with mock.patch.object(gate_pack_mgpu, "gate_pack", spy):
+        jax.make_jaxpr(functools.partial(ffn_mgpu.ffn_forward.__wrapped__, interpret=True))(
+            jnp.zeros((1024, d), bf16), jnp.zeros((d, 512), bf16), jnp.zeros((d, 512), bf16),
+            jnp.zeros((512, d), bf16))
+      self.assertEqual(wants["check"], want, f"D={d}")
 
   def test_rejects_bad_input(self):
     x, wg, wu, wd = ktu.inputs(64, 64, 256)
