@@ -5,7 +5,8 @@ r"""Configuration sweeps on the GPU: every variant against the default, same inp
 * ``gate``: the gate kernel (``gate_pack``) per ``GateConfig`` (device time, CUPTI); every
   variant's words / counts must equal the default's bit for bit. XLA's relu(x @ w_gate)
   without packing for scale.
-* ``forward``: the inference forward per ``ForwardConfig``.
+* ``forward``: the inference forward per ``ForwardConfig``, and with a held copy of w_up^T
+  (``ffn_forward(w_up_t=)``).
 * ``up_down``: the fused up / down kernel alone (device time) per ``GatherConfig`` on the
   ELL rows of the calibrated hot features' cold columns (outputs must match bit for bit),
   and the TwELL -> ELL conversion.
