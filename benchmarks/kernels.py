@@ -14,11 +14,11 @@ features sorted by their activity on x and the features above the 1% break-even 
 as dense GEMMs (``hot_features``, ``twell_jax.features.calibrate``; 0 for uniform activity), as
 a model that keeps its features sorted runs them. Times: medians of synchronized calls
 (``benchmarks.timing.wall_ms``: "ratio"; each call also pays the host's launch and wait,
-~0.3 ms at the paper shape for either implementation) and the mean of back-to-back calls
-(``pipelined_ms``: "piped", as in a model's step, where nothing waits for each FFN) and the
-device time, all kernels summed (``device_ms``, CUPTI: "device"); ``--breakdown`` adds each
-kernel's device time. Each spec's result is printed as
-JSON and the list so far rewritten to ``--out`` after every spec. ``--interpret`` runs the
+~0.3 ms at the paper shape for either implementation), back-to-back calls (``pipelined_ms``:
+"piped", as in a model's step, where nothing waits for each FFN) and the device time, all
+kernels summed (``device_ms``, CUPTI: "device"); ``--breakdown`` adds each kernel's device
+time. Each spec's result is printed as JSON and the list so far rewritten to ``--out`` after
+every spec. ``--interpret`` runs the
 kernels in the Mosaic GPU interpreter (a CPU smoke test of this file; use the ``tiny`` specs).
 """
 

@@ -596,12 +596,12 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), ch
   check = tuple(a for a in check if a is not None)
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with common.interpret_context(bool(interpret)):
-    grid = common.num_sms() // (2 if config.cluster_m else 1)
+    grid = _grid(config)
     out_type = (jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
                 jax.ShapeDtypeStruct((t, m), jnp.int32))
     kernel = functools.partial(_kernel, cfg=config, tile_start=col_start // TILE_N)
     if config.epilogue_wg:
-      plan = _scan_plan(check, grid, (m // CTA_M) * t)
+      plan = _scan_plan(check, grid, _tiles(m, t))
       kernel = functools.partial(_kernel_epilogue_wg, cfg=config,
                                  tile_start=col_start // TILE_N, scan=plan)
       if plan is not None:
@@ -636,8 +636,18 @@ def check_blocks_per_tile(size: int, m: int, n_tiles: int, config: GateConfig = 
   tiles): 0 when some CTA has no tile, which then reads its whole share after its tiles, one
   block after another."""
   with common.interpret_context(bool(interpret)):
-    grid = common.num_sms() // (2 if config.cluster_m else 1)
-  return _ScanPlan.make(1, -(-size // SCAN_BLOCK), grid, (m // CTA_M) * n_tiles).per_tile
+    grid = _grid(config)
+  return _ScanPlan.make(1, -(-size // SCAN_BLOCK), grid, _tiles(m, n_tiles)).per_tile
+
+
+def _grid(config: GateConfig) -> int:
+  """The persistent kernel's CTAs: one per SM, or per SM pair with ``cluster_m``."""
+  return common.num_sms() // (2 if config.cluster_m else 1)
+
+
+def _tiles(m: int, n_tiles: int) -> int:
+  """The [CTA_M, 256] output tiles the CTAs share."""
+  return (m // CTA_M) * n_tiles
 
 
 def _scan_plan(check, num_sms: int, tiles: int) -> _ScanPlan | None:
