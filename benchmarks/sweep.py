@@ -34,6 +34,7 @@ from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import gate_pack_mgpu as gp
 from pallas_kernels import reference
+from pallas_kernels import twell_to_ell_triton
 from twell_jax import mosaic
 
 _WHAT = flags.DEFINE_list("what", ["train"], "gate, forward, up_down and / or train")
@@ -41,6 +42,7 @@ _SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_skew"], "benchmarks
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 
 _G = common.GatherConfig
+_C = twell_to_ell_triton.ConvertConfig
 GATE_VARIANTS = {
     "default": gp.GateConfig(),
     "no_packer_wg": gp.GateConfig(epilogue_wg=False, max_concurrent_steps=4, extract_ways=2),
@@ -60,6 +62,8 @@ FORWARD_VARIANTS = {
     "weight_check_xla": dict(weight_check="xla"),
     # A layer that holds w_up^T [H, D] beside w_up (``ffn_forward(w_up_t=)``).
     "held_w_up_t": dict(hold_w_up_t=True),
+    "convert_xla": dict(convert="xla"),
+    "convert_r8": dict(convert_kernel=_C(rows_per_program=8)),
 }
 # The fused up / down kernel alone (``ffn_mgpu.ForwardConfig.ell``).
 UP_DOWN_VARIANTS = {
@@ -131,7 +135,12 @@ def sweep_forward(spec, x, wg, wu, wd, k: int) -> dict:
     cfg = ffn_mgpu.ForwardConfig(**{"hot_features": k, **kw})
     f = jax.jit(lambda *a, cfg=cfg, held=held: ffn_mgpu.ffn_forward(
         *a, config=cfg, w_up_t=held)[0])
-    y = jax.block_until_ready(f(*args)).astype(jnp.float32)
+    try:
+      y = jax.block_until_ready(f(*args)).astype(jnp.float32)
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+      print(f"  forward {name}: {out[name]}", flush=True)
+      continue
     base = y if base is None else base
     t = times(f)
     t.update({f"{key}_ratio": t[key] / out["dense"][key] for key in t

@@ -79,7 +79,8 @@ def _my_tiles(n, block_m: int, grid_n: int):
 
 
 def _gather_kernel(n_gmem, rows_gmem, x_gmem, out_gmem):
-  sm, num_sms, count = _my_tiles(n_gmem[0], 1, 1)     # one row per "tile"
+  n = jnp.minimum(n_gmem[0], out_gmem.shape[0])
+  sm, num_sms, count = _my_tiles(n, 1, 1)     # one row per "tile"
 
   @pl.loop(0, count)
   def _(t):
@@ -94,7 +95,7 @@ def _gemm_kernel(n_gmem, a_gmem, *refs, n_b: int, bn: int, epilogue, cfg: DenseR
   bm, bk = cfg.block_m, cfg.block_k
   k = a_gmem.shape[1]
   grid_n = b_gmems[0].shape[1] // bn
-  n = n_gmem[0]
+  n = jnp.minimum(n_gmem[0], a_gmem.shape[0])
   sm, num_sms, count = _my_tiles(n, bm, grid_n)
   a_tr, b_tr = _transforms(bk), _transforms(bn)
 
@@ -169,7 +170,9 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
                    config: DenseRowsConfig = DenseRowsConfig(), interpret=False):
   """(y [R, D] bf16, l1 [R] f32, counts [H] int32) of the dense FFN on rows x[rows[i]], i < n.
 
-  x [M, D] bf16; rows [R] int32 (entries i >= n unused, any value); n int32 scalar (<= R);
+  x [M, D] bf16; rows [R] int32, rows[i] in [0, M) for i < n (entries i >= n unused, any
+  value); n: the row count, an int32 scalar or the first element of an int32 array (read on
+  the device as it is: no XLA op in between), at most R counted;
   w_gate (None: non-gated) / w_up [D, H], w_down [H, D] bf16. Needs R % 64 == 0,
   D % 128 == 0, H % block_n == 0 (the caller pads)."""
   cfg = config
@@ -183,8 +186,8 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
   if w_down.shape != (h, d) or (gated and w_gate.shape != (d, h)):
     raise ValueError(f"dense_ffn_rows: {w_down.shape=} must be {(h, d)}"
                      + (f", {w_gate.shape=} {(d, h)}" if gated else ""))
-  n = jnp.reshape(jnp.minimum(jnp.asarray(n, jnp.int32), r), (1,))
-  rows = jnp.clip(rows.astype(jnp.int32), 0, m - 1)
+  n = jnp.asarray(n, jnp.int32)
+  n = jnp.reshape(n, (1,)) if n.ndim == 0 else n
   bm, bn = cfg.block_m, cfg.block_n
   grid = dict(grid=(common.num_sms(),), grid_names=("sm",),
               interpret=common.interpret_params(interpret))
@@ -222,7 +225,7 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
     y_rows = common.call_kernel(down, n, h_rows, w_down)
 
   # Partials of row blocks past n were never written: mask them before summing.
-  blocks = jnp.arange(r // bm)[:, None] < lax.div(n[0] + (bm - 1), bm)
+  blocks = jnp.arange(r // bm)[:, None] < lax.div(jnp.minimum(n[0], r) + (bm - 1), bm)
   counts = jnp.sum(jnp.where(blocks, cnt_part, 0), axis=0, dtype=jnp.int32)
   l1 = jnp.sum(l1_part, axis=0)
   return y_rows, l1, counts

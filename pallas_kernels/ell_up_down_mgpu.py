@@ -127,22 +127,23 @@ def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
                      f"{w_down.shape=} {group=}")
   if gated and w_up_t.shape != (h, d):
     raise ValueError(f"ell_up_down: {w_up_t.shape=} must be {(h, d)}")
+  # Operands a variant does not read are stood in for by ones at hand (a fresh zeros array
+  # would cost a kernel launch per call).
   if not gated:
-    w_up_t = jnp.zeros((8, 128), w_down.dtype)  # unused placeholder operand
+    w_up_t = w_down
   has_init = y_init is not None
   if has_init and y_init.shape != (m, d):
     raise ValueError(f"ell_up_down: {y_init.shape=} must be {(m, d)}")
   if not has_init:
-    y_init = jnp.zeros((8, 128), x.dtype)       # unused placeholder operand
+    y_init = x
   has_dense = dense is not None
   if has_dense:
     pos, y_dense, l1_dense = dense
     if pos.shape != (m,) or y_dense.shape[1:] != (d,) or l1_dense.shape != y_dense.shape[:1]:
       raise ValueError(f"ell_up_down: dense rows {pos.shape=} {y_dense.shape=} "
                        f"{l1_dense.shape=} must be [M={m}], [R, D={d}], [R]")
-  else:   # unused placeholder operands
-    pos, y_dense, l1_dense = (jnp.zeros((8,), jnp.int32), jnp.zeros((8, 128), x.dtype),
-                              jnp.zeros((8,), _F32))
+  else:
+    pos, y_dense, l1_dense = n, x, n
   with common.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, gated=gated, group=group, x_mode=config.row_mode,

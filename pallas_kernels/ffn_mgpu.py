@@ -10,16 +10,17 @@ Pipeline (all on device, no host sync):
  1. ``gate_pack_mgpu.gate_pack``: wgmma GEMM x @ w_gate[:, K:] (w_up when non-gated) with ReLU
     and TwELL packing in its epilogue (S = 256 / compression slots per row and 256-column
     tile; true counts kept). The dense [M, H] activation is never written.
- 2. The packed words become ELL rows (``ell_up_down_mgpu.ell_from_twell``, XLA glue: each
-    row's entries in one flat list of at most ``max_row_entries``), then
-    ``ell_up_down_mgpu.ell_up_down`` (without u): per row, over its entries, gathers W_up^T
-    rows (gated) and W_down rows, computes h and accumulates y in f32. A flat list lets the
-    kernel load the next entry's rows while the current one computes, across tile borders:
-    on an H100 at the paper shape, uniform 30 entries per row, 0.563 ms against 0.693 for a
-    walk of the TwELL tiles themselves; the conversion costs 0.03-0.04 ms.
+ 2. The packed words become ELL rows and the overflow rows a list
+    (``twell_to_ell_triton.twell_to_ell``, one kernel: each row's entries in one flat list of
+    at most ``max_row_entries``), then ``ell_up_down_mgpu.ell_up_down`` (without u): per
+    row, over its entries, gathers W_up^T rows (gated) and W_down rows, computes h and
+    accumulates y in f32. A flat list lets the kernel load the next entry's rows while the
+    current one computes, across tile borders: on an H100 at the paper shape, uniform 30
+    entries per row, 0.563 ms against 0.693 for a walk of the TwELL tiles themselves; the
+    conversion costs 0.017-0.018 ms (0.04 ms in 12 XLA kernels).
  3. Overflow rows (some tile count > S, or more than ``max_row_entries`` entries) are skipped
     by step 2's sums and computed exactly by ``dense_rows_mgpu.dense_ffn_rows``, a dense FFN
-    on a row list whose length the kernels read on the device: no conditional, no host
+    on the row list, whose length the kernels read on the device: no conditional, no host
     round trip, and with no overflowing row only its three launches. Step 2 then copies
     those rows' results in. Nothing is truncated; ``stats["overflow_rows"]`` counts them.
     Its buffers hold every row (x, h and y of the whole batch, as XLA's dense FFN does),
@@ -47,6 +48,7 @@ from pallas_kernels import dense_rows_mgpu
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import reference
+from pallas_kernels import twell_to_ell_triton
 
 
 GATE_CHECK_BLOCKS = 2     # ForwardConfig.weight_check="auto": the gate kernel's blocks per tile
@@ -70,6 +72,13 @@ class ForwardConfig:
   ``ell``: the fused kernel's choices (``ell_up_down``): each entry's weight rows loaded a step
     ahead, x_r held as f32 (0.563 ms; x_r re-read at each entry: 0.601 ms; H100, uniform).
   ``dense_rows``: the tiles of the dense path for overflowing rows (``dense_rows_mgpu``).
+  ``convert``: what turns the TwELL tiles into ELL rows and lists the overflow rows:
+    "triton", one kernel (``twell_to_ell_triton``, Pallas' Triton backend: the conversion is
+    a per-thread gather, which Mosaic GPU's warpgroup-wide arrays do not express), or "xla",
+    ``ell_up_down_mgpu.ell_from_twell`` and a cumulative sum (12 small XLA kernels, 0.04 ms
+    against 0.018 at the paper shape on an H100). Same bits either way. jax marks the Triton
+    backend deprecated; "xla" is the path for a jax without it.
+  ``convert_kernel``: the conversion kernel's schedule.
   ``weight_check``: what looks for a NaN / infinity in w_up (gated) and w_down, which sends
     every row down the dense path: "gate", the gate kernel's packing warpgroup, a block or two
     of each before each tile while the tensor cores run (``gate_pack(check=)``); "xla", a
@@ -85,10 +94,14 @@ class ForwardConfig:
   ell: common.GatherConfig = common.GatherConfig(rows_ahead=True, row_mode="f32")
   dense_rows: dense_rows_mgpu.DenseRowsConfig = dense_rows_mgpu.DenseRowsConfig()
   weight_check: str = "auto"
+  convert: str = "triton"
+  convert_kernel: twell_to_ell_triton.ConvertConfig = twell_to_ell_triton.ConvertConfig()
 
   def __post_init__(self):
     if self.max_row_entries < 1:
       raise ValueError(f"{self.max_row_entries=} must be >= 1")
+    if self.convert not in ("xla", "triton"):
+      raise ValueError(f"{self.convert=} must be 'xla' or 'triton'")
     if self.weight_check not in ("auto", "xla", "gate"):
       raise ValueError(f"{self.weight_check=} must be 'auto', 'xla' or 'gate'")
     if self.weight_check == "gate" and not self.gate.epilogue_wg:
@@ -173,8 +186,8 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   if n_tiles == 0:
     # Every feature is hot: y_hot is the dense FFN itself (non-finite weights spread as there).
     cnt = jnp.zeros((0, mp), jnp.int32)
-    row_over = jnp.zeros((mp,), bool)
-    take = row_over
+    take = jnp.zeros((mp,), bool)
+    n_over = jnp.zeros((), jnp.int32)
     y, l1_rows = y_hot, jnp.zeros((mp,), jnp.float32)
     counts_cold = jnp.zeros((0,), jnp.int32)
     counts_dense = jnp.zeros((hp,), jnp.int32)
@@ -192,34 +205,42 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
       words, counts, nonfinite = packed
     else:
       (words, counts), nonfinite = packed, reference.any_nonfinite(*checked)
-    # Overflow rows (a tile over S entries or more than max_row_entries) get n = 0 here;
+    # The rows the sparse kernels cannot hold (a tile over S entries, or more than
+    # max_row_entries), or every row when w_up (gated) or w_down holds a NaN / inf (the dense
+    # FFN multiplies it by the zeros of h, spreading it to every row), run densely; the dense
+    # kernels read their count on the device (no host round trip). They get n = 0 here;
     # padding rows have no entries.
-    entries, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
-        words, counts, slots=slots, width=config.max_row_entries, group=config.ell.group)
-    # The rows the sparse kernels cannot hold, or every row when w_up (gated) or w_down holds
-    # a NaN / inf (the dense FFN multiplies it by the zeros of h, spreading it to every row),
-    # run densely; the dense kernels read their count on the device (no host round trip).
     # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach
     # the pre-activations, whose non-finite values are packed as active entries or are -inf,
     # which ReLU zeroes in the dense FFN as well.
     # (Checking w_up's transposed copy beside w_down in one reduction measured no faster: the
     # transpose then slows down by what the reduction saves.)
+    if config.convert == "triton":
+      entries, n, pos, rows, tally = twell_to_ell_triton.twell_to_ell(
+          words, counts, nonfinite, m=m, slots=slots, width=config.max_row_entries,
+          config=config.convert_kernel, interpret=interpret)
+      n_dense, n_over = tally, tally[1]    # the dense kernels read tally[0] themselves
+      if entries.shape[1] % config.ell.group:
+        entries = pad(entries, (mp, common.round_up(entries.shape[1], config.ell.group)))
+      take = pos >= 0
+      cnt = counts
+    else:
+      entries, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
+          words, counts, slots=slots, width=config.max_row_entries, group=config.ell.group)
+      take = (row_over | nonfinite) & valid_row
+      rank = jnp.cumsum(take, dtype=jnp.int32) - 1
+      rows, n_dense = common.first_true(take, mp, fill=0), rank[-1] + 1
+      pos, n = jnp.where(take, rank, -1), jnp.where(take, 0, n)
+      n_over = jnp.sum((row_over & valid_row).astype(jnp.int32))
     wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
-    take = (row_over | nonfinite) & valid_row
-    pos = jnp.cumsum(take, dtype=jnp.int32) - 1
-    rows = common.first_true(take, mp, fill=0)
     y_d, l1_d, counts_dense = dense_rows_mgpu.dense_ffn_rows(
-        xp, rows, pos[-1] + 1, wg_p, wup_p, wd_p, config=config.dense_rows,
-        interpret=interpret)
-    n = jnp.where(take, 0, n)
+        xp, rows, n_dense, wg_p, wup_p, wd_p, config=config.dense_rows, interpret=interpret)
     y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
-        xp, entries, n, wup_t, wd_p, y_init=y_hot, dense=(jnp.where(take, pos, -1), y_d, l1_d),
+        xp, entries, n, wup_t, wd_p, y_init=y_hot, dense=(pos, y_d, l1_d),
         write_u=False, config=config.ell, interpret=interpret)
     in_ell = jnp.arange(entries.shape[1])[None, :] < n[:, None]
     col = jnp.where(in_ell, lax.shift_right_logical(entries, 16) - k_hot, hp - k_hot)
     counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
-  row_over = row_over & valid_row
-  n_over = jnp.sum(row_over.astype(jnp.int32))
   live = ~take & valid_row
   # Dense rows' l1 covers the whole row; the sparse rows' adds the hot features'.
   l1_rows = jnp.where(live, l1_rows + hot_l1, jnp.where(take, l1_rows, 0.0))

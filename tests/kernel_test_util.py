@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import numpy as np
 from absl.testing import parameterized
@@ -20,10 +22,19 @@ def inputs(m, d, h, *, active=8.0, heavy=0.0, empty=0.0, gated=True, seed=0, **s
 def lower_for_cuda(f, *args, **kwargs):
   """Lowers ``jax.jit(f)`` for CUDA on any host (returns the Lowered object).
 
-  Pallas builds the whole Mosaic GPU module in Python at this point, so layout / lowering
-  errors show up on the CPU without a GPU (only the final PTX compile is left for the device).
+  Pallas builds the whole Mosaic GPU module (and the Triton module of a Triton-backend
+  kernel) in Python at this point, so layout / lowering errors show up on the CPU without a
+  GPU (only the final compile is left for the device). Triton's lowering asks the device for
+  its compute capability: without a GPU it is told an H100's.
   """
-  return jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+  from jax._src.pallas.triton import gpu_info  # pylint: disable=import-outside-toplevel
+  from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=import-outside-toplevel
+  lowered = lambda: jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+  if _common.on_hopper():
+    return lowered()
+  h100 = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", h100):
+    return lowered()
 
 
 def rel(a, b) -> float:
