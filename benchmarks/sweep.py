@@ -9,7 +9,7 @@ r"""Configuration sweeps on the GPU: every variant against the default, same inp
   (``ffn_forward(w_up_t=)``).
 * ``up_down``: the fused up / down kernel alone (device time) per ``GatherConfig`` on the
   ELL rows of the calibrated hot features' cold columns (outputs must match bit for bit),
-  and the TwELL -> ELL conversion.
+  and the TwELL -> ELL conversion: XLA's and the kernel's per ``ConvertConfig``.
 * ``train``: forward + backward (``jax.grad`` of sum(y * ct) + 2e-5 l1) per ``HybridConfig``
   variant of the training kernels (which kernel computes dh, groups, rows loaded ahead),
   with the dense FFN's time for the ratio.
@@ -63,7 +63,6 @@ FORWARD_VARIANTS = {
     # A layer that holds w_up^T [H, D] beside w_up (``ffn_forward(w_up_t=)``).
     "held_w_up_t": dict(hold_w_up_t=True),
     "convert_xla": dict(convert="xla"),
-    "convert_r8": dict(convert_kernel=_C(rows_per_program=8)),
 }
 # The fused up / down kernel alone (``ffn_mgpu.ForwardConfig.ell``).
 UP_DOWN_VARIANTS = {
@@ -72,6 +71,15 @@ UP_DOWN_VARIANTS = {
     "bf16": _G(rows_ahead=True, row_mode="bf16"),
     "no_ahead": _G(row_mode="f32"),
     "group2": _G(group=2, row_mode="f32"),
+}
+# The TwELL -> ELL conversion kernel (``ffn_mgpu.ForwardConfig.convert_kernel``).
+CONVERT_VARIANTS = {
+    "default": _C(),
+    "rows2": _C(rows_per_program=2),
+    "rows8": _C(rows_per_program=8),
+    "rows32_warps4": _C(rows_per_program=32, num_warps=4),
+    "warps2": _C(num_warps=2),
+    "tiles_per_step22": _C(tiles_per_step=22),
 }
 TRAIN_VARIANTS = {
     "default": {},
@@ -203,7 +211,20 @@ def sweep_up_down(spec, x, wg, wu, wd, k: int) -> dict:
   entries, n, _, _ = to_ell(words, counts)
   wu_t = wu.T if spec.gated else None
   out = {"hot_features": k, "entries_per_row": float(jnp.mean(n)),
-         "conversion_ms": timing.device_ms(to_ell, words, counts)}
+         "conversion_ms": timing.device_ms(to_ell, words, counts), "conversion_kernel": {}}
+  no_nonfinite = jnp.bool_(False)
+  converted = None
+  for name, cfg in CONVERT_VARIANTS.items():
+    f = jax.jit(lambda a, b, c, cfg=cfg: twell_to_ell_triton.twell_to_ell(
+        a, b, c, m=a.shape[0], slots=gp.GateConfig().slots, width=width, config=cfg)[:2])
+    got = jax.block_until_ready(f(words, counts, no_nonfinite))
+    converted = got if converted is None else converted
+    out["conversion_kernel"][name] = {
+        "device_ms": timing.device_ms(f, words, counts, no_nonfinite),
+        "same_bits": _same(got, converted)}
+    print(f"  {spec.m}x{spec.d}x{spec.h} conversion {name}: "
+          f"{out['conversion_kernel'][name]['device_ms']:.4f} ms (XLA's "
+          f"{out['conversion_ms']:.4f} ms)", flush=True)
   base = None
   for name, cfg in UP_DOWN_VARIANTS.items():
     f = jax.jit(lambda *a, cfg=cfg: ell_up_down_mgpu.ell_up_down(*a, write_u=False,
