@@ -17,7 +17,7 @@ Pipeline (all on device, no host sync):
     accumulates y in f32. A flat list lets the kernel load the next entry's rows while the
     current one computes, across tile borders: on an H100 at the paper shape, uniform 30
     entries per row, 0.563 ms against 0.693 for a walk of the TwELL tiles themselves; the
-    conversion costs 0.017-0.018 ms (0.04 ms in 12 XLA kernels).
+    conversion costs 0.017-0.018 ms (0.04 ms in 11 XLA kernels).
  3. Overflow rows (some tile count > S, or more than ``max_row_entries`` entries) are skipped
     by step 2's sums and computed exactly by ``dense_rows_mgpu.dense_ffn_rows``, a dense FFN
     on the row list, whose length the kernels read on the device: no conditional, no host
@@ -75,7 +75,7 @@ class ForwardConfig:
   ``convert``: what turns the TwELL tiles into ELL rows and lists the overflow rows:
     "triton", one kernel (``twell_to_ell_triton``, Pallas' Triton backend: the conversion is
     a per-thread gather, which Mosaic GPU's warpgroup-wide arrays do not express), or "xla",
-    ``ell_up_down_mgpu.ell_from_twell`` and a cumulative sum (12 small XLA kernels, 0.04 ms
+    ``ell_up_down_mgpu.ell_from_twell`` and a cumulative sum (11 small XLA kernels, 0.04 ms
     against 0.018 at the paper shape on an H100). Same bits either way. jax marks the Triton
     backend deprecated; "xla" is the path for a jax without it.
   ``convert_kernel``: the conversion kernel's schedule.
