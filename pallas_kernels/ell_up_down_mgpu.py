@@ -13,7 +13,8 @@ gate value p > 0):
 Outputs: y [M, D] bf16, u [M, Wk] f32 (gated, ``write_u``; slots k >= n_r hold garbage: the
 caller masks), l1 [M] f32. Rows with n_r == 0 (empty rows, and rows the caller computes on a
 dense path) get y = y_init and l1 = 0.
-``ell_from_twell`` turns the gate kernel's TwELL tiles into these rows.
+``ell_from_twell`` (XLA; training) and ``twell_to_ell_triton.twell_to_ell`` (one kernel; the
+inference forward) turn the gate kernel's TwELL tiles into these rows.
 
 Mapping: one CTA (one warpgroup, 128 threads) per row; x_r and the f32 accumulator live in
 registers (D/128 values per thread), ELL entries are scalar GMEM reads (one per entry) issued
