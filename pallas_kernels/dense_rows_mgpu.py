@@ -176,7 +176,7 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
   w_gate (None: non-gated) / w_up [D, H], w_down [H, D] bf16. Needs R % 64 == 0,
   D % 128 == 0, H % block_n == 0 (the caller pads)."""
   cfg = config
-  m, d = x.shape
+  d = x.shape[1]
   (r,) = rows.shape
   h = w_up.shape[1]
   gated = w_gate is not None
