@@ -221,6 +221,8 @@ class ForwardTestBase(ktu.KernelTestBase):
       common.GatherConfig(row_mode="registers")
     with self.assertRaisesRegex(ValueError, "weight_check"):
       ffn_mgpu.ForwardConfig(weight_check="host")
+    with self.assertRaisesRegex(ValueError, "convert"):
+      ffn_mgpu.ForwardConfig(convert="cuda")
     with self.assertRaisesRegex(ValueError, "packing warpgroup"):
       ffn_mgpu.ForwardConfig(weight_check="gate", gate=gate_pack_mgpu.GateConfig(
           epilogue_wg=False, max_concurrent_steps=4))

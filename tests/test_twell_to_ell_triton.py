@@ -94,8 +94,13 @@ class ConvertTest(parameterized.TestCase):
     take = self.check(words, counts, m=50, slots=8, width=16, nonfinite=True)
     np.testing.assert_array_equal(take, np.arange(64) < 50)
 
-  def test_gate_kernel_words(self):
-    x, wg, _, _ = ktu.inputs(128, 64, 768, active=12.0, heavy=0.05, seed=2)
+  @parameterized.named_parameters(
+      dict(testcase_name="uniform", skew={}),
+      # A feature on 70% of the rows, 90% of the features dead, near-dense rows among the
+      # alive ones.
+      dict(testcase_name="skewed", skew=dict(dead_fraction=0.9, hottest=0.7, row_spread=0.6)))
+  def test_gate_kernel_words(self, skew):
+    x, wg, _, _ = ktu.inputs(128, 64, 768, active=12.0, heavy=0.05, seed=2, **skew)
     words, counts = gate_pack_mgpu.gate_pack(x, wg, interpret=True)
     self.check(words, counts, m=120, slots=gate_pack_mgpu.GateConfig().slots, width=64)
 
@@ -107,6 +112,10 @@ class ConvertTest(parameterized.TestCase):
       tte.twell_to_ell(words, counts, False, m=33, slots=8, width=8, interpret=True)
     with self.assertRaisesRegex(ValueError, "power of two"):
       tte.ConvertConfig(rows_per_program=3)
+    with self.assertRaisesRegex(ValueError, "num_warps"):
+      tte.ConvertConfig(num_warps=3)
+    with self.assertRaisesRegex(ValueError, "tiles_per_step"):
+      tte.ConvertConfig(tiles_per_step=0)
 
   def test_lowers_for_cuda(self):
     words, counts = records(256, 22, 32, seed=7, heavy=0.0)
