@@ -1,0 +1,9 @@
+"""Pallas Mosaic GPU kernels of twell-jax (Hopper) and their f32 reference.
+
+Importing the package sizes XLA's CPU thread pool for the Mosaic GPU interpreter where the
+machine has fewer cores than it needs (`_common.arrange_interpreter_threads`).
+"""
+
+from pallas_kernels import _common
+
+_common.arrange_interpreter_threads()

@@ -4,6 +4,8 @@
   persistent kernels also trace on the CPU under interpret mode).
 * ``interpret_context(interpret)``: the context in which a kernel built with
   ``plgpu.InterpretGPUParams`` runs on the CPU (an abstract H100-like device with 8 SMs).
+* ``arrange_interpreter_threads()``: enough XLA CPU threads for the interpreter (run when the
+  package is imported).
 * ``prefetched_fori_loop`` and the slot helpers: the software-pipelined entry walk of the
   row / column gather kernels.
 * ``round_up`` / ``pad_to``: the zero padding that makes any M, D, H legal (zero weights and
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 
 import jax
 from jax import lax
@@ -153,11 +156,61 @@ def interpret_context(interpret: bool, num_cores: int = 8):
     yield
 
 
+# The Mosaic GPU interpreter runs each warpgroup of a CTA as an XLA CPU computation of its own,
+# and a warpgroup waiting at a barrier for another blocks the XLA CPU thread that runs it. XLA
+# sizes that thread pool once, when JAX's CPU client starts: from PJRT_NPROC, else NPROC, else
+# the cores this process may run on. With fewer threads than a kernel has warpgroups waiting
+# on each other (the gate kernel has 3, plus the thread of the computation that launched them)
+# the kernel never finishes: any 2-core machine. 4 measured enough; 8 leaves a margin.
+INTERPRETER_THREADS = 8
+
+
+def _cpu_pool_threads() -> int:
+  """The size XLA gives its CPU thread pool in this environment (PJRT_NPROC, NPROC, cores)."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = os.environ.get(name, "")
+    if value.strip().isdigit():
+      return int(value)
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:   # not Linux
+    return os.cpu_count() or 1
+
+
+def _cpu_client_started() -> bool:
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  return xla_bridge.backends_are_initialized()
+
+
+def arrange_interpreter_threads() -> bool:
+  """Gives XLA's CPU thread pool the interpreter's `INTERPRETER_THREADS` when the machine has
+  fewer cores, by setting PJRT_NPROC before JAX's CPU client starts (importing
+  ``pallas_kernels`` or ``twell_jax`` does this). Nothing changes where PJRT_NPROC or NPROC is
+  set, the cores suffice, or the client already runs. Returns whether it set PJRT_NPROC."""
+  if _cpu_pool_threads() >= INTERPRETER_THREADS or _cpu_client_started():
+    return False
+  os.environ["PJRT_NPROC"] = str(INTERPRETER_THREADS)
+  return True
+
+
+def check_interpreter_threads() -> None:
+  """RuntimeError, in place of a kernel that would never finish, where JAX's CPU client runs
+  with too few threads for the interpreter (`arrange_interpreter_threads`)."""
+  threads = _cpu_pool_threads()
+  if threads < INTERPRETER_THREADS and _cpu_client_started():
+    raise RuntimeError(
+        f"the Mosaic GPU interpreter needs {INTERPRETER_THREADS} XLA CPU threads and JAX's CPU "
+        f"client started with {threads} (this machine's cores): its kernels would wait "
+        "forever. Import twell_jax (or pallas_kernels) before the first JAX computation, "
+        f"or set PJRT_NPROC={INTERPRETER_THREADS} in the environment.")
+
+
 def interpret_params(interpret, detect_races: bool = False):
   """Maps ``interpret`` (bool or InterpretGPUParams) to the ``interpret=`` kernel argument."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if interpret is False or interpret is None:
     return False
+  check_interpreter_threads()
   if interpret is True:
     return plgpu.InterpretGPUParams(detect_races=detect_races)
   return interpret

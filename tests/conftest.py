@@ -2,16 +2,15 @@
 
 absltest classes read absl flags (create_tempdir, ...); pytest's own argv would
 break absl's parser, so parse only the program name here.
+
+`pallas_kernels` is imported first, before any test creates JAX's CPU client, as a user's
+`import twell_jax` would: it gives the Mosaic GPU interpreter the XLA CPU threads it needs on
+machines with few cores (`pallas_kernels._common.arrange_interpreter_threads`).
 """
-import os
 import sys
 
 from absl import flags
 
-# The Mosaic GPU interpreter runs every warpgroup of a CTA as a host thread whose barrier
-# waits block one of XLA's CPU worker threads; the pool is sized by the core count, so on a
-# 2-core machine three warpgroups can starve it and hang. XLA sizes it from NPROC when set
-# (read when the CPU client is created, after this file).
-os.environ.setdefault("NPROC", "32")
+import pallas_kernels  # noqa: F401
 
 flags.FLAGS(sys.argv[:1], known_only=True)

@@ -1,5 +1,10 @@
-"""twell-jax: sparse (TwELL / hybrid ELL) feed-forward layers for transformer LMs in JAX."""
+"""twell-jax: sparse (TwELL / hybrid ELL) feed-forward layers for transformer LMs in JAX.
 
+Importing it before the first JAX computation gives the Mosaic GPU interpreter (interpret=True)
+the XLA CPU threads it needs on machines with few cores (`pallas_kernels` does this).
+"""
+
+import pallas_kernels  # noqa: F401  (sizes XLA's CPU thread pool for the interpreter)
 from twell_jax.dense import reference_ffn
 from twell_jax.api import ffn
 from twell_jax.features import hot_feature_count, permute_features, sort_features
