@@ -1,5 +1,7 @@
 """Tests for the input pipeline: tokenizer, offline corpus, packing, resume."""
 
+import os
+
 import ml_collections
 import numpy as np
 from absl.testing import absltest
@@ -75,6 +77,28 @@ class OfflineCorpusTest(absltest.TestCase):
       batches.append([packer.next_batch() for _ in range(3)])
     for a, b in zip(*batches):
       np.testing.assert_array_equal(a, b)
+
+
+class OfflinePrepareTest(absltest.TestCase):
+
+  def test_two_processes_prepare_a_fresh_data_dir_at_once(self):
+    """Two runs started together on a fresh machine both prepare the offline corpus; without
+    the lock the second one's rename of its temporary build failed (Directory not empty)."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    data_dir = self.create_tempdir().full_path
+    code = ("import sys; from train import tfds_offline; "
+            "b = tfds_offline.prepare(sys.argv[1]); print(b.info.splits['train'].num_examples)")
+    env = dict(os.environ, PYTHONPATH=tu.REPO, JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", code, data_dir], env=env, cwd=tu.REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+      self.assertEqual(p.returncode, 0, err[-2000:])
+    counts = [int(out.split()[-1]) for out, _ in outs]   # the last line; tfds logs before it
+    self.assertEqual(counts[0], counts[1])
+    self.assertGreater(counts[0], 1000)
 
 
 class TfdsByNameTest(absltest.TestCase):

@@ -11,6 +11,10 @@ Importing this module registers the builder under `text_corpus.NAME`, so
 `tfds.data_source("twell_stdlib_text", data_dir=...)` works afterwards.
 """
 
+import contextlib
+import fcntl
+import os
+
 from etils import epath
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import py_utils
@@ -51,8 +55,23 @@ class TwellStdlibText(tfds.core.GeneratorBasedBuilder):
       yield key, {"text": text}
 
 
+@contextlib.contextmanager
+def _exclusive(data_dir: str):
+  """One process at a time prepares: two runs started together on a fresh machine would
+  otherwise both build into temporary directories and the second rename would fail."""
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, f".{text_corpus.NAME}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def prepare(data_dir: str) -> TwellStdlibText:
-  """Builds the ArrayRecord files under data_dir (no-op if already there)."""
-  builder = TwellStdlibText(data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
+  """Builds the ArrayRecord files under data_dir (no-op if already there); safe to call from
+  several processes at once."""
+  with _exclusive(os.fspath(data_dir)):
+    builder = TwellStdlibText(data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
   return builder
