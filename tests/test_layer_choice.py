@@ -264,6 +264,36 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(self._rows(wd)[-1]["sparse_layers"], n)
 
+  def test_resumed_run_decides_and_sorts_on_the_same_steps(self):
+    """A run resumed from step 2 ends with the uninterrupted run's state, bit for bit: its
+    decisions (each sorts the features of the state) fall on the same steps. (A decision on
+    the resumed run's first step sorted by that step's counts alone, and the two states then
+    held the same model with its features in different orders.)"""
+    import shutil  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
+    from train import checkpointing  # pylint: disable=g-import-not-at-top
+    cfg = tu.micro_config(num_train_steps=6, checkpoint_every=2, keep_checkpoints=3,
+                          **{"layer_choice.sparse": "xla", "layer_choice.every": 4,
+                             "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
+                             "layer_choice.background": False})
+    ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
+    train_lib.train_and_evaluate(cfg, ref)
+    train_lib.train_and_evaluate(cfg, run)
+    for step in (4, 6):   # as if killed after the checkpoint of step 2
+      shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(run), str(step)))
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, run)
+    self.assertTrue(any("Resumed from checkpoint step 2" in line for line in logs.output))
+    tr = train_lib.Trainer(cfg)
+    states = []
+    for wd in (ref, run):
+      mngr = checkpointing.make_manager(wd, read_only=True)
+      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+      states.append(jax.device_get(mngr.restore(6, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(tr.abstract_state()))).state))
+      mngr.close()
+    self.assertTrue(tu.tree_equal(*states))
+
   def test_sorting_the_state_keeps_the_function_and_the_optimizer_matched(self):
     """Trainer.sort_features permutes each layer's hidden features in the parameters, the
     AdamW moments and the dead-feature counters alike: the loss and the next step's update

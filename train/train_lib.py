@@ -375,10 +375,12 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       done, ran = step + 1, running
       tokens_since += cfg.batch_size * cfg.data.seq_len
       if choice is not None:
-        if done % cfg.layer_choice.every == 0 or done == start + 1:
+        if done % cfg.layer_choice.every == 0 or done == 1:
           # This step's feature counts: the layers' choice and hot features, and the order
           # that puts each layer's hottest features first, applied to the state at once
-          # (the running step's hot features then cover the hottest ones).
+          # (the running step's hot features then cover the hottest ones). Decisions fall on
+          # the same steps in a resumed run as in an uninterrupted one (the choice in use is
+          # restored from the checkpoint), so both reorder the features alike.
           changed, order = choice.update_from_counts(
               jax.device_get(m["feature_counts"]), cfg.batch_size * cfg.data.seq_len)
           state = tr.sort_features(state, order)
