@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -110,6 +111,42 @@ class ModelTest(tu.FastCompile, parameterized.TestCase):
       _cfg(n_kv_heads=3)
     with self.assertRaisesRegex(ValueError, "dtype"):
       _cfg(dtype="float8")
+
+
+class AttentionChoiceTest(absltest.TestCase):
+  """Which attention kernel "auto" picks under XLA's deterministic ops."""
+
+  def _pick(self, xla_flags: str, **kw):
+    cfg = _cfg(dtype="bfloat16", **kw)
+    with absltest.mock.patch.dict("os.environ", {"XLA_FLAGS": xla_flags}), \
+         absltest.mock.patch.object(model_lib.jax, "default_backend", lambda: "gpu"):
+      return model_lib.attention_implementation(cfg)
+
+  def test_deterministic_ops_take_xla_attention_in_the_loop_layout(self):
+    det = "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"
+    self.assertEqual(self._pick(""), "cudnn")
+    self.assertEqual(self._pick(det), "xla")
+    self.assertEqual(self._pick("--xla_gpu_deterministic_ops"), "xla")
+    self.assertEqual(self._pick("--xla_gpu_deterministic_ops=false"), "cudnn")
+    self.assertEqual(self._pick(det, scan_layers=True), "cudnn")   # one call per program
+    self.assertEqual(self._pick(det, attention="cudnn"), "cudnn")  # asked for by name
+
+
+class DeterministicTrainingGpuTest(absltest.TestCase):
+  """The failure behind the fix above, on a GPU: the loop layout's train step under
+  `--xla_gpu_deterministic_ops` (how kill / resume is compared bit for bit)."""
+
+  @pytest.mark.gpu
+  def test_loop_layout_trains_under_deterministic_ops(self):
+    from pallas_kernels import _common  # pylint: disable=import-outside-toplevel
+    if not _common.on_hopper():
+      self.skipTest("needs a Hopper GPU")
+    wd = self.create_tempdir().full_path
+    out = tu.run(tu.main_cmd(wd, "--config.model.dtype=bfloat16", "--config.num_train_steps=2",
+                             "--config.eval_every=0", "--config.checkpoint_every=0"),
+                 timeout=600, JAX_PLATFORMS="",
+                 XLA_FLAGS="--xla_gpu_deterministic_ops=true")
+    self.assertEqual(out.returncode, 0, out.stderr[-2000:])
 
 
 if __name__ == "__main__":

@@ -43,11 +43,29 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
+def deterministic_ops() -> bool:
+  """Whether XLA's deterministic GPU reductions are asked for (`XLA_FLAGS`)."""
+  import os  # pylint: disable=import-outside-toplevel
+  on = False
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    name, _, value = flag.partition("=")
+    if name == "--xla_gpu_deterministic_ops":   # the last one counts, as in XLA
+      on = value.lower() in ("", "true", "1")
+  return on
+
+
 def attention_implementation(cfg: "ModelConfig") -> str:
   """The attention kernel a config runs: cuDNN flash attention on a GPU for bf16 / f16 with
-  head dims it supports (7.6x faster than XLA's at the paper shape on an H200), else XLA's."""
+  head dims it supports (7.6x faster than XLA's at the paper shape on an H200), else XLA's.
+
+  Not under XLA's deterministic ops (`--xla_gpu_deterministic_ops`) with the loop layout: a
+  train step holding several cuDNN attention calls then stops at its first run with
+  `IndexError: raw_hash_map<>::at` (H100, jax 0.11.2; one call per program, the scan
+  layout's, runs), so "auto" takes XLA's attention there."""
   if cfg.attention != "auto":
     return cfg.attention
+  if deterministic_ops() and not cfg.scan_layers and cfg.n_layers > 1:
+    return "xla"
   e = cfg.d_model // cfg.n_heads
   if (jax.default_backend() == "gpu" and cfg.dtype in ("bfloat16", "float16")
       and e % 8 == 0 and e <= 128):
