@@ -24,6 +24,10 @@
 #             kernels in every layer (prefill and decode), and train.report
 #   scaling   benchmarks.scaling: sparse and dense training on 1 GPU and on all ($SCALING_FLAGS)
 #   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
+#   matrix    benchmarks.matrix: every config x FFN x mesh of this machine through the CLIs
+#             (train, SIGKILL, resume, same state, evaluate, generate, export), then the
+#             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
+#   shapes    benchmarks.shapes alone ($SHAPES_FLAGS)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -109,6 +113,12 @@ for part in "${parts[@]}"; do
           --config.mesh.data=-1 --config.batch_size=16 --config.data.seq_len=512 \
           --config.model.ffn_implementation=mosaic_gpu} 2>&1 \
         | quiet | tail -30 ;;
+    matrix)
+      timeout ${T_MATRIX:-3000} python3 -m benchmarks.matrix --out="$OUT/matrix.json" \
+        ${MATRIX_FLAGS} 2>&1 | tee "$OUT/matrix.log" | grep -E "^\[|passed|  [a-z]" ;;
+    shapes)
+      timeout ${T_SHAPES:-900} python3 -m benchmarks.shapes --out="$OUT/shapes.json" \
+        ${SHAPES_FLAGS} 2>&1 | quiet | tail -20 ;;
     *) echo "unknown part: $part" ;;
   esac
 done

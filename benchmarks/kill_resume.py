@@ -64,14 +64,16 @@ def _committed(workdir) -> list[int]:
   return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
-def _state(workdir, step):
-  """The train state of checkpoint `step`, restored on this process's devices."""
+def state(workdir, step):
+  """The train state of checkpoint `step`, restored on this process's devices (any backend:
+  the FFN implementation of the run does not change the state's layout)."""
   from train import checkpointing  # pylint: disable=import-outside-toplevel
   from train import train_lib  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
   _, meta = checkpointing.read_meta(workdir, step)
   cfg = ml_collections.ConfigDict(meta["config"])
   cfg.mesh.update(data=-1, fsdp=1)   # this process's devices, whatever the run used
+  cfg.model.update(ffn_implementation="dense", interpret=False)
   tr = train_lib.Trainer(cfg)
   mngr = checkpointing.make_manager(workdir, read_only=True)
   try:
@@ -83,7 +85,7 @@ def _state(workdir, step):
   return jax.device_get(out.state)
 
 
-def _compare(a, b) -> dict:
+def compare(a, b) -> dict:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   diff = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
              if np.size(x) else 0.0 for x, y in zip(la, lb))
@@ -123,8 +125,8 @@ def main(argv):
   result = {
       "command": _cmd(fl, "WORKDIR", extra), "killed_after_step": at,
       "resumed": f"Resumed from checkpoint step {at}" in out.stderr,
-      "state_at_resume": _compare(_state(killed, at), _state(ref, at)),
-      "final_state": _compare(_state(killed, fl.steps), _state(ref, fl.steps)),
+      "state_at_resume": compare(state(killed, at), state(ref, at)),
+      "final_state": compare(state(killed, fl.steps), state(ref, fl.steps)),
       "devices": [str(d) for d in jax.devices()],
   }
   print(json.dumps(result, indent=1), flush=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from benchmarks import captured
 from benchmarks import kernels
+from benchmarks import matrix
 from benchmarks import scaling
 from benchmarks import specs
 from benchmarks.probes import l2_rows
@@ -124,6 +125,37 @@ class KernelBenchmarkSmokeTest(absltest.TestCase):
     self.assertLess(bwd["xla_residual_ratio"], 1.0)
     self.assertLess(max(bwd["xla_grad_rel_vs_dense"]), 5e-2)
     self.assertGreater(bwd["input"]["active_per_token"], 1.0)
+
+
+class MatrixTest(absltest.TestCase):
+  """The acceptance matrix's cells and the README table made from its results."""
+
+  def test_meshes_and_commands(self):
+    self.assertEqual(matrix.meshes(1), ["1"])
+    self.assertEqual(matrix.meshes(2), ["data=2", "fsdp=2"])
+    self.assertEqual(matrix.meshes(4), ["data=4", "fsdp=4", "data=2,fsdp=2"])
+    cmd = matrix.train_cmd("small", "mosaic_gpu", "data=2,fsdp=2", "/w")
+    self.assertIn("--config=configs/small.py", cmd)
+    self.assertIn("--config.model.ffn_implementation=mosaic_gpu", cmd)
+    self.assertIn("--config.mesh.data=2", cmd)
+    self.assertIn("--config.mesh.fsdp=2", cmd)
+    default = matrix.train_cmd("tiny", "default", "1", "/w")
+    self.assertFalse(any("ffn_implementation" in a for a in default))
+
+  def test_committed_results_make_the_readme_table(self):
+    paths = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results",
+                          d, "matrix.json") for d in ("h100", "h100x2")]
+    results = []
+    for path in paths:
+      with open(path) as f:
+        results.append(json.load(f))
+    text = matrix.table(results)
+    self.assertEqual(len(text.splitlines()), 2 + sum(len(r["cells"]) for r in results))
+    for r in results:
+      for c in r["cells"]:
+        self.assertEqual(c["ok"], c["error"] is None)
+    with open(os.path.join(os.path.dirname(paths[0]), "..", "..", "..", "README.md")) as f:
+      self.assertIn(text, f.read())   # the README shows today's results
 
 
 class ScalingSmokeTest(absltest.TestCase):

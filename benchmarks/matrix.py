@@ -1,0 +1,335 @@
+r"""The GPU acceptance matrix: the CLIs run as a user runs them, on every mesh the machine has.
+
+    python -m benchmarks.matrix --out=matrix.json                # every cell, then the shapes
+    python -m benchmarks.matrix --configs=tiny --impls=default --meshes=1 --shapes=   # one cell
+
+A cell is (config, FFN implementation, mesh). Meshes: "1" (one GPU), and with N > 1 devices
+"data=N", "fsdp=N" and, where N = 2k with k > 1, "data=2,fsdp=k". Each cell runs, through the
+command lines of the README, in its own workdir:
+
+  1. `train.main` twice at once: uninterrupted (WORKDIR/ref) and a copy (WORKDIR/run) that is
+     SIGKILLed as soon as its first checkpoint is committed;
+  2. `train.main` again on WORKDIR/run: it must resume from that checkpoint and finish;
+  3. the train states of both runs' last checkpoints compared array by array (`same_state`:
+     bit-identical; XLA's deterministic reductions are on, `--xla_gpu_deterministic_ops`);
+  4. `train.evaluate`, `train.generate` and `train.export_hf` on WORKDIR/run, at once.
+
+A cell passes when every command exits 0, the run resumed, and the states are equal; a passed
+cell's checkpoints are then deleted (its logs stay). One-GPU cells run side by side, `--parallel`
+per GPU (`CUDA_VISIBLE_DEVICES`), then the several-GPU cells, `--parallel` at a time: the
+runs are short, so most of a cell is compiling, which overlaps.
+The runs are short (`STEPS` steps on the offline corpus with the byte tokenizer), long enough
+for two checkpoints and the per-layer choice's first decision.
+
+Then `benchmarks.shapes` (the kernels at public model shapes) runs, unless `--shapes=`.
+Output: `{"device", "devices", "cells": [{"name", "ok", "error", "seconds", ...}],
+"shapes": [...]}`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from train import checkpointing
+
+CONFIGS = ("tiny", "small", "paper_0p5b")
+IMPLS = ("default", "mosaic_gpu")
+STEPS, EVERY = 12, 4
+# Per config: the overrides that make a short run of it (a batch of seq_len-long rows).
+SHORT = {
+    "tiny": ["--config.model.dtype=bfloat16"],
+    "small": ["--config.batch_size=16", "--config.data.seq_len=512"],
+    "paper_0p5b": ["--config.batch_size=8", "--config.grad_accum_steps=1",
+                   "--config.data.dataset=twell_stdlib_text", "--config.data.tokenizer=byte"],
+}
+# Two checkpoints kept: the one the killed run resumes from and the last (a paper_0p5b
+# checkpoint holds 6 GB of parameters and AdamW state).
+COMMON = [f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every={EVERY}",
+          "--config.keep_checkpoints=2", f"--config.eval_every={STEPS}",
+          "--config.eval_batches=2", f"--config.log_every={EVERY}",
+          f"--config.layer_choice.every={EVERY}", "--config.layer_choice.background=False"]
+
+
+def meshes(n: int) -> list[str]:
+  if n == 1:
+    return ["1"]
+  out = [f"data={n}", f"fsdp={n}"]
+  if n % 2 == 0 and n > 2:
+    out.append(f"data=2,fsdp={n // 2}")
+  return out
+
+
+def mesh_flags(mesh: str) -> list[str]:
+  if mesh == "1":
+    return ["--config.mesh.data=1", "--config.mesh.fsdp=1"]
+  axes = dict(kv.split("=") for kv in mesh.split(","))
+  return [f"--config.mesh.data={axes.get('data', 1)}", f"--config.mesh.fsdp={axes.get('fsdp', 1)}"]
+
+
+def train_cmd(config: str, impl: str, mesh: str, workdir: str) -> list[str]:
+  cmd = [sys.executable, "-m", "train.main", f"--config=configs/{config}.py",
+         f"--workdir={workdir}", *SHORT[config], *COMMON, *mesh_flags(mesh)]
+  if impl != "default":
+    cmd.append(f"--config.model.ffn_implementation={impl}")
+  return cmd
+
+
+def _env(gpus: str | None) -> dict:
+  env = dict(os.environ)
+  xla = env.get("XLA_FLAGS", "")
+  if "xla_gpu_deterministic_ops" not in xla:
+    env["XLA_FLAGS"] = (xla + " --xla_gpu_deterministic_ops=true").strip()
+  env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+  # Several processes share each GPU: each takes memory as it needs it.
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  env.pop("JAX_PLATFORMS", None)
+  if gpus is not None:
+    env["CUDA_VISIBLE_DEVICES"] = gpus
+  return env
+
+
+def _tail(path: str, n: int = 1500) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      text = f.read()
+  except OSError:
+    return ""
+  lines = [l for l in text.splitlines() if "xla_bridge" not in l and "libtpu" not in l]
+  return "\n".join(lines)[-n:]
+
+
+class CellError(Exception):
+  pass
+
+
+def _run(cmd, env, log, timeout) -> None:
+  with open(log, "w") as f:
+    p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+  if p.returncode:
+    raise CellError(f"{' '.join(cmd[2:4])} exited {p.returncode}:\n{_tail(log)}")
+
+
+def compare_states(a: str, b: str) -> dict:
+  """Train states of the last checkpoints of workdirs a and b, compared on the CPU (a
+  subprocess: this process keeps off the GPUs)."""
+  code = (
+      "import json, sys, jax, numpy as np\n"
+      "from benchmarks import kill_resume\n"
+      "from train import checkpointing\n"
+      "a, b = sys.argv[1:3]\n"
+      "step = max(checkpointing.steps_on_disk(a))\n"
+      "print(json.dumps(dict(step=step, **kill_resume.compare("
+      "kill_resume.state(a, step), kill_resume.state(b, step)))))\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+  env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+  p = subprocess.run([sys.executable, "-c", code, a, b], env=env, capture_output=True,
+                     text=True, timeout=600)
+  if p.returncode:
+    raise CellError(f"comparing the states failed:\n{p.stderr[-1500:]}")
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_cell(config: str, impl: str, mesh: str, root: str, gpus: str | None,
+             timeout: int) -> dict:
+  name = f"{config}/{impl}/{mesh}"
+  cell = {"name": name, "config": config, "impl": impl, "mesh": mesh, "ok": False,
+          "error": None}
+  wd = os.path.join(root, name.replace("/", "_").replace(",", "_").replace("=", ""))
+  shutil.rmtree(wd, ignore_errors=True)
+  os.makedirs(wd)
+  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
+  t0 = time.time()
+  try:
+    env = _env(gpus)
+    with open(os.path.join(wd, "ref.log"), "w") as f_ref, \
+         open(os.path.join(wd, "killed.log"), "w") as f_run:
+      p_ref = subprocess.Popen(train_cmd(config, impl, mesh, ref), env=env, stdout=f_ref,
+                               stderr=subprocess.STDOUT)
+      p_run = subprocess.Popen(train_cmd(config, impl, mesh, run), env=env, stdout=f_run,
+                               stderr=subprocess.STDOUT)
+      deadline = time.time() + timeout
+      while not checkpointing.steps_on_disk(run) and p_run.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+      p_run.send_signal(signal.SIGKILL)
+      p_run.wait()
+      try:
+        p_ref.wait(timeout=max(1.0, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        p_ref.kill()
+        raise CellError("the uninterrupted run timed out")
+    killed_at = max(checkpointing.steps_on_disk(run), default=None)
+    cell["killed_after_step"] = killed_at
+    if p_ref.returncode:
+      raise CellError(f"the uninterrupted run exited {p_ref.returncode}:\n"
+                      f"{_tail(os.path.join(wd, 'ref.log'))}")
+    if killed_at is None or killed_at >= STEPS:
+      raise CellError(f"the killed run was not stopped between checkpoints "
+                      f"(checkpoints {checkpointing.steps_on_disk(run)}):\n{_tail(os.path.join(wd, 'killed.log'))}")
+    cell["train_s"] = round(time.time() - t0, 1)
+    log = os.path.join(wd, "resume.log")
+    _run(train_cmd(config, impl, mesh, run), env, log, timeout)
+    cell["resumed"] = f"Resumed from checkpoint step {killed_at}" in _tail(log, 10**7)
+    if not cell["resumed"]:
+      raise CellError(f"the rerun did not resume from step {killed_at}:\n{_tail(log)}")
+    tools = {
+        "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
+        "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
+                     "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
+                     f"--out={os.path.join(wd, 'generate.json')}"],
+        "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
+                      f"--out={os.path.join(wd, 'hf')}"],
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(tools) + 1) as pool:
+      futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
+                 for k, cmd in tools.items()}
+      same = pool.submit(compare_states, ref, run)
+      errors = []
+      for k, fut in futures.items():
+        try:
+          fut.result()
+          cell[k] = True
+        except (CellError, subprocess.TimeoutExpired) as e:
+          cell[k] = False
+          errors.append(f"{k}: {e}")
+      cmp = same.result()
+    cell["same_state"] = bool(cmp["equal"])
+    cell["state_max_abs_diff"] = cmp["max_abs_diff"]
+    if not cell["same_state"]:
+      errors.append(f"the resumed run's state differs from the uninterrupted one's "
+                    f"(max abs diff {cmp['max_abs_diff']:.3g})")
+    if errors:
+      raise CellError("\n".join(errors))
+    cell["ok"] = True
+    for d in (ref, run, os.path.join(wd, "hf")):   # a passed cell keeps its logs only
+      shutil.rmtree(d, ignore_errors=True)
+  except (CellError, subprocess.TimeoutExpired, OSError) as e:
+    cell["error"] = str(e)[-3000:]
+  cell["seconds"] = round(time.time() - t0, 1)
+  print(f"[{time.strftime('%X')}] {name:<32} {'ok' if cell['ok'] else 'FAILED'} "
+        f"({cell['seconds']:.0f} s)" + ("" if cell["ok"] else "\n" + cell["error"][-1200:]),
+        flush=True)
+  return cell
+
+
+def gpu_count() -> int:
+  """GPUs of this machine, without initializing a JAX backend here."""
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+  except (OSError, subprocess.TimeoutExpired):
+    return 0
+  return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def device_name() -> str:
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip().splitlines()[0]
+  except (OSError, subprocess.TimeoutExpired, IndexError):
+    return "cpu"
+
+
+def write(path: str | None, result: dict) -> None:
+  if path:
+    with open(path + ".tmp", "w") as f:
+      json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def table(results: list[dict]) -> str:
+  """The README's "Tested GPU setups" table (markdown) of matrix results (one per machine)."""
+  lines = ["| config | FFN | mesh | device | train, kill, resume | same state | evaluate, "
+           "generate, export | result |", "|---|---|---|---|---|---|---|---|"]
+  yes = lambda v: "yes" if v else ("no" if v is not None else "-")
+  for r in results:
+    dev = f"{r['devices']} x {r['device'].replace('NVIDIA ', '')}"
+    for c in r["cells"]:
+      tools = c.get("evaluate"), c.get("generate"), c.get("export_hf")
+      tools_text = "yes" if all(tools) else yes(None if None in tools else False)
+      first = ((c["error"] or "").strip().splitlines() or [""])[0]
+      result = "passes" if c["ok"] else (first.split(":")[0] if first.startswith("not ")
+                                         else "fails: " + first[:80])
+      lines.append(f"| {c['config']} | {c['impl']} | {c['mesh']} | {dev} | "
+                   f"{yes(c.get('resumed'))} | {yes(c.get('same_state'))} | {tools_text} | "
+                   f"{result.replace('|', '/')} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  if fl.table:
+    results = []
+    for path in fl.table.split(","):
+      with open(path) as f:
+        results.append(json.load(f))
+    print(table(results))
+    return
+  n = gpu_count()
+  if n == 0:
+    sys.exit("benchmarks.matrix needs NVIDIA GPUs (nvidia-smi lists none)")
+  configs = [c for c in fl.configs.split(",") if c]
+  impls = [i for i in fl.impls.split(",") if i]
+  wanted = [m for m in fl.meshes.split(",") if m] if fl.meshes else None
+  all_meshes = ["1"] + (meshes(n) if n > 1 else [])
+  if wanted:
+    all_meshes = [m for m in all_meshes if m.split("=")[0] in wanted or m in wanted]
+  root = fl.workdir or tempfile.mkdtemp(prefix="twell_matrix_")
+  one = [(c, i, "1") for c in configs for i in impls if "1" in all_meshes]
+  many = [(c, i, m) for m in all_meshes if m != "1" for c in configs for i in impls]
+  result = {"device": device_name(), "devices": n, "cells": [], "shapes": []}
+
+  def done(cell):
+    result["cells"].append(cell)
+    write(fl.out, result)
+
+  # One-GPU cells: `parallel` at a time on each GPU; then the others, `parallel` at a time.
+  with concurrent.futures.ThreadPoolExecutor(n * fl.parallel) as pool:
+    futures = [pool.submit(run_cell, *cell, root, str(k % n), fl.timeout)
+               for k, cell in enumerate(one)]
+    for fut in concurrent.futures.as_completed(futures):
+      done(fut.result())
+  with concurrent.futures.ThreadPoolExecutor(fl.parallel) as pool:
+    futures = [pool.submit(run_cell, *cell, root, None, fl.timeout) for cell in many]
+    for fut in concurrent.futures.as_completed(futures):
+      done(fut.result())
+  result["cells"].sort(key=lambda c: (c["mesh"] != "1", c["mesh"], c["config"], c["impl"]))
+  if fl.shapes:
+    shapes_json = os.path.join(root, "shapes.json")
+    names = "" if fl.shapes == "all" else fl.shapes
+    p = subprocess.run([sys.executable, "-m", "benchmarks.shapes", f"--out={shapes_json}",
+                        f"--names={names}"], env=_env("0"), timeout=fl.timeout * 2)
+    if p.returncode == 0:
+      with open(shapes_json) as f:
+        result["shapes"] = json.load(f)["shapes"]
+  ok = sum(c["ok"] for c in result["cells"])
+  print(f"{ok} of {len(result['cells'])} cells passed on {n} x {result['device']}", flush=True)
+  write(fl.out, result)
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("configs", ",".join(CONFIGS), "configs (configs/<name>.py)")
+  flags.DEFINE_string("impls", ",".join(IMPLS), "FFN implementations; default: the config's")
+  flags.DEFINE_string("meshes", None, "mesh kinds to run: 1, data, fsdp, data=2,fsdp=... "
+                      "(default: all the machine has)")
+  flags.DEFINE_string("shapes", "all", "benchmarks.shapes names after the cells, 'all', or "
+                      "empty for none")
+  flags.DEFINE_string("workdir", None, "where the cells' workdirs go (default: a temp dir)")
+  flags.DEFINE_integer("timeout", 900, "seconds per command")
+  flags.DEFINE_integer("parallel", 2, "cells at once per GPU (one-GPU cells) and of the "
+                       "several-GPU cells (their compiles overlap)")
+  flags.DEFINE_string("out", None, "write the matrix as JSON here")
+  flags.DEFINE_string("table", None, "print the README table of these matrix JSON files "
+                      "(comma-separated) and exit; no GPU needed")
+  app.run(main)
