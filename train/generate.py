@@ -179,7 +179,8 @@ class Generator:
     if self.active_per_token is None:
       return None
     return layer_choice_lib.LayerChoice.for_inference(
-        self.active_per_token, self.model_cfg.d_ff, sparse=sparse).implementations
+        self.active_per_token, self.model_cfg.d_ff, sparse=sparse,
+        d_model=self.model_cfg.d_model, tokens=tokens).implementations
 
   def _decode_implementations(self, prefill_names) -> tuple[str, ...]:
     n = self.model_cfg.n_layers

@@ -22,6 +22,11 @@ forward 0.57, 0.80, 0.84) and 30.6 uniform entries per token with K = 0 (`paper_
 their activity in a few hundred hot features, so a layer with 60-100 active per token is
 predicted at 0.45-0.6 in training.
 
+The coefficients hold at the paper shape. At another shape (D, H, M tokens per device) the
+prediction is scaled by the kernels' measured speed there relative to the paper shape
+(`twell_jax.shape_costs.shape_factor`), and at a shape where the kernels measured slower than
+dense (`twell_jax.shape_costs.sparse_loses`: D <= 960 on an H100 today) no layer runs sparse.
+
 With `update_from_counts`, each decision also picks every layer's K: a multiple of 256 that
 minimizes the prediction (a hot column is worth `CostModel.break_even` of the tokens), with
 hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`),
@@ -45,6 +50,7 @@ from absl import logging
 import numpy as np
 
 from twell_jax import features as features_lib
+from twell_jax import shape_costs
 
 
 
@@ -90,6 +96,11 @@ class LayerChoice:
   cost: CostModel = TRAINING_COST
   current: list[str] | None = None
   hot: list[int] | None = None
+  # The layers' shape: D and the tokens of one FFN call (per device), for the mosaic_gpu
+  # kernels' measured speed there. None: the paper shape, where the cost model was fitted (also
+  # what to pass for the interpreter, which runs for correctness, not speed).
+  d_model: int | None = None
+  tokens: int | None = None
 
   def __post_init__(self):
     if not 0 <= self.sparse_below <= self.dense_above:
@@ -101,27 +112,42 @@ class LayerChoice:
       self.current = [self.dense] * self.n_layers
     if self.hot is None:
       self.hot = [0] * self.n_layers
+    mode = "fwd" if self.cost is INFERENCE_COST else "fwd_bwd"
+    if self.d_model is None or self.sparse != "mosaic_gpu":
+      self.shape_scale, self.shape_loses = 1.0, False
+    else:
+      self.shape_scale = shape_costs.shape_factor(self.d_model, self.d_ff, self.tokens, mode)
+      self.shape_loses = shape_costs.sparse_loses(self.d_model, self.d_ff, self.tokens)
     # The last update_from_counts: per layer, active features per token outside the hot
     # ones, and the predicted ratio.
     self.tail = None
     self.predicted = None
 
+  def predict(self, hot_features, tail_per_token):
+    """The predicted ratio of a layer at this choice's shape (inf where the kernels lose)."""
+    if self.shape_loses:
+      return np.full(np.shape(tail_per_token), np.inf)
+    return self.cost.ratio(self.d_ff, hot_features, tail_per_token) * self.shape_scale
+
   @classmethod
   def for_inference(cls, tail_per_token, d_ff: int, hot_features=None,
-                    sparse: str = "mosaic_gpu") -> "LayerChoice":
+                    sparse: str = "mosaic_gpu", d_model: int | None = None,
+                    tokens: int | None = None) -> "LayerChoice":
     """The per-layer choice for a forward-only model with fixed weights: sparse where the
-    forward's predicted ratio (`INFERENCE_COST`) is below `INFERENCE_SPARSE_BELOW` (one
-    decision, no hysteresis). `tail_per_token` [L]: each layer's active features per token
-    outside its `hot_features` [L] (default none: the active features per token)."""
+    forward's predicted ratio (`INFERENCE_COST`, at the shape d_model x d_ff with `tokens`
+    per call) is below `INFERENCE_SPARSE_BELOW` (one decision, no hysteresis).
+    `tail_per_token` [L]: each layer's active features per token outside its `hot_features`
+    [L] (default none: the active features per token)."""
     tail = np.asarray(tail_per_token, np.float64).reshape(-1)
     hot = np.zeros_like(tail) if hot_features is None else np.asarray(hot_features)
     choice = cls(tail.shape[0], d_ff, sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
-                 dense_above=INFERENCE_SPARSE_BELOW, cost=INFERENCE_COST)
-    choice.update(INFERENCE_COST.ratio(d_ff, hot, tail))
+                 dense_above=INFERENCE_SPARSE_BELOW, cost=INFERENCE_COST, d_model=d_model,
+                 tokens=tokens)
+    choice.update(choice.predict(hot, tail))
     return choice
 
   def update(self, ratios) -> bool:
-    """Applies one decision from the layers' predicted ratios (`cost.ratio`); True if any
+    """Applies one decision from the layers' predicted ratios (`predict`); True if any
     layer changed."""
     ratios = np.asarray(ratios, np.float64).reshape(-1)
     if ratios.shape[0] != self.n_layers:
@@ -154,13 +180,12 @@ class LayerChoice:
       kept = tail_of(c, hot[l])
       if k != hot[l]:
         new = tail_of(c, k)
-        gain = (self.cost.ratio(self.d_ff, hot[l], kept) - self.cost.ratio(self.d_ff, k, new))
+        gain = float(self.predict(hot[l], kept) - self.predict(k, new))
         if gain > HOT_CHANGE_GAIN:
           hot[l], kept = k, new
       tails.append(kept)
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
-      ratios.append(np.inf if hot[l] >= c.shape[0]
-                    else float(self.cost.ratio(self.d_ff, hot[l], kept)))
+      ratios.append(np.inf if hot[l] >= c.shape[0] else float(self.predict(hot[l], kept)))
     changed = hot != self.hot
     self.hot, self.tail, self.predicted = hot, tails, ratios
     changed = self.update(ratios) or changed

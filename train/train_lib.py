@@ -130,15 +130,18 @@ class Trainer:
         or mc.ffn_activation != "relu"):
       return None
     sparse = lc.sparse
+    # One FFN call's tokens: a micro-batch's share of one device.
+    tokens = (self.cfg.batch_size // self.cfg.grad_accum_steps // self.mesh.size
+              * self.cfg.data.seq_len)
     if sparse == "auto":
-      tokens = (self.cfg.batch_size // self.cfg.grad_accum_steps // self.mesh.size
-                * self.cfg.data.seq_len)
       sparse = ffn_implementation_in_use(self, tokens)
     if sparse == "dense":
       return None
     return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff, sparse=sparse,
                                         sparse_below=lc.sparse_below,
-                                        dense_above=lc.dense_above)
+                                        dense_above=lc.dense_above,
+                                        d_model=None if mc.interpret else mc.d_model,
+                                        tokens=tokens)
 
   def sort_features(self, state, order):
     """`state` with each layer's hidden features in `order` [L, H] (the parameters, the

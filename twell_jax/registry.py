@@ -2,8 +2,10 @@
 
 Each implementation answers `unsupported(call)` (None when it can run the call, else the
 reason) and runs a validated call on 2-D operands, returning (y, FFNStats).
-`implementation=None` takes the first entry of `AUTO_ORDER` that supports the call:
-"mosaic_gpu" (the kernels; Hopper with bf16, or the interpreter) and else "dense". "xla",
+`implementation=None` takes the first entry of `AUTO_ORDER` that supports the call and is not
+measured slower than dense at its shape (`slower(call)`): "mosaic_gpu" (the kernels; Hopper
+with bf16, or the interpreter; on a GPU only at shapes where `twell_jax.shape_costs` measured
+them faster than dense, forward and forward + backward) and else "dense". "xla",
 the sparse algorithm in plain JAX, computes the same function but is slower than dense
 everywhere it was measured (4-5x on the CPU, about 20x on an H200 at the paper's shape), so
 it runs only when named.
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
+from twell_jax import shape_costs
 from twell_jax import sparse_xla
 from twell_jax import stats as stats_lib
 
@@ -49,6 +52,10 @@ class Dense:
     del call
     return None
 
+  def slower(self, call: Call) -> bool:
+    del call
+    return False
+
   def run(self, call: Call, x, w_gate, w_up, w_down):
     return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation)
 
@@ -62,6 +69,10 @@ class Xla:
     if call.activation != "relu":
       return f"activation={call.activation!r} has no exact zeros to skip"
     return None
+
+  def slower(self, call: Call) -> bool:
+    del call
+    return True   # everywhere it was measured (module docstring)
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
     return sparse_xla.sparse_ffn(x, w_gate, w_up, w_down, ell_width=call.ell_width,
@@ -89,6 +100,11 @@ class MosaicGpu:
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, call.dtype)
     return ffn_mgpu.supports(sds(call.m, call.d), sds(call.d, call.h) if call.gated else None,
                              sds(call.d, call.h), sds(call.h, call.d), interpret=call.interpret)
+
+  def slower(self, call: Call) -> bool:
+    """Slower than dense at this shape on a GPU (`shape_costs.sparse_loses`); never in the
+    interpreter, which runs for correctness, not speed."""
+    return not call.interpret and shape_costs.sparse_loses(call.d, call.h, call.m)
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
     # Imported on first use: the kernels' modules pull in Mosaic GPU (about 0.7 s).
@@ -118,10 +134,12 @@ def get(name: str):
 
 
 def pick(call: Call):
-  """The first implementation of AUTO_ORDER that supports `call`."""
+  """The first implementation of AUTO_ORDER that supports `call` and is not slower than dense
+  at its shape."""
   for name in AUTO_ORDER:
-    if IMPLEMENTATIONS[name].unsupported(call) is None:
-      return IMPLEMENTATIONS[name]
+    impl = IMPLEMENTATIONS[name]
+    if impl.unsupported(call) is None and not impl.slower(call):
+      return impl
   raise AssertionError("the dense implementation supports every call")
 
 
