@@ -161,8 +161,10 @@ def interpret_context(interpret: bool, num_cores: int = 8):
 # sizes that thread pool once, when JAX's CPU client starts: from PJRT_NPROC, else NPROC, else
 # the cores this process may run on. With fewer threads than a kernel has warpgroups waiting
 # on each other (the gate kernel has 3, plus the thread of the computation that launched them)
-# the kernel never finishes: any 2-core machine. 4 measured enough; 8 leaves a margin.
+# the kernel never finishes: any 2-core machine. 3 measured enough, 2 hung; the pool is given
+# 8 for a margin, and fewer than 4 is refused.
 INTERPRETER_THREADS = 8
+MIN_INTERPRETER_THREADS = 4
 
 
 def _cpu_pool_threads() -> int:
@@ -197,11 +199,11 @@ def check_interpreter_threads() -> None:
   """RuntimeError, in place of a kernel that would never finish, where JAX's CPU client runs
   with too few threads for the interpreter (`arrange_interpreter_threads`)."""
   threads = _cpu_pool_threads()
-  if threads < INTERPRETER_THREADS and _cpu_client_started():
+  if threads < MIN_INTERPRETER_THREADS and _cpu_client_started():
     raise RuntimeError(
-        f"the Mosaic GPU interpreter needs {INTERPRETER_THREADS} XLA CPU threads and JAX's CPU "
-        f"client started with {threads} (this machine's cores): its kernels would wait "
-        "forever. Import twell_jax (or pallas_kernels) before the first JAX computation, "
+        f"the Mosaic GPU interpreter needs {MIN_INTERPRETER_THREADS} or more XLA CPU threads and "
+        f"JAX's CPU client started with {threads} (this machine's cores): its kernels would "
+        "wait forever. Import twell_jax (or pallas_kernels) before the first JAX computation, "
         f"or set PJRT_NPROC={INTERPRETER_THREADS} in the environment.")
 
 
