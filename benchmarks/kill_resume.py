@@ -49,7 +49,9 @@ def _cmd(fl, workdir, extra):
           *extra]
 
 
-def _env():
+def deterministic_env() -> dict:
+  """This process's environment with XLA's deterministic GPU reductions on and the repository
+  on the path: equal programs then give equal bits."""
   env = dict(os.environ)
   xla = env.get("XLA_FLAGS", "")
   if "xla_gpu_deterministic_ops" not in xla:
@@ -99,7 +101,7 @@ def main(argv):
   extra = argv[1:]
   root = fl.workdir or tempfile.mkdtemp(prefix="twell_kill_resume_")
   ref, killed = os.path.join(root, "ref"), os.path.join(root, "killed")
-  env = _env()
+  env = deterministic_env()
   t0 = time.time()
   out = subprocess.run(_cmd(fl, ref, extra), env=env, timeout=fl.timeout,
                        capture_output=True, text=True)

@@ -41,6 +41,7 @@ import time
 from absl import app
 from absl import flags
 
+from benchmarks import kill_resume
 from train import checkpointing
 
 CONFIGS = ("tiny", "small", "paper_0p5b")
@@ -86,11 +87,7 @@ def train_cmd(config: str, impl: str, mesh: str, workdir: str) -> list[str]:
 
 
 def _env(gpus: str | None) -> dict:
-  env = dict(os.environ)
-  xla = env.get("XLA_FLAGS", "")
-  if "xla_gpu_deterministic_ops" not in xla:
-    env["XLA_FLAGS"] = (xla + " --xla_gpu_deterministic_ops=true").strip()
-  env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+  env = kill_resume.deterministic_env()
   # Several processes share each GPU: each takes memory as it needs it.
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   env.pop("JAX_PLATFORMS", None)
