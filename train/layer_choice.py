@@ -178,7 +178,7 @@ class LayerChoice:
     for l, c in enumerate(counts):
       k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even)
       kept = tail_of(c, hot[l])
-      if k != hot[l]:
+      if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
         new = tail_of(c, k)
         gain = float(self.predict(hot[l], kept) - self.predict(k, new))
         if gain > HOT_CHANGE_GAIN:

@@ -29,6 +29,7 @@ the module inside the traced function.
 """
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -45,7 +46,6 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 def deterministic_ops() -> bool:
   """Whether XLA's deterministic GPU reductions are asked for (`XLA_FLAGS`)."""
-  import os  # pylint: disable=import-outside-toplevel
   on = False
   for flag in os.environ.get("XLA_FLAGS", "").split():
     name, _, value = flag.partition("=")
