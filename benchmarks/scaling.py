@@ -2,6 +2,7 @@ r"""Training throughput per mesh: the sparse and the dense model on 1 device and
 
     python -m benchmarks.scaling --out=scaling.json                 # all GPUs of the machine
     python -m benchmarks.scaling --meshes=1x1,2x1,1x2 --layers=4    # explicit meshes
+    python -m benchmarks.scaling --options=trainer,xla              # XLA option sets compared
     python -m benchmarks.scaling --shape=tiny --weights=init --meshes=1x1 --iters=2   # CPU
 
 Each mesh DATAxFSDP runs the trainer's own step (`train.train_lib.Trainer`: the FFN and the
@@ -9,21 +10,29 @@ loss per device under shard_map, parameters split over fsdp) with `--batch_per_d
 sequences of the shape's context per device, for two models at the paper's shape with
 `--layers` layers (as `benchmarks.e2e`):
 
-  * sparse: ReLU + L1 with every FFN on `--sparse` (default mosaic_gpu), on weights trained
-    to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`: random);
+  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.layer_choice`)
+    decides each layer's FFN and hot features from one step's feature counts and the
+    features are sorted by popularity, as `train.main` does on its first step; on weights
+    trained to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`:
+    random);
   * dense: the same weights with a SiLU FFN on the dense implementation.
 
-Per mesh and model: median tokens/s of synchronized steps, per device, the scaling
-efficiency against the 1-device mesh (tokens/s over devices x the 1-device tokens/s), the
-compiled step's collectives by kind and every one that moves something other than a weight
-(`train.sharding.non_weight_collectives`; expected: none), XLA's peak memory estimate and
-each device's measured peak.
+A mesh of several devices is compiled with each of `--options`: "trainer" (the trainer's
+own, `train.sharding.step_compiler_options`) and XLA option sets to compare (`OPTION_SETS`).
+Per mesh, model and option set: median tokens/s of synchronized steps, per device, the
+scaling efficiency against the 1-device mesh (tokens/s over devices x the 1-device
+tokens/s), the compiled step's collectives by kind, every one that moves something other
+than a weight (`train.sharding.non_weight_collectives`; expected: none), how many of the
+asynchronous ones overlap compute and how many bytes they move
+(`train.sharding.collective_overlap`), XLA's peak memory estimate and each device's measured
+peak.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import statistics
 import time
 
@@ -48,7 +57,22 @@ def _define_flags():
   flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse model's FFN implementation")
   flags.DEFINE_list("models", ["sparse", "dense"], "sparse, dense")
   flags.DEFINE_bool("remat", False, "rematerialize each block")
+  flags.DEFINE_list("options", ["trainer", "xla"],
+                    "XLA option sets for meshes of several devices: " + ", ".join(OPTION_SETS))
+  flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
   flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+_LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+# None: the trainer's own options; {}: XLA's defaults.
+OPTION_SETS = {
+    "trainer": None,
+    "xla": {},
+    "lhs": _LHS,
+    "lhs_priority": {**_LHS, "xla_gpu_enable_highest_priority_async_stream": True},
+    "lhs_combine_256m": {**_LHS, "xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20},
+    "lhs_combine_8m": {**_LHS, "xla_gpu_all_reduce_combine_threshold_bytes": 8 << 20},
+}
 
 
 def _config(fl, model: str, data: int, fsdp: int):
@@ -57,13 +81,15 @@ def _config(fl, model: str, data: int, fsdp: int):
   if fl.shape != "tiny":
     cfg.model.n_layers = fl.layers
   cfg.model.remat = fl.remat
-  cfg.layer_choice.enabled = False
   cfg.mesh.update(data=data, fsdp=fsdp)
   if model == "sparse":
-    cfg.model.update(ffn_implementation=fl.sparse, ffn_activation="relu")
+    # The per-layer choice picks each layer's FFN (ffn_implementation None), as in training.
+    cfg.model.update(ffn_implementation=None, ffn_activation="relu")
+    cfg.layer_choice.update(enabled=True, sparse=fl.sparse)
     cfg.l1_coeff = trained.PAPER_L1
   else:
     cfg.model.update(ffn_implementation="dense", ffn_activation="silu")
+    cfg.layer_choice.enabled = False
     cfg.l1_coeff = 0.0
   return cfg
 
@@ -98,22 +124,61 @@ def _peak_bytes(compiled) -> int:
              - mem.alias_size_in_bytes)
 
 
-def run_mesh(fl, model: str, data: int, fsdp: int, params) -> dict:
+def _choose(fl, params):
+  """The sparse model's per-layer choice on one device, as the trainer's first step makes it:
+  (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the description
+  and the predicted per-layer ratios). None where the config makes no choice."""
+  from train import sharding  # pylint: disable=import-outside-toplevel
+  from train import train_lib  # pylint: disable=import-outside-toplevel
+  cfg = _config(fl, "sparse", 1, 1)
+  tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+  choice = tr.layer_choice()
+  if choice is None:
+    return None
+  state = _state(tr, params)
+  batch = _batch(tr, cfg)
+  _, m = tr.jit_train_step(choice.key)(state, batch)
+  tokens = cfg.batch_size * cfg.data.seq_len
+  _, order = choice.update_from_counts(jax.device_get(m["feature_counts"]), tokens)
+  return {"key": choice.key, "order": order,
+          "describe": choice.describe(), "predicted": [float(r) for r in choice.predicted]}
+
+
+def _batch(tr, cfg):
   from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
+      seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 7)
+  return tr.put_batch(packer.next_batch()[None].astype(np.int32), tr.batch_sharding)
+
+
+def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
+             options: str = "trainer") -> dict:
+  """One model on one mesh with one option set (`OPTION_SETS`); `choice` (from `_choose`)
+  gives the sparse model's layers and feature order."""
   from train import sharding  # pylint: disable=import-outside-toplevel
   from train import train_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, model, data, fsdp)
   n = data * fsdp
   tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:n]))
+  if OPTION_SETS[options] is not None:
+    tr.step_options = dict(OPTION_SETS[options])
   state = _state(tr, params)
-  packer = data_lib.PackedBatches(
-      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
-      seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 7)
-  batch = tr.put_batch(packer.next_batch()[None].astype(np.int32), tr.batch_sharding)
+  key = None
+  if model == "sparse" and choice is not None:
+    key = choice["key"]
+    state = tr.sort_features(state, choice["order"])
+  batch = _batch(tr, cfg)
   t0 = time.time()
-  step = tr.jit_train_step().lower(state, batch).compile()
+  step = tr.jit_train_step(key).lower(state, batch).compile()
   compile_s = time.time() - t0
-  found = sharding.collectives(step.as_text())
+  text = step.as_text()
+  if getattr(fl, "dump_hlo", None):
+    os.makedirs(fl.dump_hlo, exist_ok=True)
+    with open(os.path.join(fl.dump_hlo, f"{model}_{data}x{fsdp}_{options}.hlo"), "w") as f:
+      f.write(text)
+  found = sharding.collectives(text)
+  overlap = sharding.collective_overlap(text)
   shapes = [p.shape for p in jax.tree.leaves(state["params"])]
   for _ in range(2):
     state, m = step(state, batch)
@@ -129,10 +194,16 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params) -> dict:
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in tr.mesh.devices.flat]
   kinds = collections.Counter(kind for kind, _ in found)
   return {
-      "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "tokens_per_step": tokens,
+      "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
+      "compiler_options": tr.step_options, "tokens_per_step": tokens,
+      "ffn_per_layer": None if key is None else choice["describe"],
       "ms": med, "tokens_per_s": tokens / med * 1e3,
       "tokens_per_s_per_device": tokens / med * 1e3 / n, "compile_s": compile_s,
       "collectives": dict(kinds),
+      "async_collectives": len(overlap),
+      "overlapped_collectives": sum(o["between"] > 0 for o in overlap),
+      "collective_bytes": sum(o["bytes"] for o in overlap),
+      "overlapped_bytes": sum(o["bytes"] for o in overlap if o["between"] > 0),
       "non_weight_collectives": [list(c) for c in
                                  sharding.non_weight_collectives(found, shapes)],
       "xla_peak_bytes_per_device": _peak_bytes(step),
@@ -148,29 +219,51 @@ def main(argv):
   n = jax.device_count()
   meshes = fl.meshes or (["1x1"] + ([f"{n}x1"] if n > 1 else []))
   meshes = [tuple(int(v) for v in m.split("x")) for m in meshes]
+  unknown = set(fl.options) - set(OPTION_SETS)
+  if unknown:
+    raise app.UsageError(f"--options: unknown {sorted(unknown)}; known {list(OPTION_SETS)}")
   device = jax.devices()[0].device_kind
   print(f"device: {device} x {n}", flush=True)
   params = _params(fl)
+  choice = _choose(fl, params) if "sparse" in fl.models else None
+  if choice is not None:
+    print(f"sparse model's layers: {choice['describe']} (predicted "
+          + " ".join(f"{r:.2f}" for r in choice["predicted"]) + ")", flush=True)
   results = {"device": device, "device_count": n, "jax": jax.__version__,
              "shape": fl.shape, "layers": fl.layers, "batch_per_device": fl.batch_per_device,
-             "weights": fl.weights, "runs": []}
+             "weights": fl.weights,
+             "sparse_layers": None if choice is None else choice["describe"],
+             "option_sets": {k: OPTION_SETS[k] for k in fl.options}, "runs": []}
   for model in fl.models:
     for data, fsdp in meshes:
-      r = run_mesh(fl, model, data, fsdp, params)
-      one = next((x for x in results["runs"] if x["model"] == model and x["devices"] == 1),
-                 None)
-      if one is not None:
-        r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
-      results["runs"].append(r)
-      print(f"  {model:<6} mesh {r['mesh']:<5} {r['tokens_per_s']:>12,.0f} tok/s "
-            f"({r['tokens_per_s_per_device']:,.0f} per device"
-            + (f", efficiency {r['scaling_efficiency']:.3f}" if one is not None else "")
-            + f") {r['ms']:.1f} ms; collectives {r['collectives']}; non-weight "
-            f"{len(r['non_weight_collectives'])}; XLA peak "
-            f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
-      if fl.out:
-        with open(fl.out, "w") as f:
-          json.dump(results, f, indent=1)
+      for options in (["trainer"] if data * fsdp == 1 else fl.options):
+        try:
+          r = run_mesh(fl, model, data, fsdp, params, choice=choice, options=options)
+        except Exception as e:  # pylint: disable=broad-except
+          # An option this XLA does not know fails the compile: recorded, the rest runs.
+          r = {"model": model, "mesh": f"{data}x{fsdp}", "devices": data * fsdp,
+               "options": options, "error": f"{type(e).__name__}: {e}"[:500]}
+          results["runs"].append(r)
+          print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} failed: {r['error']}",
+                flush=True)
+          continue
+        one = next((x for x in results["runs"] if x["model"] == model and x["devices"] == 1
+                    and "error" not in x), None)
+        if one is not None and r["devices"] > 1:
+          r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
+        results["runs"].append(r)
+        print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} "
+              f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "
+              f"device" + (f", efficiency {r['scaling_efficiency']:.3f}"
+                           if "scaling_efficiency" in r else "")
+              + f") {r['ms']:.1f} ms; collectives {r['collectives']}, overlapped "
+              f"{r['overlapped_collectives']}/{r['async_collectives']} "
+              f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
+              f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
+              f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
+        if fl.out:
+          with open(fl.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

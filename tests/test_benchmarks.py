@@ -166,8 +166,15 @@ class ScalingSmokeTest(absltest.TestCase):
     import types  # pylint: disable=import-outside-toplevel
     fl = types.SimpleNamespace(shape="tiny", layers=2, batch_per_device=2, iters=1,
                                weights="init", remat=False, sparse="xla")
-    r = scaling.run_mesh(fl, "sparse", 1, 1, scaling._params(fl))  # pylint: disable=protected-access
+    params = scaling._params(fl)  # pylint: disable=protected-access
+    # The sparse model as the trainer runs it: the per-layer choice from one step's counts.
+    choice = scaling._choose(fl, params)  # pylint: disable=protected-access
+    self.assertLen(choice["key"][0], 2)
+    self.assertEqual(choice["order"].shape, (2, 256))
+    r = scaling.run_mesh(fl, "sparse", 1, 1, params, choice=choice)
     self.assertEqual(r["mesh"], "1x1")
+    self.assertEqual(r["ffn_per_layer"], choice["describe"])
+    self.assertEqual(r["compiler_options"], {})                 # one device: XLA's own
     self.assertGreater(r["tokens_per_s"], 0)
     self.assertEqual(r["collectives"], {})
     self.assertEqual(r["non_weight_collectives"], [])

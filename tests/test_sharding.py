@@ -16,9 +16,11 @@ import json
 import os
 import sys
 import textwrap
+import types
 
 from absl.testing import absltest
 import numpy as np
+import pytest
 
 import train_test_util as tu
 from train import sharding
@@ -167,6 +169,69 @@ class MeshRulesTest(absltest.TestCase):
         ("all-gather", "bf16", (16, 16)),                       # (8, 16): (16, 8) transposed
         ("all-reduce", "f32", (32, 256)), ("all-gather", "bf16", (192, 32)),
         ("all-to-all", "f32", (8, 24, 2, 16))])
+
+  def test_step_compiler_options(self):
+    mesh = lambda n: types.SimpleNamespace(size=n)
+    self.assertEqual(sharding.step_compiler_options(mesh(2), "gpu"), sharding.OVERLAP_OPTIONS)
+    self.assertTrue(sharding.OVERLAP_OPTIONS["xla_gpu_enable_latency_hiding_scheduler"])
+    self.assertEqual(sharding.step_compiler_options(mesh(1), "gpu"), {})
+    self.assertEqual(sharding.step_compiler_options(mesh(2), "cpu"), {})
+
+  def test_collective_overlap_parser(self):
+    hlo = textwrap.dedent("""
+        HloModule m, is_scheduled=true
+
+        %wrapped (a: f32[4]) -> f32[4] {
+          %a = f32[4]{0} parameter(0)
+          %inner-start = f32[9]{0} all-reduce-start(%a)
+          %f = f32[4]{0} fusion(%a), kind=kLoop
+        }
+
+        ENTRY %main (p: f32[4]) -> f32[4] {
+          %p = f32[4]{0} parameter(0)
+          %all-reduce-start.1 = (f32[4]{0}, bf16[2,8]{1,0}) all-reduce-start(%p, %q)
+          %fusion.2 = f32[4]{0} fusion(%p), kind=kLoop
+          %ag-start = (bf16[8,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(bf16[8,16]{1,0} %x)
+          %custom-call.3 = f32[4]{0} custom-call(%p), custom_call_target="x"
+          %all-reduce-done.1 = (f32[4]{0}, bf16[2,8]{1,0}) all-reduce-done(%all-reduce-start.1)
+          %ag-done = bf16[16,16]{1,0} all-gather-done(%ag-start)
+          %rs = ((f32[8]{0}), f32[4]{0}) async-start(%p), calls=%wrapped_reduce-scatter
+          %rsd = f32[4]{0} async-done(%rs)
+          %all-reduce.9 = f32[8]{0} all-reduce(%p)
+          ROOT %t = f32[4]{0} add(%p, %p)
+        }
+        """)
+    self.assertEqual(sharding.collective_overlap(hlo), [
+        {"kind": "all-reduce", "bytes": 4 * 4 + 16 * 2, "between": 2},
+        {"kind": "all-gather", "bytes": 16 * 16 * 2, "between": 1},
+        {"kind": "reduce-scatter", "bytes": 32, "between": 0}])   # waited for at once
+
+
+class TwoGpuOverlapTest(absltest.TestCase):
+  """On two GPUs, the trainer's data-parallel step overlaps its gradient reductions with the
+  backward (`train.sharding.OVERLAP_OPTIONS`): most of the bytes the asynchronous
+  all-reduces move have compute scheduled between their start and their done."""
+
+  @pytest.mark.gpu
+  def test_gradient_reductions_overlap_the_backward(self):
+    import jax  # pylint: disable=import-outside-toplevel
+    from train import train_lib  # pylint: disable=import-outside-toplevel
+    if jax.default_backend() != "gpu" or jax.device_count() < 2:
+      self.skipTest("needs two GPUs")
+    cfg = tu.micro_config(batch_size=8)
+    cfg.model.update(d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=4,
+                     ffn_implementation="dense")
+    cfg.mesh.update(data=2, fsdp=1)
+    tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
+    state = tr.abstract_state()
+    batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
+                                 sharding=tr.batch_sharding)
+    hlo = tr.jit_train_step().lower(state, batch).compile().as_text()
+    found = [o for o in sharding.collective_overlap(hlo) if o["kind"] == "all-reduce"]
+    self.assertNotEmpty(found)
+    total = sum(o["bytes"] for o in found)
+    hidden = sum(o["bytes"] for o in found if o["between"] > 0)
+    self.assertGreater(hidden, 0.5 * total, found)
 
 
 class FourDevicesTest(absltest.TestCase):

@@ -184,3 +184,73 @@ def non_weight_collectives(found, param_shapes) -> list[tuple[str, str, tuple[in
       elif not (kind == "all-reduce" and len(shape) <= 1) and shape not in weights:
         bad.append((kind, dtype, shape))
   return bad
+
+
+# XLA options for a train step on several GPUs: the latency-hiding scheduler places each
+# gradient reduction (an asynchronous all-reduce / reduce-scatter / all-gather start and
+# done) around the backward's kernels that do not need it, so the reductions of the last
+# layers run while the earlier layers' gradients are computed. Without it XLA issues each
+# collective and waits for it at once (`collective_overlap`: nothing in between).
+OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def step_compiler_options(mesh: jax.sharding.Mesh, backend: str | None = None) -> dict:
+  """The XLA options a train step on `mesh` is compiled with: `OVERLAP_OPTIONS` on a GPU
+  mesh of several devices, none otherwise (the CPU and one device have nothing to hide)."""
+  backend = backend or jax.default_backend()
+  return dict(OVERLAP_OPTIONS) if backend == "gpu" and mesh.size > 1 else {}
+
+
+_ASYNC_START = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = .*?\s((?:all-gather|all-reduce|reduce-scatter|"
+                          r"all-to-all|collective-permute)-start|async-start)\(")
+_ASYNC_DONE = re.compile(r"\s(?:[a-z-]+-done|async-done)\(.*?%([^\s,)]+)")
+_KINDS = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute")
+_COMPUTE = re.compile(r"\s(fusion|custom-call|call|dot|convolution|while|conditional)\(")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?(\S+)\s.*\{\s*$")
+
+
+def collective_overlap(hlo_text: str) -> list[dict]:
+  """Each asynchronous collective of a compiled (scheduled) module's entry computation, in
+  schedule order: {"kind", "bytes" (what it produces), "between"}, `between` counting the compute instructions
+  (fusions, custom calls, command buffers, dots) scheduled between its start and its done,
+  the work it can overlap. A collective with `between == 0` is waited for as soon as it is
+  issued. Synchronous collectives are not listed (`collectives` lists every one)."""
+  entry, inside = [], False
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and not line.startswith(" "):
+      inside = bool(m.group(1))
+      continue
+    if inside:
+      if line.startswith("}"):
+        break
+      entry.append(line)
+  open_ops, out = {}, []
+  for line in entry:
+    m = _ASYNC_START.match(line)
+    if m:
+      kind = m.group(2).removesuffix("-start")
+      if kind == "async":
+        # A generic async pair wraps a computation named after its collective.
+        found = _KINDS.search(line[line.index("async-start("):])
+        kind = found.group(0) if found else "async"
+      result = line[line.index(" = ") + 3:line.index(m.group(2) + "(")]
+      sizes = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dt, 4)
+               for dt, dims in _SHAPE.findall(result)]
+      # An all-reduce's result lists each combined operand; another start's tuple holds its
+      # operand and its (largest) result.
+      nbytes = sum(sizes) if kind == "all-reduce" else max(sizes, default=0)
+      open_ops[m.group(1)] = {"kind": kind, "bytes": nbytes, "between": 0}
+      continue
+    m = _ASYNC_DONE.search(line)
+    if m and m.group(1) in open_ops:
+      out.append(open_ops.pop(m.group(1)))
+      continue
+    if _COMPUTE.search(line):
+      for op in open_ops.values():
+        op["between"] += 1
+  return out
+
+
+_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
+                "pred": 1, "f64": 8, "s64": 8, "u64": 8}
