@@ -18,7 +18,7 @@ sequences of the shape's context per device, for two models at the paper's shape
   * dense: the same weights with a SiLU FFN on the dense implementation.
 
 A mesh of several devices is compiled with each of `--options`: "trainer" (the trainer's
-own, `train.sharding.step_compiler_options`) and XLA option sets to compare (`OPTION_SETS`).
+own: XLA's defaults) and XLA option sets to compare (`OPTION_SETS`).
 Per mesh, model and option set: median tokens/s of synchronized steps, per device, the
 scaling efficiency against the 1-device mesh (tokens/s over devices x the 1-device
 tokens/s), the compiled step's collectives by kind, every one that moves something other
@@ -57,21 +57,22 @@ def _define_flags():
   flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse model's FFN implementation")
   flags.DEFINE_list("models", ["sparse", "dense"], "sparse, dense")
   flags.DEFINE_bool("remat", False, "rematerialize each block")
-  flags.DEFINE_list("options", ["trainer", "xla"],
+  flags.DEFINE_list("options", ["trainer", "no_lhs"],
                     "XLA option sets for meshes of several devices: " + ", ".join(OPTION_SETS))
   flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
+  flags.DEFINE_string("profile_dir", None, "trace 3 steps of each run into this folder "
+                      "(jax.profiler, with a Perfetto trace)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-_LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
-# None: the trainer's own options; {}: XLA's defaults.
+# XLA option sets the train step on several devices is compiled with ("trainer": none, the
+# trainer's own; XLA's latency-hiding scheduler is on by default).
 OPTION_SETS = {
-    "trainer": None,
-    "xla": {},
-    "lhs": _LHS,
-    "lhs_priority": {**_LHS, "xla_gpu_enable_highest_priority_async_stream": True},
-    "lhs_combine_256m": {**_LHS, "xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20},
-    "lhs_combine_8m": {**_LHS, "xla_gpu_all_reduce_combine_threshold_bytes": 8 << 20},
+    "trainer": {},
+    "no_lhs": {"xla_gpu_enable_latency_hiding_scheduler": False},
+    "combine_256m": {"xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20},
+    "combine_8m": {"xla_gpu_all_reduce_combine_threshold_bytes": 8 << 20},
+    "priority": {"xla_gpu_enable_highest_priority_async_stream": True},
 }
 
 
@@ -161,8 +162,6 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   cfg = _config(fl, model, data, fsdp)
   n = data * fsdp
   tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:n]))
-  if OPTION_SETS[options] is not None:
-    tr.step_options = dict(OPTION_SETS[options])
   state = _state(tr, params)
   key = None
   if model == "sparse" and choice is not None:
@@ -170,7 +169,8 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
     state = tr.sort_features(state, choice["order"])
   batch = _batch(tr, cfg)
   t0 = time.time()
-  step = tr.jit_train_step(key).lower(state, batch).compile()
+  step = tr.jit_train_step(key).lower(state, batch).compile(
+      compiler_options=OPTION_SETS[options] or None)
   compile_s = time.time() - t0
   text = step.as_text()
   if getattr(fl, "dump_hlo", None):
@@ -189,13 +189,19 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
     state, m = step(state, batch)
     jax.block_until_ready(state)
     ms.append((time.perf_counter() - t0) * 1e3)
+  if getattr(fl, "profile_dir", None):
+    with jax.profiler.trace(os.path.join(fl.profile_dir, f"{model}_{data}x{fsdp}_{options}"),
+                            create_perfetto_trace=True):
+      for _ in range(3):
+        state, m = step(state, batch)
+      jax.block_until_ready(state)
   tokens = cfg.batch_size * cfg.data.seq_len
   med = statistics.median(ms)
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in tr.mesh.devices.flat]
   kinds = collections.Counter(kind for kind, _ in found)
   return {
       "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
-      "compiler_options": tr.step_options, "tokens_per_step": tokens,
+      "compiler_options": OPTION_SETS[options], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": med, "tokens_per_s": tokens / med * 1e3,
       "tokens_per_s_per_device": tokens / med * 1e3 / n, "compile_s": compile_s,
@@ -240,7 +246,7 @@ def main(argv):
         try:
           r = run_mesh(fl, model, data, fsdp, params, choice=choice, options=options)
         except Exception as e:  # pylint: disable=broad-except
-          # An option this XLA does not know fails the compile: recorded, the rest runs.
+          # An option set that fails (to compile, or out of memory): recorded, the rest runs.
           r = {"model": model, "mesh": f"{data}x{fsdp}", "devices": data * fsdp,
                "options": options, "error": f"{type(e).__name__}: {e}"[:500]}
           results["runs"].append(r)

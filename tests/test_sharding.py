@@ -82,8 +82,14 @@ _FOUR_DEVICES = textwrap.dedent("""
                                                       jax.tree.leaves(tr.state_sharding)))
       _, losses, _ = steps(tr, state, tokens[3:])
       out[f"restored_{data}x{fsdp}"] = {"equal": same, "laid_out": laid_out, "losses": losses}
+      if (data, fsdp) == (2, 2):
+        # Inference (train.generate, train.report) gathers a split model onto one device.
+        from train import inference
+        inf = inference.inference_params(state["params"], tr.model_cfg)
+        inference_devices = sorted({len(a.sharding.device_set) for a in jax.tree.leaves(inf)})
     for v in out.values():
       v.pop("params", None)
+    out["inference_devices"] = inference_devices
 
     # twell_jax.sharded.ffn itself: leading axis split, tokens split, nothing divides.
     import jax.numpy as jnp
@@ -170,13 +176,6 @@ class MeshRulesTest(absltest.TestCase):
         ("all-reduce", "f32", (32, 256)), ("all-gather", "bf16", (192, 32)),
         ("all-to-all", "f32", (8, 24, 2, 16))])
 
-  def test_step_compiler_options(self):
-    mesh = lambda n: types.SimpleNamespace(size=n)
-    self.assertEqual(sharding.step_compiler_options(mesh(2), "gpu"), sharding.OVERLAP_OPTIONS)
-    self.assertTrue(sharding.OVERLAP_OPTIONS["xla_gpu_enable_latency_hiding_scheduler"])
-    self.assertEqual(sharding.step_compiler_options(mesh(1), "gpu"), {})
-    self.assertEqual(sharding.step_compiler_options(mesh(2), "cpu"), {})
-
   def test_collective_overlap_parser(self):
     hlo = textwrap.dedent("""
         HloModule m, is_scheduled=true
@@ -209,8 +208,8 @@ class MeshRulesTest(absltest.TestCase):
 
 class TwoGpuOverlapTest(absltest.TestCase):
   """On two GPUs, the trainer's data-parallel step overlaps its gradient reductions with the
-  backward (`train.sharding.OVERLAP_OPTIONS`): most of the bytes the asynchronous
-  all-reduces move have compute scheduled between their start and their done."""
+  backward (XLA's latency-hiding scheduler, on by default): most of the bytes the
+  asynchronous all-reduces move have compute scheduled between their start and their done."""
 
   @pytest.mark.gpu
   def test_gradient_reductions_overlap_the_backward(self):
@@ -280,6 +279,9 @@ class FourDevicesTest(absltest.TestCase):
       self.assertTrue(r["laid_out"], mesh)
     np.testing.assert_allclose(self.out["restored_2x2"]["losses"],
                                self.out["restored_1x1"]["losses"], rtol=1e-5)
+
+  def test_inference_parameters_on_one_device(self):
+    self.assertEqual(self.out["inference_devices"], [1])
 
 
 if __name__ == "__main__":

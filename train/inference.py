@@ -26,7 +26,8 @@ from train import train_lib
 
 @dataclasses.dataclass
 class Checkpoint:
-  """One restored checkpoint (parameters replicated on the local devices)."""
+  """One restored checkpoint (parameters laid out on the run's mesh where it fits the
+  devices here, else replicated on them)."""
   step: int
   config: Any                      # the training ConfigDict saved with it
   trainer: train_lib.Trainer       # model, tokenizer and eval data built from `config`
@@ -108,8 +109,15 @@ def inference_params(params: dict, model_cfg: model_lib.ModelConfig) -> dict:
   """The parameters as inference reads them: block weights stacked [L, ...] (the scan
   layout, whichever layout trained them) and matrices cast to the compute dtype once, so
   that no step re-reads f32 weights to cast them; the RMSNorm scales stay as they are (the
-  norms compute in f32)."""
+  norms compute in f32).
+
+  On one device, the first local one: prefill and decode run there. Parameters restored
+  onto the run's mesh are gathered (split over fsdp, XLA's partitioner gave the cuDNN
+  attention differently split queries, keys and values, which it refuses; replicated, every
+  device would repeat the same work).
+  """
   dt = model_lib.DTYPES[model_cfg.dtype]
+  params = jax.device_put(params, jax.local_devices()[0])
   params = {**params, "blocks": model_lib.stacked_blocks(params, model_cfg.n_layers)}
 
   def cast(path, a):

@@ -186,21 +186,6 @@ def non_weight_collectives(found, param_shapes) -> list[tuple[str, str, tuple[in
   return bad
 
 
-# XLA options for a train step on several GPUs: the latency-hiding scheduler places each
-# gradient reduction (an asynchronous all-reduce / reduce-scatter / all-gather start and
-# done) around the backward's kernels that do not need it, so the reductions of the last
-# layers run while the earlier layers' gradients are computed. Without it XLA issues each
-# collective and waits for it at once (`collective_overlap`: nothing in between).
-OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
-
-
-def step_compiler_options(mesh: jax.sharding.Mesh, backend: str | None = None) -> dict:
-  """The XLA options a train step on `mesh` is compiled with: `OVERLAP_OPTIONS` on a GPU
-  mesh of several devices, none otherwise (the CPU and one device have nothing to hide)."""
-  backend = backend or jax.default_backend()
-  return dict(OVERLAP_OPTIONS) if backend == "gpu" and mesh.size > 1 else {}
-
-
 _ASYNC_START = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = .*?\s((?:all-gather|all-reduce|reduce-scatter|"
                           r"all-to-all|collective-permute)-start|async-start)\(")
 _ASYNC_DONE = re.compile(r"\s(?:[a-z-]+-done|async-done)\(.*?%([^\s,)]+)")

@@ -82,9 +82,6 @@ class Trainer:
     self.state_sharding = sharding_lib.state_shardings(
         jax.eval_shape(self.init_state, jax.random.key(0)), self.tx, self.mesh,
         scan_layers=self.model_cfg.scan_layers)
-    # The train step's XLA options (`train.sharding.step_compiler_options`: on several GPUs,
-    # gradient reductions overlapped with the backward).
-    self.step_options = sharding_lib.step_compiler_options(self.mesh)
 
   def init_state(self, key):
     params = self.lm.init_params(key)
@@ -117,15 +114,14 @@ class Trainer:
     return jax.jit(sharding_lib.traced_in(self.mesh, step),
                    in_shardings=(self.state_sharding, self.batch_sharding),
                    out_shardings=(self.state_sharding, self.replicated),
-                   donate_argnums=0, compiler_options=self.step_options or None)
+                   donate_argnums=0)
 
   def compile_train_step(self, layer_ffn, state_spec, batch_spec, *, autotune: bool = True):
     """`jit_train_step(layer_ffn)` compiled ahead of time for these argument types (and
     shardings); `autotune=False` compiles a GPU step with `NO_AUTOTUNE`."""
     lowered = self.jit_train_step(layer_ffn).lower(state_spec, batch_spec)
     untuned = not autotune and jax.default_backend() == "gpu"
-    options = {**self.step_options, **(NO_AUTOTUNE if untuned else {})}
-    return lowered.compile(compiler_options=options or None)
+    return lowered.compile(compiler_options=NO_AUTOTUNE if untuned else None)
 
   def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
     """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
