@@ -217,7 +217,10 @@ class TwoGpuOverlapTest(absltest.TestCase):
     from train import train_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
-    cfg = tu.micro_config(batch_size=8)
+    from configs import tiny  # pylint: disable=import-outside-toplevel
+    cfg = tiny.get_config()   # no data read: the step is only compiled
+    cfg.update(batch_size=8)
+    cfg.data.seq_len = 128
     cfg.model.update(d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=4,
                      ffn_implementation="dense")
     cfg.mesh.update(data=2, fsdp=1)

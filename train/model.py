@@ -39,6 +39,8 @@ from flax import nnx
 import twell_jax
 from twell_jax import sharded
 
+from train import embedding
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -257,7 +259,7 @@ class Transformer(nnx.Module):
 
   def embed_tokens(self, tokens):
     table = sharded.gathered(self.embed[...].astype(DTYPES[self.cfg.dtype]))
-    return jnp.take(table, tokens, axis=0)
+    return embedding.lookup(table, tokens)
 
   def logits(self, x):
     """logits [B, T, V] f32 of the final hidden state x (normalized here): a compute-dtype
