@@ -211,7 +211,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "collective_bytes": sum(o["bytes"] for o in overlap),
       "overlapped_bytes": sum(o["bytes"] for o in overlap if o["between"] > 0),
       "non_weight_collectives": [list(c) for c in
-                                 sharding.non_weight_collectives(found, shapes)],
+                                 sharding.non_weight_collectives(found, shapes, fsdp)],
       "xla_peak_bytes_per_device": _peak_bytes(step),
       "measured_peak_bytes_per_device": peaks,
       "active_per_token": [float(a) for a in np.asarray(m["active_per_token"])],

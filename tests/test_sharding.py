@@ -175,6 +175,13 @@ class MeshRulesTest(absltest.TestCase):
         ("all-gather", "bf16", (16, 16)),                       # (8, 16): (16, 8) transposed
         ("all-reduce", "f32", (32, 256)), ("all-gather", "bf16", (192, 32)),
         ("all-to-all", "f32", (8, 24, 2, 16))])
+    # Under fsdp=2 an async all-gather starts from a shard, a reduce-scatter ends with one.
+    shards = [("all-gather", [("bf16", (1024, 5632)), ("bf16", (2048, 5632))]),
+              ("reduce-scatter", [("bf16", (2048, 2816))]),
+              ("reduce-scatter", [("bf16", (2048, 1408))])]
+    self.assertEqual(sharding.non_weight_collectives(shards, [(2048, 5632)], fsdp=2),
+                     [("reduce-scatter", "bf16", (2048, 1408))])
+    self.assertLen(sharding.non_weight_collectives(shards, [(2048, 5632)]), 3)
 
   def test_collective_overlap_parser(self):
     hlo = textwrap.dedent("""

@@ -157,24 +157,30 @@ def collectives(hlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...
   return out
 
 
-def _weight_shapes(param_shapes) -> set:
-  """A parameter's shape, of a stacked one its layer slice (with and without the axis), and
-  the transposes of the matrices (XLA may reduce a gradient in the transposed layout)."""
+def _weight_shapes(param_shapes, fsdp: int = 1) -> set:
+  """A parameter's shape, of a stacked one its layer slice (with and without the axis), its
+  fsdp shards (one axis divided by `fsdp`: what an all-gather starts from and a
+  reduce-scatter ends with), and the transposes of the matrices (XLA may reduce a gradient in
+  the transposed layout)."""
   shapes = set()
   for s in map(tuple, param_shapes):
     shapes |= {s, s[1:], (1,) + s[1:]}
+  if fsdp > 1:
+    shapes |= {s[:i] + (s[i] // fsdp,) + s[i + 1:] for s in list(shapes)
+               for i in range(len(s)) if s[i] % fsdp == 0}
   return shapes | {s[::-1] for s in shapes if len(s) == 2}
 
 
-def non_weight_collectives(found, param_shapes) -> list[tuple[str, str, tuple[int, ...]]]:
-  """The collectives of `found` (from `collectives`) that move something other than a weight
-  or its gradient: [(kind, dtype, shape)].
+def non_weight_collectives(found, param_shapes, fsdp: int = 1
+                           ) -> list[tuple[str, str, tuple[int, ...]]]:
+  """The collectives of `found` (from `collectives`) that move something other than a weight,
+  its gradient or their fsdp shards (`fsdp`: the mesh's fsdp size): [(kind, dtype, shape)].
 
   Every all-to-all and collective-permute, and each all-gather, all-reduce or reduce-scatter
   operand that is not shaped like a parameter; all-reduces of scalars and vectors (the
   statistics) pass. Meaningful where no activation has a parameter's shape.
   """
-  weights = _weight_shapes(param_shapes)
+  weights = _weight_shapes(param_shapes, fsdp)
   bad = []
   for kind, operands in found:
     for dtype, shape in operands:
