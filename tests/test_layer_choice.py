@@ -188,6 +188,20 @@ class BackgroundStepsTest(absltest.TestCase):
     self.assertEqual(tuned, [True])                   # nothing to hurry: one tuned build
     steps.close()
 
+  def test_no_background_build_that_cannot_land_before_the_end(self):
+    can_land = train_lib._build_can_land  # pylint: disable=protected-access
+    steps = layer_choice.BackgroundSteps(lambda names, autotune: names, background=True)
+    self.assertTrue(can_land(steps, 5.0))            # no build timed yet
+    steps.get_now(("dense",))
+    steps.last_build_s = 30.0
+    self.assertTrue(can_land(steps, 31.0))
+    self.assertFalse(can_land(steps, 29.0))          # the run ends first
+    steps.close()
+    inline = layer_choice.BackgroundSteps(lambda names, autotune: names, background=False)
+    inline.last_build_s = 30.0
+    self.assertTrue(can_land(inline, 1.0))           # built in the loop: always lands
+    inline.close()
+
   def test_quick_build_first_then_the_tuned_one_as_an_upgrade(self):
     gate, quick_gate, built = threading.Event(), threading.Event(), []
     quick_gate.set()

@@ -194,3 +194,23 @@ class CommandLineTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class CompilationCacheTest(absltest.TestCase):
+  """`train_lib.use_compilation_cache`: on for GPU runs at the config's directory, never over
+  a directory the user set, off on the CPU."""
+
+  def test_where_the_cache_goes(self):
+    from train import train_lib  # pylint: disable=import-outside-toplevel
+    before = jax.config.jax_compilation_cache_dir
+    tmp = self.create_tempdir().full_path
+    try:
+      jax.config.update("jax_compilation_cache_dir", None)
+      self.assertIsNone(train_lib.use_compilation_cache(tmp + "/c", backend="cpu"))
+      self.assertIsNone(train_lib.use_compilation_cache("", backend="gpu"))
+      self.assertEqual(train_lib.use_compilation_cache(tmp + "/c", backend="gpu"), tmp + "/c")
+      self.assertEqual(jax.config.jax_compilation_cache_dir, tmp + "/c")
+      # Set already (--jax_compilation_cache_dir): kept.
+      self.assertEqual(train_lib.use_compilation_cache(tmp + "/d", backend="gpu"), tmp + "/c")
+    finally:
+      jax.config.update("jax_compilation_cache_dir", before)

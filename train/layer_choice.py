@@ -246,7 +246,7 @@ class BackgroundSteps:
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     import threading  # pylint: disable=import-outside-toplevel
     self._build = build
-    self._background = background
+    self.background = background
     self._quick_first = quick_first
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._lock = threading.Lock()
@@ -314,9 +314,9 @@ class BackgroundSteps:
     self._seq += 1
     if names in self._done:
       self._built(self._seq, names, self._done[names], names in self._tuned)
-      if names in self._tuned or not self._background:
+      if names in self._tuned or not self.background:
         return
-    if self._background:
+    if self.background:
       for future in self._queued:
         future.cancel()                # not started yet: superseded
       self._queued = [self._pool.submit(self._build_in_background, self._seq, names)]

@@ -272,6 +272,28 @@ def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
           f"dead {' '.join(f'{x:.2f}' for x in dead)}")
 
 
+def use_compilation_cache(path: str | None, backend: str | None = None) -> str | None:
+  """Turns on JAX's persistent compilation cache at `path` (~ expanded) on a GPU, unless
+  the cache is already set (`--jax_compilation_cache_dir`); returns the directory in use.
+  On the CPU nothing changes (the tests' programs compile in well under a second)."""
+  current = jax.config.jax_compilation_cache_dir
+  if current or not path or (backend or jax.default_backend()) != "gpu":
+    return current or None
+  path = os.path.expanduser(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  logging.info("compiled programs are cached in %s (config.compilation_cache_dir)", path)
+  return path
+
+
+def _build_can_land(steps, left_s: float) -> bool:
+  """Whether a step requested now can be built before the run ends: always where builds
+  run in the loop (`background=False`, reproducible runs), else when the training time left
+  (`left_s`, at the loop's pace so far) exceeds the last build's time. A build that cannot
+  land would only be waited for at the end (`BackgroundSteps.close`)."""
+  return not steps.background or steps.last_build_s is None or left_s > steps.last_build_s
+
+
 def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
                        allow_fresh_start: bool = False) -> dict:
   """Trains (resuming if possible); returns the last logged metrics.
@@ -294,6 +316,7 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
 def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                         accept_config_change: bool, allow_fresh_start: bool) -> dict:
   os.makedirs(workdir, exist_ok=True)
+  use_compilation_cache(cfg.get("compilation_cache_dir"))
   hf_dir = (cfg.get("init_from_hf") or {}).get("path")
   if hf_dir:  # shapes and tokenizer of a Hugging Face checkpoint
     cfg = hf_init.configure(cfg, workdir)
@@ -369,6 +392,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   last = {}
   t_last, tokens_since = time.time(), 0
   preempted = None
+  t_loop = time.time()
   try:
     for step in range(start, cfg.num_train_steps):
       batch, data_state = next(prefetch)
@@ -387,7 +411,15 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
           changed, order = choice.update_from_counts(
               jax.device_get(m["feature_counts"]), cfg.batch_size * cfg.data.seq_len)
           state = tr.sort_features(state, order)
-          if changed:
+          left_s = (cfg.num_train_steps - done) * (time.time() - t_loop) / (done - start)
+          if changed and not _build_can_land(steps, left_s):
+            # The run would end before the step is built: keep the one running (and the
+            # choice with it, so that the next decision starts from what runs).
+            logging.info("step %d: FFN per layer -> %s predicted, not built: about %.0f s "
+                         "of training left, the last build took %.0f s", done,
+                         choice.describe(), left_s, steps.last_build_s)
+            choice.current, choice.hot = list(running[0]), list(running[1])
+          elif changed:
             logging.info("step %d: FFN per layer -> %s (predicted %s; compiling in the "
                          "background)", done, choice.describe(),
                          " ".join(f"{r:.2f}" for r in choice.predicted))
