@@ -79,6 +79,63 @@ class OfflineCorpusTest(absltest.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
+class SourceCorpusTest(absltest.TestCase):
+  """The larger offline corpus: the standard library's source files, held out by file."""
+
+  def test_splits_by_file_and_fingerprint(self):
+    name = text_corpus.SOURCE_NAME
+    train = [k for k, _ in text_corpus.iter_documents("train", name)]
+    val = [k for k, _ in text_corpus.iter_documents("validation", name)]
+    self.assertGreater(len(train), 500)
+    self.assertNotEmpty(val)
+    self.assertEmpty(set(train) & set(val))
+    self.assertLess(len(val), len(train) / 20)              # about 1 file in 50
+    self.assertTrue(all(k.startswith("stdlib/") and k.endswith(".py") for k in train))
+    fp = text_corpus.fingerprint(name, "validation")
+    self.assertEqual(fp["documents"], len(val))
+    self.assertEqual(fp, text_corpus.fingerprint(name, "validation"))   # stable
+    self.assertGreater(text_corpus.fingerprint(name, "train")["bytes"], 10 << 20)
+
+  def test_tfds_and_generator_readers_agree(self):
+    tok = data.ByteTokenizer()
+    batches = []
+    for use_tfds in (True, False):
+      cfg = _data_cfg(use_tfds)
+      cfg.dataset = text_corpus.SOURCE_NAME
+      packer = data.PackedBatches(data.make_source(cfg, "validation"), tok, seq_len=63,
+                                  rows=4, seed=3)
+      batches.append([packer.next_batch() for _ in range(2)])
+    for a, b in zip(*batches):
+      np.testing.assert_array_equal(a, b)
+
+
+class BuildTokenizerTest(absltest.TestCase):
+  """`train.build_tokenizer`: trained offline on the source corpus, exact round trips of
+  code (indentation, newlines, any byte), a record of the corpus it saw."""
+
+  def test_build_round_trip_and_record(self):
+    from train import build_tokenizer  # pylint: disable=g-import-not-at-top
+    out = self.create_tempdir().full_path + "/tok/py"
+    rec = build_tokenizer.build(out, dataset=text_corpus.SOURCE_NAME, vocab_size=600,
+                                max_bytes=1 << 20, threads=2)
+    self.assertEqual(rec["corpus"], text_corpus.fingerprint(text_corpus.SOURCE_NAME, "train"))
+    cfg = _data_cfg(False)
+    cfg.update(tokenizer="sentencepiece", spm_model=rec["model"])
+    tok = data.make_tokenizer(cfg)
+    self.assertEqual((tok.vocab_size, tok.eos_id), (600, 1))
+    texts = [t for _, t in text_corpus.iter_documents("validation", text_corpus.SOURCE_NAME)]
+    texts.append("def f(x):\n\t  return x  # \u00e9\u4e2d \U0001f600\n\n\n")
+    for text in texts:
+      ids = tok.encode(text)
+      self.assertEqual(tok.decode(ids), text)
+    self.assertLess(sum(len(tok.encode(t)) for t in texts),
+                    sum(len(t.encode()) for t in texts) / 1.5)  # merges, not bytes
+    mtime = os.path.getmtime(rec["model"])
+    self.assertEqual(build_tokenizer.build(out, dataset=text_corpus.SOURCE_NAME,
+                                           vocab_size=600, max_bytes=1 << 20), rec)
+    self.assertEqual(os.path.getmtime(rec["model"]), mtime)    # kept, not retrained
+
+
 class OfflinePrepareTest(absltest.TestCase):
 
   def test_two_processes_prepare_a_fresh_data_dir_at_once(self):

@@ -3,10 +3,11 @@
 Sources (random access by document index):
   * any prepared TFDS dataset, read with `tfds.data_source(name, split=...)`
     (ArrayRecord; no TensorFlow needed), text from feature `text_key`;
-  * the offline corpus `twell_stdlib_text` (see `text_corpus.py`): prepared
-    through TFDS when tensorflow-datasets is installed (`use_tfds=True`),
-    otherwise read straight from its generator into a Python list. Both give
-    the same documents in the same order, hence identical batches.
+  * the offline corpora `text_corpus.CORPORA` (`twell_stdlib_text`, the default; the
+    Python sources `twell_python_source` and `twell_python_source_site`; see
+    `text_corpus.py`): prepared through TFDS when tensorflow-datasets is installed
+    (`use_tfds=True`), otherwise read straight from their generator into a Python list.
+    Both give the same documents in the same order, hence identical batches.
 
 Packing (concatenation, as in GPT-style pre-training): per epoch e, the
 document order is a seeded permutation (numpy PCG64 seeded with (seed, e); 4
@@ -126,16 +127,16 @@ def make_source(data_cfg, split: str):
   """Returns an object with __len__ and get_many(indices) -> texts."""
   name = data_cfg.dataset
   use_tfds = data_cfg.use_tfds and tfds_available()
-  if name == text_corpus.NAME and not use_tfds:
-    return _ListSource([t for _, t in text_corpus.iter_documents(split)])
+  if name in text_corpus.CORPORA and not use_tfds:
+    return _ListSource([t for _, t in text_corpus.iter_documents(split, name)])
   if not tfds_available():
     raise ImportError(f"data.dataset={name!r} needs tensorflow-datasets; only "
-                      f"{text_corpus.NAME!r} works without it.")
+                      f"{', '.join(text_corpus.CORPORA)} work without it.")
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   data_dir = data_cfg.data_dir or None
-  if name == text_corpus.NAME:
+  if name in text_corpus.CORPORA:
     from train import tfds_offline  # pylint: disable=g-import-not-at-top
-    tfds_offline.prepare(data_dir or tfds.core.constants.DATA_DIR)
+    tfds_offline.prepare(data_dir or tfds.core.constants.DATA_DIR, name)
   source = tfds.data_source(name, split=split, data_dir=data_dir,
                             download=False)
   return _TfdsTextSource(source, data_cfg.text_key)

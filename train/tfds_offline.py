@@ -1,13 +1,13 @@
-"""TFDS builder for the offline corpus (`text_corpus`), prepared without TF.
+"""TFDS builders for the offline corpora (`text_corpus.CORPORA`), prepared without TF.
 
 tensorflow-datasets 4.9.10 prepares a `GeneratorBasedBuilder` into ArrayRecord
 files without TensorFlow (only `tfds.core` and `array_record` are needed), and
 `tfds.data_source` reads it back, also without TF. Shuffling at preparation is
 disabled so that record i of the prepared split is document i of
-`text_corpus.iter_documents(split)`: the TFDS path and the TFDS-free path in
+`text_corpus.iter_documents(split, name)`: the TFDS path and the TFDS-free path in
 `data.py` then feed the exact same documents in the same order.
 
-Importing this module registers the builder under `text_corpus.NAME`, so
+Importing this module registers a builder under each corpus's name, so
 `tfds.data_source("twell_stdlib_text", data_dir=...)` works afterwards.
 """
 
@@ -51,16 +51,31 @@ class TwellStdlibText(tfds.core.GeneratorBasedBuilder):
             for split in text_corpus.SPLITS}
 
   def _generate_examples(self, split):
-    for key, text in text_corpus.iter_documents(split):
+    for key, text in text_corpus.iter_documents(split, self.name):
       yield key, {"text": text}
 
 
+class TwellPythonSource(TwellStdlibText):
+  """Source files of the local Python standard library, one per example."""
+
+  name = text_corpus.SOURCE_NAME
+
+
+class TwellPythonSourceSite(TwellStdlibText):
+  """Source files of the standard library and the installed packages, one per example."""
+
+  name = text_corpus.SITE_NAME
+
+
+BUILDERS = {b.name: b for b in (TwellStdlibText, TwellPythonSource, TwellPythonSourceSite)}
+
+
 @contextlib.contextmanager
-def _exclusive(data_dir: str):
+def _exclusive(data_dir: str, name: str):
   """One process at a time prepares: two runs started together on a fresh machine would
   otherwise both build into temporary directories and the second rename would fail."""
   os.makedirs(data_dir, exist_ok=True)
-  with open(os.path.join(data_dir, f".{text_corpus.NAME}.lock"), "w") as lock:
+  with open(os.path.join(data_dir, f".{name}.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
       yield
@@ -68,10 +83,10 @@ def _exclusive(data_dir: str):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def prepare(data_dir: str) -> TwellStdlibText:
-  """Builds the ArrayRecord files under data_dir (no-op if already there); safe to call from
-  several processes at once."""
-  with _exclusive(os.fspath(data_dir)):
-    builder = TwellStdlibText(data_dir=data_dir, file_format="array_record")
+def prepare(data_dir: str, name: str = text_corpus.NAME) -> TwellStdlibText:
+  """Builds corpus `name`'s ArrayRecord files under data_dir (no-op if already there); safe
+  to call from several processes at once."""
+  with _exclusive(os.fspath(data_dir), name):
+    builder = BUILDERS[name](data_dir=data_dir, file_format="array_record")
     builder.download_and_prepare()
   return builder
