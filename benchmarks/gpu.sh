@@ -28,6 +28,9 @@
 #             (train, SIGKILL, resume, same state, evaluate, generate, export), then the
 #             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
 #   shapes    benchmarks.shapes alone ($SHAPES_FLAGS)
+#   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
+#             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
+#             a rerun with the same $OUT skips the runs quality.json holds)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -119,6 +122,10 @@ for part in "${parts[@]}"; do
     shapes)
       timeout ${T_SHAPES:-900} python3 -m benchmarks.shapes --out="$OUT/shapes.json" \
         ${SHAPES_FLAGS} 2>&1 | quiet | tail -20 ;;
+    quality)
+      timeout ${T_QUALITY:-3000} python3 -m benchmarks.quality --out="$OUT/quality.json" \
+        --plots="$OUT/quality_plots" ${QUALITY_FLAGS} 2>&1 | tee "$OUT/quality.log" \
+        | grep -E "^  |^best|^tokenizer" ;;
     *) echo "unknown part: $part" ;;
   esac
 done

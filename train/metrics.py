@@ -3,7 +3,8 @@
 TensorBoard event files are written with the `tensorboard` package alone
 (`EventFileWriter` + the protos in `tensorboard.compat.proto`), so neither
 TensorFlow nor clu is needed. Every logged interval also appends one JSON
-object to DIR/metrics.jsonl, which is what scripts and tests read. Only
+object to DIR/metrics.jsonl ("step", "wall_time" and the scalars), which is what scripts and
+tests read. Only
 process 0 writes; other processes log to the console only.
 """
 
@@ -81,7 +82,9 @@ class MetricWriter:
   def write_scalars(self, step: int, scalars: dict[str, float]):
     if not self._enabled:
       return
-    self._jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
+    # wall_time (seconds since the epoch): when the row was written, for curves against time.
+    self._jsonl.write(json.dumps({"step": int(step), "wall_time": round(time.time(), 3),
+                                  **scalars}) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
       values = [self._summary_pb2.Summary.Value(tag=k, simple_value=v)

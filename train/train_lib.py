@@ -439,6 +439,9 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         tps = tokens_since / max(now - t_last, 1e-9)
         t_last, tokens_since = now, 0
         m = dict(m, tokens_per_s=tps, params=n_params)
+        peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+        if peak:
+          m["peak_memory_gib"] = peak / 2**30
         if ran is not None:
           m["sparse_layers"] = sum(name != "dense" for name in ran[0])
           m["hot_features"] = np.asarray(ran[1])
