@@ -54,6 +54,12 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
                                 sampling=generate.Sampling(temperature=0.0))
     self.assertEqual((again.stats["prefill_ffn"], again.stats["decode_ffn"]), ("SS", "SS"))
     self.assertEqual(again.tokens, out.tokens)
+    # The decode FFN that reads only the firing features' weights: the same tokens too.
+    gathered = generate.Generator(params, cfg, decode_ffn="gather").generate_ids(
+        prompts, max_new_tokens=10, stop_at_eos=False,
+        sampling=generate.Sampling(temperature=0.0))
+    self.assertEqual(gathered.stats["decode_ffn"], "SS")
+    self.assertEqual(gathered.tokens, out.tokens)
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))

@@ -32,7 +32,9 @@ sparse implementation runs here (a Hopper GPU); elsewhere every layer runs dense
 each FFN on B tokens (one per row): the kernels are built for thousands of rows per call (they
 pad M to 128 and spread rows over CTAs), while the dense FFN at a few rows is a weight-streaming
 GEMV whose time is reading W_gate, W_up and W_down once, so `decode_ffn="dense"` is the default;
-`decode_ffn="same"` decodes with the prefill's per-layer choice, to measure the other way.
+`decode_ffn="same"` decodes with the prefill's per-layer choice, to measure the other way, and
+`decode_ffn="gather"` with the exact few-row FFN that reads only the weights of the features
+that fire (`twell_jax.gather`; not yet measured against dense on a GPU).
 
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
 document follows the EOS of the one before, so this is how the model saw a document begin.
@@ -62,7 +64,7 @@ from train import train_lib
 
 PROMPT_BUCKET = 64     # prompts are padded to a multiple of this (fewer recompiles)
 DEFAULT_MAX_NEW_TOKENS = 128
-DECODE_FFN = ("dense", "same")
+DECODE_FFN = ("dense", "same", "gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +126,7 @@ class Generator:
       or a sequence of L names.
     active_per_token: [L] measured activity for "auto"; None: taken from the first call's
       own prefill, which then runs dense.
-    decode_ffn: "dense" or "same" (the prefill's choice).
+    decode_ffn: "dense", "same" (the prefill's choice) or "gather" (every layer).
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
@@ -184,6 +186,8 @@ class Generator:
 
   def _decode_implementations(self, prefill_names) -> tuple[str, ...]:
     n = self.model_cfg.n_layers
+    if self.decode_ffn == "gather":
+      return ("gather",) * n
     if self.decode_ffn == "dense" or prefill_names is None:
       return ("dense",) * n
     return tuple(prefill_names)
@@ -421,8 +425,9 @@ def _define_flags():
                     "timing).")
   flags.DEFINE_bool("prefix_eos", True, "Start each prompt with EOS (a document start).")
   flags.DEFINE_string("prefill_ffn", "auto", "auto, or one FFN implementation for all layers.")
-  flags.DEFINE_enum("decode_ffn", "dense", DECODE_FFN, "FFN at decode: dense, or the same "
-                    "per-layer choice as the prefill.")
+  flags.DEFINE_enum("decode_ffn", "dense", DECODE_FFN, "FFN at decode: dense, the same "
+                    "per-layer choice as the prefill, or gather (only the weights of the "
+                    "features that fire).")
   flags.DEFINE_string("out", None, "Also write the completions and stats as JSON here.")
   flags.mark_flag_as_required("workdir")
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
+from twell_jax import gather as gather_lib
 from twell_jax import shape_costs
 from twell_jax import sparse_xla
 from twell_jax import stats as stats_lib
@@ -114,13 +115,36 @@ class MosaicGpu:
                              hot_features=call.hot_features)
 
 
+class Gather:
+  """The exact ReLU FFN for few rows (decoding): the gate GEMM, then only the columns of
+  W_up and rows of W_down of the features that fire in some row (`twell_jax.gather`)."""
+
+  name = "gather"
+  sparse = True
+  MAX_ROWS = 64
+
+  def unsupported(self, call: Call) -> Optional[str]:
+    if call.activation != "relu":
+      return f"activation={call.activation!r} has no exact zeros to skip"
+    return None
+
+  def slower(self, call: Call) -> bool:
+    """Not measured against dense yet (`benchmarks/decode.py`): chosen only when named. Past
+    `MAX_ROWS` rows the union of the rows' features approaches all of them."""
+    del call
+    return True
+
+  def run(self, call: Call, x, w_gate, w_up, w_down):
+    return gather_lib.gather_ffn(x, w_gate, w_up, w_down)
+
+
 def _manual_devices() -> int:
   """Devices of the shard_map being traced (1 outside shard_map)."""
   mesh = jax.sharding.get_abstract_mesh()
   return math.prod(mesh.shape[name] for name in mesh.manual_axes)
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu())}
+IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu(), Gather())}
 AUTO_ORDER = ("mosaic_gpu", "dense")
 SPARSE = tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.sparse)
 
