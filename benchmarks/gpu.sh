@@ -28,6 +28,8 @@
 #             (train, SIGKILL, resume, same state, evaluate, generate, export), then the
 #             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
 #   shapes    benchmarks.shapes alone ($SHAPES_FLAGS)
+#   decode    benchmarks.decode: decode tokens/s with the dense FFN and with the exact sparse
+#             decode FFN (gather), the bandwidth ceiling, exactness ($DECODE_FLAGS)
 #   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
 #             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
 #             a rerun with the same $OUT skips the runs quality.json holds)
@@ -122,6 +124,10 @@ for part in "${parts[@]}"; do
     shapes)
       timeout ${T_SHAPES:-900} python3 -m benchmarks.shapes --out="$OUT/shapes.json" \
         ${SHAPES_FLAGS} 2>&1 | quiet | tail -20 ;;
+    decode)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_DECODE:-560} \
+        python3 -m benchmarks.decode --out="$OUT/decode.json" ${DECODE_FLAGS} 2>&1 \
+        | tee "$OUT/decode.log" | grep -E "^  |^device" ;;
     quality)
       timeout ${T_QUALITY:-3000} python3 -m benchmarks.quality --out="$OUT/quality.json" \
         --plots="$OUT/quality_plots" ${QUALITY_FLAGS} 2>&1 | tee "$OUT/quality.log" \

@@ -219,6 +219,33 @@ class QualitySmokeTest(absltest.TestCase):
     self.assertNotIn("steps", proc.stdout.split("best:")[0])
 
 
+class DecodeSmokeTest(absltest.TestCase):
+  """`benchmarks.decode --smoke`: dense against gather decoding through train.generate, the
+  bandwidth ceiling and exactness, into the JSON the GPU runs write."""
+
+  def test_smoke_mode(self):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    tmp = self.create_tempdir().full_path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = os.path.join(tmp, "decode.json")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--smoke", f"--out={out}",
+                           f"--cache_dir={tmp}/trained"], cwd=root, capture_output=True,
+                          text=True, timeout=600, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    with open(out) as f:
+      r = json.load(f)
+    self.assertGreater(r["peak_bandwidth_gbs"], 0)
+    self.assertEqual([(x["batch"], x["prompt"]) for x in r["rows"]], [(1, 16), (4, 16)])
+    for x in r["rows"]:
+      self.assertTrue(x["exact"], x)          # the same greedy tokens as the dense FFN
+      self.assertGreater(x["dense_tokens_per_s"], 0)
+      self.assertAlmostEqual(x["ratio"], x["sparse_tokens_per_s"] / x["dense_tokens_per_s"])
+      self.assertGreater(x["bytes_per_step"], x["weight_bytes"])      # + the KV cache
+      self.assertAlmostEqual(x["dense_bandwidth_fraction"],
+                             x["dense_tokens_per_s"] / x["ceiling_tokens_per_s"])
+
+
 class EndToEndSmokeTest(absltest.TestCase):
   """`benchmarks.e2e`'s CPU mode as a subprocess (its own flags): the JSON it writes holds the
   fields the GPU runs report, for trained weights and for the run from initialisation."""

@@ -1,0 +1,205 @@
+r"""Decoding: tokens/s of the dense FFN against the exact sparse one, and the bandwidth ceiling.
+
+    python -m benchmarks.decode --out=decode.json                       # one GPU
+    python -m benchmarks.decode --smoke --out=/tmp/decode.json          # CPU, tiny shape
+
+`train.generate.Generator` decodes as `python -m train.generate` does (prefill, then the
+token loop inside one compiled program), greedy, `--new_tokens` tokens after prompts of
+`--prompts` tokens (validation documents of the offline corpus, one per row), at batch
+sizes `--batches`, on weights trained to the paper-like activity (`benchmarks.trained`,
+cached; 0.5B, and the 1.5B depth by repeating those layers), once with the dense FFN at
+every decode step and once with each of `--sparse` (default "gather",
+`twell_jax.gather`). The prefill is the same in both (dense), so the decode times compare
+the FFNs alone; each is timed on a second call (the first compiles).
+
+The ceiling: a decode step must read every weight of the model once (in the compute dtype:
+attention, FFN, norms, the tied embedding as the LM head) and the KV cache up to the
+current position; at the device's peak memory bandwidth (`PEAK_GBS` by device kind, else
+a device-to-device copy measured here) that bounds tokens/s at batch B by
+B x bandwidth / bytes per step (bytes at the mean position of the loop).
+`dense_bandwidth_fraction` is the dense decode's tokens/s over that bound.
+
+Exactness: the sparse decode's greedy tokens against the dense FFN's on the same prompts;
+where a row parts, the top-2 logit gap of the dense model at the first differing position
+(a near-tie is rounding, a large gap a bug).
+
+JSON: {"device", "peak_bandwidth_gbs", "rows": [{"shape", "batch", "prompt",
+"dense_tokens_per_s", "sparse_tokens_per_s", "ratio", "dense_bandwidth_fraction", "exact",
+...}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import trained
+
+# HBM bandwidth by device kind (vendor specifications), GB/s.
+PEAK_GBS = {"NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H200": 4800.0, "NVIDIA H100 PCIe": 2000.0}
+_LAYERS = {"0p5b": 8, "1p5b": 28}
+
+
+def _define_flags():
+  flags.DEFINE_list("shapes", ["0p5b", "1p5b"], "0p5b, 1p5b (paper shapes) or tiny (CPU)")
+  flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes")
+  flags.DEFINE_list("prompts", ["128", "1024"], "prompt lengths in tokens")
+  flags.DEFINE_integer("new_tokens", 256, "tokens decoded per row")
+  flags.DEFINE_list("sparse", ["gather"], "decode FFNs measured against dense "
+                    "(train.generate decode_ffn values)")
+  flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
+  flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
+  flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, short prompts, few tokens")
+  flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def model_bytes(params, mc) -> int:
+  """Bytes of the weights one decode step reads: every parameter in the compute dtype
+  (inference keeps the RMSNorm scales in their own), the embedding once (tied: the lookup
+  reads B rows, the LM head all of it)."""
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  dt = jnp.dtype(model_lib.DTYPES[mc.dtype])
+  total = 0
+  for path, a in jax.tree_util.tree_leaves_with_path(params):
+    is_scale = getattr(path[-1], "key", None) == "scale"
+    total += a.size * (a.dtype.itemsize if is_scale else dt.itemsize)
+  return int(total)
+
+
+def kv_bytes(mc, batch: int, positions: float) -> int:
+  """Bytes of the KV cache read by one decode step at `positions` cached tokens per row."""
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  head = mc.d_model // mc.n_heads
+  itemsize = jnp.dtype(model_lib.DTYPES[mc.dtype]).itemsize
+  return int(2 * mc.n_layers * batch * positions * mc.n_kv_heads * head * itemsize)
+
+
+def measured_copy_gbs(n_bytes: int = 1 << 30) -> float:
+  """A device-to-device copy's bandwidth (read + write), GB/s."""
+  x = jnp.ones((n_bytes // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a + 1.0)
+  jax.block_until_ready(copy(x))
+  t0 = time.perf_counter()
+  for _ in range(5):
+    y = copy(x)
+  jax.block_until_ready(y)
+  return 2 * x.nbytes * 5 / (time.perf_counter() - t0) / 1e9
+
+
+def _prompts(cfg, tokenizer, batch: int, length: int) -> list[list[int]]:
+  """`batch` prompts of `length` tokens from validation documents (repeated if too few)."""
+  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  source = data_lib.make_source(cfg.data, cfg.data.eval_split)
+  out, i = [], 0
+  stream = []
+  while len(out) < batch:
+    stream.extend(int(t) for t in tokenizer.encode(source.get_many([i % len(source)])[0]))
+    i += 1
+    while len(stream) >= length - 1 and len(out) < batch:
+      out.append([int(tokenizer.eos_id)] + stream[:length - 1])
+      stream = stream[length - 1:]
+  return out
+
+
+def _top2_gap(lm, params, seq: list[int], pos: int) -> float:
+  """Dense model's gap between its two largest logits predicting token `pos` of `seq`."""
+  logits = lm.apply(params, jnp.asarray([seq[:pos]]))[0][0, pos - 1]
+  top = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
+  return float(top[0] - top[1])
+
+
+def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
+  from train import generate  # pylint: disable=import-outside-toplevel
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  if shape == "tiny":
+    cfg = trained.config_for("tiny")
+    _, params = trained.trained_params("tiny", "paper", steps=fl.steps, extreme_steps=0,
+                                       cache_dir=fl.cache_dir)
+  else:
+    cfg, params = trained.trained_params("paper_0p5b", "paper", steps=fl.steps,
+                                         extreme_steps=0, cache_dir=fl.cache_dir)
+    n = _LAYERS[shape]
+    cfg.model.n_layers = n
+    params = {**params, "blocks": jax.tree.map(
+        lambda a: a[jnp.arange(n) % a.shape[0]], params["blocks"])}
+  mc = model_lib.ModelConfig.from_config(cfg.model)
+  lm = model_lib.LanguageModel(mc)
+  weights = model_bytes(params, mc)
+  rows = []
+  gens = {name: generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn=name)
+          for name in ["dense", *fl.sparse]}
+  greedy = generate.Sampling(temperature=0.0)
+  for prompt_len in map(int, fl.prompts):
+    if prompt_len + fl.new_tokens > cfg.data.seq_len:
+      print(f"  {shape}: prompt {prompt_len} + {fl.new_tokens} new tokens exceed the context "
+            f"{cfg.data.seq_len}; skipped", flush=True)
+      continue
+    for batch in map(int, fl.batches):
+      prompts = _prompts(cfg, gens["dense"].tokenizer, batch, prompt_len)
+      out = {}
+      for name, gen in gens.items():
+        gen.generate_ids(prompts, max_new_tokens=fl.new_tokens, sampling=greedy,
+                         stop_at_eos=False)                         # compiles
+        out[name] = gen.generate_ids(prompts, max_new_tokens=fl.new_tokens, sampling=greedy,
+                                     stop_at_eos=False)
+      dense = out["dense"].stats
+      step_bytes = weights + kv_bytes(mc, batch, prompt_len + fl.new_tokens / 2)
+      ceiling = batch * peak_gbs * 1e9 / step_bytes
+      row = {"shape": shape, "batch": batch, "prompt": prompt_len,
+             "new_tokens": fl.new_tokens, "weight_bytes": weights,
+             "bytes_per_step": step_bytes, "ceiling_tokens_per_s": ceiling,
+             "dense_tokens_per_s": dense["decode_tokens_per_s"],
+             "dense_ms_per_step": dense["decode_ms_per_step"],
+             "dense_bandwidth_fraction": dense["decode_tokens_per_s"] / ceiling}
+      for name in fl.sparse:
+        s = out[name].stats
+        parted = [(r, next(i for i, (a, b) in enumerate(zip(ta, tb)) if a != b))
+                  for r, (ta, tb) in enumerate(zip(out["dense"].tokens, out[name].tokens))
+                  if ta != tb]
+        gaps = [_top2_gap(lm, params, prompts[r] + out["dense"].tokens[r], len(prompts[r]) + i)
+                for r, i in parted[:4]]
+        prefix = "sparse" if name == fl.sparse[0] else name
+        row.update({f"{prefix}_tokens_per_s": s["decode_tokens_per_s"],
+                    f"{prefix}_ms_per_step": s["decode_ms_per_step"],
+                    f"{prefix}_ratio" if prefix != "sparse" else "ratio":
+                        s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
+                    f"{prefix}_exact" if prefix != "sparse" else "exact": not parted,
+                    f"{prefix}_rows_parted": len(parted), f"{prefix}_top2_gaps": gaps})
+      rows.append(row)
+      print(f"  {shape:<5} batch {batch:>3} prompt {prompt_len:>5}: dense "
+            f"{row['dense_tokens_per_s']:>9,.0f} tok/s ({row['dense_bandwidth_fraction']:.2f} "
+            f"of the ceiling {ceiling:,.0f}); {fl.sparse[0]} "
+            f"{row['sparse_tokens_per_s']:>9,.0f} ({row['ratio']:.3f}x), exact {row['exact']}",
+            flush=True)
+  return rows
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  if fl.smoke:
+    fl.shapes, fl.batches, fl.prompts, fl.new_tokens = ["tiny"], ["1", "4"], ["16"], 8
+    fl.steps = min(fl.steps, 30)
+  device = jax.devices()[0]
+  kind = device.device_kind
+  peak_gbs = PEAK_GBS.get(kind) or measured_copy_gbs()
+  print(f"device: {kind}; peak bandwidth {peak_gbs:,.0f} GB/s", flush=True)
+  results = {"device": kind, "peak_bandwidth_gbs": peak_gbs,
+             "peak_bandwidth_source": "specification" if kind in PEAK_GBS else "measured copy",
+             "new_tokens": fl.new_tokens, "sparse": fl.sparse, "rows": []}
+  for shape in fl.shapes:
+    results["rows"] += run_shape(fl, shape, peak_gbs)
+    if fl.out:
+      with open(fl.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
