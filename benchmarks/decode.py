@@ -55,6 +55,8 @@ def _define_flags():
                     "(train.generate decode_ffn values)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
+  flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "corpus and tokenizer of the "
+                    "trained weights and the prompts (benchmarks.trained.config_for)")
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, short prompts, few tokens")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -117,13 +119,10 @@ def _top2_gap(lm, params, seq: list[int], pos: int) -> float:
 def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
   from train import generate  # pylint: disable=import-outside-toplevel
   from train import model as model_lib  # pylint: disable=import-outside-toplevel
-  if shape == "tiny":
-    cfg = trained.config_for("tiny")
-    _, params = trained.trained_params("tiny", "paper", steps=fl.steps, extreme_steps=0,
-                                       cache_dir=fl.cache_dir)
-  else:
-    cfg, params = trained.trained_params("paper_0p5b", "paper", steps=fl.steps,
-                                         extreme_steps=0, cache_dir=fl.cache_dir)
+  base = "tiny" if shape == "tiny" else "paper_0p5b"
+  cfg, params = trained.trained_params(base, "paper", steps=fl.steps, extreme_steps=0,
+                                       cache_dir=fl.cache_dir, tokenizer=fl.tokenizer)
+  if shape != "tiny":
     n = _LAYERS[shape]
     cfg.model.n_layers = n
     params = {**params, "blocks": jax.tree.map(

@@ -60,6 +60,9 @@ def _define_flags():
   flags.DEFINE_integer("from_init_log_every", 25, "logging interval of the from-init runs")
   flags.DEFINE_bool("from_init_background", True, "from-init runs: the trainer builds a new "
                     "layer choice's step in the background (False: at the decision step)")
+  flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "byte: the docstring corpus "
+                    "and byte tokens; python32k: the Python-source corpus with its 32k "
+                    "SentencePiece tokenizer (benchmarks.trained.config_for)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -109,10 +112,10 @@ def _timed(fn, args, iters: int, tokens: int) -> dict:
   return out
 
 
-def _config(shape: str):
+def _config(shape: str, tokenizer: str = "byte"):
   if shape == "tiny":
-    return trained.config_for("tiny")
-  cfg = trained.config_for("paper_0p5b")
+    return trained.config_for("tiny", tokenizer=tokenizer)
+  cfg = trained.config_for("paper_0p5b", tokenizer=tokenizer)
   cfg.model.n_layers = _LAYERS[shape]
   return cfg
 
@@ -220,8 +223,9 @@ def run_shape(shape: str, fl) -> dict:
   from train import model as model_lib  # pylint: disable=import-outside-toplevel
   base_shape = "tiny" if shape == "tiny" else "paper_0p5b"
   _, params = trained.trained_params(base_shape, "paper", steps=fl.steps,
-                                     extreme_steps=0, cache_dir=fl.cache_dir)
-  cfg = _config(shape)
+                                     extreme_steps=0, cache_dir=fl.cache_dir,
+                                     tokenizer=fl.tokenizer)
+  cfg = _config(shape, fl.tokenizer)
   n_layers = cfg.model.n_layers
   if shape != "tiny":
     params = _expand_layers(params, n_layers)
@@ -329,7 +333,7 @@ def from_init(shape: str, fl) -> dict:
   base = "tiny" if shape == "tiny" else "paper_0p5b"
   runs = {}
   for name in ("sparse", "dense"):
-    cfg = trained.config_for(base)
+    cfg = trained.config_for(base, tokenizer=fl.tokenizer)
     cfg.num_train_steps, cfg.log_every = fl.from_init_steps, fl.from_init_log_every
     if name == "sparse":
       cfg.model.ffn_implementation = None

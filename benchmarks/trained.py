@@ -30,8 +30,16 @@ EXTREME_L1 = 3e-4
 DEFAULT_CACHE = "/tmp/twell_trained"
 
 
-def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = None):
-  """Training config of `shape` on the offline corpus with the byte tokenizer."""
+# `tokenizer="python32k"`: the Python-source corpus with its 32k SentencePiece tokenizer
+# (`train.build_tokenizer`, trained offline on first use and cached here).
+PYTHON_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
+
+
+def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = None,
+               tokenizer: str = "byte"):
+  """Training config of `shape` on an offline corpus: the standard library's docstrings with
+  the byte tokenizer (`tokenizer="byte"`), or the Python sources with a 32k SentencePiece
+  model (`"python32k"`)."""
   if shape == "paper_0p5b":
     from configs import paper_0p5b  # pylint: disable=import-outside-toplevel
     c = paper_0p5b.get_config()
@@ -49,6 +57,15 @@ def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = No
     raise ValueError(f"unknown shape {shape!r}; expected paper_0p5b or tiny")
   if seq_len:
     c.data.seq_len = seq_len
+  if tokenizer == "python32k":
+    from train import build_tokenizer  # pylint: disable=import-outside-toplevel
+    from train import text_corpus  # pylint: disable=import-outside-toplevel
+    rec = build_tokenizer.build(PYTHON_TOKENIZER, dataset=text_corpus.SITE_NAME)
+    c.data.update(dataset=text_corpus.SITE_NAME, use_tfds=False, tokenizer="sentencepiece",
+                  spm_model=rec["model"])
+    c.model.vocab_size = max(c.model.vocab_size, rec["options"]["vocab_size"])
+  elif tokenizer != "byte":
+    raise ValueError(f"tokenizer must be 'byte' or 'python32k'; got {tokenizer!r}")
   c.model.ffn_implementation = "dense"
   c.model.ffn_activation = "relu"
   c.l1_warmup_steps = 0
@@ -94,16 +111,19 @@ def train(cfg, steps: int, *, params=None, log_every: int = 100):
 
 
 def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
-                   cache_dir: str = DEFAULT_CACHE):
-  """(config, params) of `shape` trained to `level` ("paper" or "extreme"), cached."""
+                   cache_dir: str = DEFAULT_CACHE, tokenizer: str = "byte"):
+  """(config, params) of `shape` trained to `level` ("paper" or "extreme") on the corpus of
+  `tokenizer` (`config_for`), cached."""
   if level not in ("paper", "extreme"):
     raise ValueError(f"level must be 'paper' or 'extreme'; got {level!r}")
   from train import train_lib  # pylint: disable=import-outside-toplevel
-  cfg = config_for(shape)
+  cfg = config_for(shape, tokenizer=tokenizer)
   cfg.l1_coeff = PAPER_L1 if level == "paper" else EXTREME_L1
   os.makedirs(cache_dir, exist_ok=True)
   name = f"{shape}_paper_{steps}" if level == "paper" else (
       f"{shape}_extreme_{steps}_{extreme_steps}")
+  if tokenizer != "byte":
+    name += f"_{tokenizer}"
   path = os.path.join(cache_dir, name + ".npz")
   like = jax.eval_shape(train_lib.Trainer(cfg).lm.init_params, jax.random.key(0))
   if os.path.exists(path):
@@ -115,7 +135,7 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
     params, _ = train(cfg, steps)
   else:
     _, start = trained_params(shape, "paper", steps=steps, extreme_steps=extreme_steps,
-                              cache_dir=cache_dir)
+                              cache_dir=cache_dir, tokenizer=tokenizer)
     print(f"training {shape} on to the extreme level: {extreme_steps} steps, L1 {EXTREME_L1}",
           flush=True)
     params, _ = train(cfg, extreme_steps, params=start)
