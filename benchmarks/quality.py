@@ -6,7 +6,7 @@ r"""Same quality for less GPU time? Held-out loss of the sparse model against th
 Every run is the training command a user types (`python -m train.main`, its own workdir,
 no checkpoints), from the same initialisation (the config's seed) on the same token stream:
 the offline corpus of Python sources (`--dataset`, held out by file) with a 32k
-SentencePiece tokenizer trained on it offline (`train.build_tokenizer`, cached). Runs:
+SentencePiece tokenizer trained on it offline (`train.corpus.build_tokenizer`, cached). Runs:
 
   dense_silu            the baseline: dense SiLU-gated FFN, no L1 (`configs/X.py:dense`)
   dense_relu            dense ReLU-gated FFN, no L1
@@ -260,7 +260,7 @@ def main(argv):
     fl.steps, fl.eval_points, fl.eval_batches = min(fl.steps, 6), 2, 2
     fl.dataset, fl.tokenizer = "twell_stdlib_text", "byte"
     fl.runs = fl.runs or ["dense_silu", "sparse_l1_1e-3"]
-  from train import text_corpus  # pylint: disable=import-outside-toplevel
+  from train.corpus import text_corpus  # pylint: disable=import-outside-toplevel
   results = {"runs": []}
   if fl.out and os.path.exists(fl.out):
     with open(fl.out) as f:
@@ -270,7 +270,7 @@ def main(argv):
                        "validation": text_corpus.fingerprint(fl.dataset, "validation")}
   tokenizer = None
   if fl.tokenizer != "byte":
-    from train import build_tokenizer  # pylint: disable=import-outside-toplevel
+    from train.corpus import build_tokenizer  # pylint: disable=import-outside-toplevel
     print(f"tokenizer: {fl.tokenizer}.model (trained on {fl.dataset} if missing)", flush=True)
     tokenizer = build_tokenizer.build(fl.tokenizer, dataset=fl.dataset)
   results["tokenizer"] = tokenizer or {"model": "byte"}

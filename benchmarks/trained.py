@@ -31,7 +31,7 @@ DEFAULT_CACHE = "/tmp/twell_trained"
 
 
 # `tokenizer="python32k"`: the Python-source corpus with its 32k SentencePiece tokenizer
-# (`train.build_tokenizer`, trained offline on first use and cached here).
+# (`train.corpus.build_tokenizer`, trained offline on first use and cached here).
 PYTHON_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
 
 
@@ -58,8 +58,8 @@ def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = No
   if seq_len:
     c.data.seq_len = seq_len
   if tokenizer == "python32k":
-    from train import build_tokenizer  # pylint: disable=import-outside-toplevel
-    from train import text_corpus  # pylint: disable=import-outside-toplevel
+    from train.corpus import build_tokenizer  # pylint: disable=import-outside-toplevel
+    from train.corpus import text_corpus  # pylint: disable=import-outside-toplevel
     rec = build_tokenizer.build(PYTHON_TOKENIZER, dataset=text_corpus.SITE_NAME)
     c.data.update(dataset=text_corpus.SITE_NAME, use_tfds=False, tokenizer="sentencepiece",
                   spm_model=rec["model"])

@@ -8,7 +8,7 @@ from absl.testing import absltest
 
 import train_test_util as tu
 from train import data
-from train import text_corpus
+from train.corpus import text_corpus
 
 
 def _data_cfg(use_tfds: bool):
@@ -110,11 +110,11 @@ class SourceCorpusTest(absltest.TestCase):
 
 
 class BuildTokenizerTest(absltest.TestCase):
-  """`train.build_tokenizer`: trained offline on the source corpus, exact round trips of
-  code (indentation, newlines, any byte), a record of the corpus it saw."""
+  """`train.corpus.build_tokenizer`: trained offline on the source corpus, exact round trips
+  of code (indentation, newlines, any byte), a record of the corpus it saw."""
 
   def test_build_round_trip_and_record(self):
-    from train import build_tokenizer  # pylint: disable=g-import-not-at-top
+    from train.corpus import build_tokenizer  # pylint: disable=g-import-not-at-top
     out = self.create_tempdir().full_path + "/tok/py"
     rec = build_tokenizer.build(out, dataset=text_corpus.SOURCE_NAME, vocab_size=600,
                                 max_bytes=1 << 20, threads=2)
@@ -144,7 +144,7 @@ class OfflinePrepareTest(absltest.TestCase):
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
     data_dir = self.create_tempdir().full_path
-    code = ("import sys; from train import tfds_offline; "
+    code = ("import sys; from train.corpus import tfds_offline; "
             "b = tfds_offline.prepare(sys.argv[1]); print(b.info.splits['train'].num_examples)")
     env = dict(os.environ, PYTHONPATH=tu.REPO, JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-c", code, data_dir], env=env, cwd=tu.REPO,

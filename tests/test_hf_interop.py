@@ -166,7 +166,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
   def test_sentencepiece_tokenizer_goes_out_and_comes_back(self):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
     from train import model as model_lib  # pylint: disable=g-import-not-at-top
-    from train import text_corpus  # pylint: disable=g-import-not-at-top
+    from train.corpus import text_corpus  # pylint: disable=g-import-not-at-top
     texts = [t for _, t in list(text_corpus.iter_documents("train"))[:300]]
     spm_path = os.path.join(self.create_tempdir().full_path, "tiny.model")
     with open(spm_path, "wb") as f:

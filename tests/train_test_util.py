@@ -17,7 +17,7 @@ def offline_data_dir() -> str:
   Preparation is idempotent (tfds reuses a finished build), so every test
   module can call this; only the first pays the ~3 s build.
   """
-  from train import tfds_offline  # pylint: disable=g-import-not-at-top
+  from train.corpus import tfds_offline  # pylint: disable=g-import-not-at-top
   path = os.path.join(tempfile.gettempdir(),
                       f"twell_test_tfds_py{sys.version_info[0]}"
                       f"{sys.version_info[1]}_{os.getuid()}")

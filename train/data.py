@@ -5,7 +5,7 @@ Sources (random access by document index):
     (ArrayRecord; no TensorFlow needed), text from feature `text_key`;
   * the offline corpora `text_corpus.CORPORA` (`twell_stdlib_text`, the default; the
     Python sources `twell_python_source` and `twell_python_source_site`; see
-    `text_corpus.py`): prepared through TFDS when tensorflow-datasets is installed
+    `train/corpus/text_corpus.py`): prepared through TFDS when tensorflow-datasets is installed
     (`use_tfds=True`), otherwise read straight from their generator into a Python list.
     Both give the same documents in the same order, hence identical batches.
 
@@ -32,7 +32,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from train import text_corpus
+from train.corpus import text_corpus
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -135,7 +135,7 @@ def make_source(data_cfg, split: str):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   data_dir = data_cfg.data_dir or None
   if name in text_corpus.CORPORA:
-    from train import tfds_offline  # pylint: disable=g-import-not-at-top
+    from train.corpus import tfds_offline  # pylint: disable=g-import-not-at-top
     tfds_offline.prepare(data_dir or tfds.core.constants.DATA_DIR, name)
   source = tfds.data_source(name, split=split, data_dir=data_dir,
                             download=False)

@@ -22,7 +22,7 @@ path: about 1 file in 20 goes to "validation", the rest to "train", so no file
 contributes to both.
 
 This module needs only the standard library: the TFDS builder
-(`train/tfds_offline.py`) and the TFDS-free reader (`data.py`) both call
+(`tfds_offline.py`) and the TFDS-free reader (`data.py`) both call
 `iter_documents`, which is what makes their outputs identical.
 """
 

@@ -1,9 +1,10 @@
 r"""Trains a SentencePiece tokenizer on an offline corpus: one command, no download.
 
-    python -m train.build_tokenizer --dataset=twell_python_source_site --vocab_size=32000 \
-        --out=/data/tok/py32k          # writes /data/tok/py32k.model and py32k.json
+    python -m train.corpus.build_tokenizer --dataset=twell_python_source_site \
+        --vocab_size=32000 --out=/data/tok/py32k   # writes py32k.model and py32k.json
 
-then train with `--config.data.tokenizer=sentencepiece --config.data.spm_model=/data/tok/py32k.model`
+then train with `--config.data.tokenizer=sentencepiece
+--config.data.spm_model=/data/tok/py32k.model`
 (the model's `vocab_size` must be at least the tokenizer's; the paper configs have 32000).
 `train.export_hf` writes the model file into the Hugging Face directory and
 `train.import_hf` reads it back.
@@ -29,7 +30,7 @@ from typing import Iterator
 from absl import app
 from absl import flags
 
-from train import text_corpus
+from train.corpus import text_corpus
 
 
 def _pieces(dataset: str, max_bytes: int, piece_bytes: int) -> Iterator[str]:

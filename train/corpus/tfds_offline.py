@@ -19,7 +19,7 @@ from etils import epath
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import py_utils
 
-from train import text_corpus
+from train.corpus import text_corpus
 
 
 class TwellStdlibText(tfds.core.GeneratorBasedBuilder):
