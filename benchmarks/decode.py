@@ -184,7 +184,7 @@ def main(argv):
   fl = flags.FLAGS
   if fl.smoke:
     fl.shapes, fl.batches, fl.prompts, fl.new_tokens = ["tiny"], ["1", "4"], ["16"], 8
-    fl.steps = min(fl.steps, 30)
+    fl.steps = min(fl.steps, 10)
   device = jax.devices()[0]
   kind = device.device_kind
   peak_gbs = PEAK_GBS.get(kind) or measured_copy_gbs()

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from benchmarks import trained
 
 
@@ -61,7 +62,8 @@ def _define_flags():
                     "XLA option sets for meshes of several devices: " + ", ".join(OPTION_SETS))
   flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
   flags.DEFINE_string("profile_dir", None, "trace 3 steps of each run into this folder "
-                      "(jax.profiler, with a Perfetto trace)")
+                      "(jax.profiler, with a Perfetto trace; summarized into the run's "
+                      "\"profile\": benchmarks.timing.trace_breakdown)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -189,12 +191,14 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
     state, m = step(state, batch)
     jax.block_until_ready(state)
     ms.append((time.perf_counter() - t0) * 1e3)
+  profile = None
   if getattr(fl, "profile_dir", None):
-    with jax.profiler.trace(os.path.join(fl.profile_dir, f"{model}_{data}x{fsdp}_{options}"),
-                            create_perfetto_trace=True):
+    trace_dir = os.path.join(fl.profile_dir, f"{model}_{data}x{fsdp}_{options}")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(3):
         state, m = step(state, batch)
       jax.block_until_ready(state)
+    profile = timing.trace_breakdown(trace_dir, steps=3)
   tokens = cfg.batch_size * cfg.data.seq_len
   med = statistics.median(ms)
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in tr.mesh.devices.flat]
@@ -216,6 +220,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "measured_peak_bytes_per_device": peaks,
       "active_per_token": [float(a) for a in np.asarray(m["active_per_token"])],
       "loss": float(m["loss"]),
+      "profile": profile,
   }
 
 

@@ -7,10 +7,19 @@
   overlaps the device, as in a training loop; host syncs inside the call still show), the
   median of several rounds.
 * ``kernel_breakdown``: per-kernel device time in launch order.
+* ``trace_breakdown``: a ``jax.profiler`` trace's first GPU, per step: the span, each
+  stream's busy time and the largest kernels by total time (works for programs of several
+  devices, where CUPTI's ``kernel_breakdown`` does not).
 """
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
+import os
+import re
 import statistics
 import time
 
@@ -97,3 +106,33 @@ def summarize_breakdown(label: str, table, top: int = 12) -> dict:
   for name, t in sorted(merged.items(), key=lambda kv: -kv[1])[:top]:
     print(f"    {t:8.4f} ms  {name[:90]}")
   return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}
+
+
+def trace_breakdown(trace_dir: str, steps: int, top: int = 12) -> dict | None:
+  """Per step of the `steps` steps traced into `trace_dir` (`jax.profiler.trace` with
+  `create_perfetto_trace=True`), on the first GPU: {"span_ms" (first kernel start to last
+  end), "busy_ms_by_stream", "kernels": [[name, ms]] (the `top` largest; names with their
+  numeric suffixes merged)}; None without a trace of a GPU."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  if not paths:
+    return None
+  with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu = [e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+         and e.get("args", {}).get("name", "").startswith("/device:GPU:")]
+  if not gpu:
+    return None
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") == min(gpu)]
+  if not kernels:
+    return None
+  by_name, by_stream = collections.Counter(), collections.Counter()
+  for e in kernels:
+    by_name[re.sub(r"[._]\d+$", "", e["name"].split("(")[0])] += e["dur"]
+    by_stream[str(e["tid"])] += e["dur"]
+  start = min(e["ts"] for e in kernels)
+  end = max(e["ts"] + e["dur"] for e in kernels)
+  per = lambda us: us / 1e3 / steps
+  return {"span_ms": per(end - start),
+          "busy_ms_by_stream": {k: per(v) for k, v in by_stream.most_common()},
+          "kernels": [[k, per(v)] for k, v in by_name.most_common(top)]}

@@ -180,6 +180,33 @@ class ScalingSmokeTest(absltest.TestCase):
     self.assertEqual(r["non_weight_collectives"], [])
 
 
+class TraceBreakdownTest(absltest.TestCase):
+  """`timing.trace_breakdown` on a Perfetto trace shaped like jax.profiler's: the first GPU's
+  kernels per step, by stream and by name (numeric suffixes merged); host events ignored."""
+
+  def test_per_step_summary(self):
+    import gzip  # pylint: disable=import-outside-toplevel
+    from benchmarks import timing  # pylint: disable=import-outside-toplevel
+    meta = lambda pid, name: {"ph": "M", "name": "process_name", "pid": pid,
+                              "args": {"name": name}}
+    kernel = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name,
+                                              "ts": ts, "dur": dur}
+    events = [meta(1, "/device:GPU:0"), meta(2, "/device:GPU:1"), meta(7, "/host:CPU"),
+              kernel(1, 24, "fusion.1", 0, 1000), kernel(1, 24, "fusion.2", 1500, 500),
+              kernel(1, 101, "ncclDevKernel_AllReduce(x)", 1200, 2000),
+              kernel(2, 30, "fusion.9", 0, 9000), kernel(7, 5, "host work", 0, 99999)]
+    tmp = self.create_tempdir().full_path
+    os.makedirs(os.path.join(tmp, "plugins", "profile", "t"))
+    with gzip.open(os.path.join(tmp, "plugins", "profile", "t", "perfetto_trace.json.gz"),
+                   "wt") as f:
+      json.dump({"traceEvents": events}, f)
+    r = timing.trace_breakdown(tmp, steps=2)
+    self.assertAlmostEqual(r["span_ms"], 3.2 / 2)                 # 0 to 3,200 us
+    self.assertEqual(r["busy_ms_by_stream"], {"101": 1.0, "24": 0.75})
+    self.assertEqual(r["kernels"], [["ncclDevKernel_AllReduce", 1.0], ["fusion", 0.75]])
+    self.assertIsNone(timing.trace_breakdown(self.create_tempdir().full_path, steps=1))
+
+
 class QualitySmokeTest(absltest.TestCase):
   """`benchmarks.quality --smoke` (tiny shape, byte tokenizer, a few steps) as a user runs it:
   the runs through train.main, the equal-time rerun, the JSON and the plots."""
