@@ -8,7 +8,7 @@ token loop inside one compiled program), greedy, `--new_tokens` tokens after pro
 `--prompts` tokens (validation documents of the offline corpus, one per row), at batch
 sizes `--batches`, on weights trained to the paper-like activity (`benchmarks.trained`,
 cached; 0.5B, and the 1.5B depth by repeating those layers), once with the dense FFN at
-every decode step and once with each of `--sparse` (default "gather",
+every decode step and once with `--sparse` (default "gather",
 `twell_jax.gather`). The prefill is the same in both (dense), so the decode times compare
 the FFNs alone; each is timed on a second call (the first compiles).
 
@@ -51,8 +51,8 @@ def _define_flags():
   flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes")
   flags.DEFINE_list("prompts", ["128", "1024"], "prompt lengths in tokens")
   flags.DEFINE_integer("new_tokens", 256, "tokens decoded per row")
-  flags.DEFINE_list("sparse", ["gather"], "decode FFNs measured against dense "
-                    "(train.generate decode_ffn values)")
+  flags.DEFINE_string("sparse", "gather", "the decode FFN measured against dense "
+                      "(a train.generate decode_ffn value)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "corpus and tokenizer of the "
@@ -132,7 +132,7 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
   weights = model_bytes(params, mc)
   rows = []
   gens = {name: generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn=name)
-          for name in ["dense", *fl.sparse]}
+          for name in ("dense", fl.sparse)}
   greedy = generate.Sampling(temperature=0.0)
   for prompt_len in map(int, fl.prompts):
     if prompt_len + fl.new_tokens > cfg.data.seq_len:
@@ -156,24 +156,21 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
              "dense_tokens_per_s": dense["decode_tokens_per_s"],
              "dense_ms_per_step": dense["decode_ms_per_step"],
              "dense_bandwidth_fraction": dense["decode_tokens_per_s"] / ceiling}
-      for name in fl.sparse:
-        s = out[name].stats
-        parted = [(r, next(i for i, (a, b) in enumerate(zip(ta, tb)) if a != b))
-                  for r, (ta, tb) in enumerate(zip(out["dense"].tokens, out[name].tokens))
-                  if ta != tb]
-        gaps = [_top2_gap(lm, params, prompts[r] + out["dense"].tokens[r], len(prompts[r]) + i)
-                for r, i in parted[:4]]
-        prefix = "sparse" if name == fl.sparse[0] else name
-        row.update({f"{prefix}_tokens_per_s": s["decode_tokens_per_s"],
-                    f"{prefix}_ms_per_step": s["decode_ms_per_step"],
-                    f"{prefix}_ratio" if prefix != "sparse" else "ratio":
-                        s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
-                    f"{prefix}_exact" if prefix != "sparse" else "exact": not parted,
-                    f"{prefix}_rows_parted": len(parted), f"{prefix}_top2_gaps": gaps})
+      s = out[fl.sparse].stats
+      parted = [(r, next(i for i, (a, b) in enumerate(zip(ta, tb)) if a != b))
+                for r, (ta, tb) in enumerate(zip(out["dense"].tokens, out[fl.sparse].tokens))
+                if ta != tb]
+      row.update({
+          "sparse_tokens_per_s": s["decode_tokens_per_s"],
+          "sparse_ms_per_step": s["decode_ms_per_step"],
+          "ratio": s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
+          "exact": not parted, "rows_parted": len(parted),
+          "top2_gaps": [_top2_gap(lm, params, prompts[r] + out["dense"].tokens[r],
+                                  len(prompts[r]) + i) for r, i in parted[:4]]})
       rows.append(row)
       print(f"  {shape:<5} batch {batch:>3} prompt {prompt_len:>5}: dense "
             f"{row['dense_tokens_per_s']:>9,.0f} tok/s ({row['dense_bandwidth_fraction']:.2f} "
-            f"of the ceiling {ceiling:,.0f}); {fl.sparse[0]} "
+            f"of the ceiling {ceiling:,.0f}); {fl.sparse} "
             f"{row['sparse_tokens_per_s']:>9,.0f} ({row['ratio']:.3f}x), exact {row['exact']}",
             flush=True)
   return rows

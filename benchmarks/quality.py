@@ -140,7 +140,9 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
   train_rows = [r for r in rows if "loss" in r and "eval/loss" not in r]
   last = train_rows[-1]
   layers = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("active_per_token/"))
-  tokens_per_step = _tokens_per_step(cmd)
+  from train import config_checks  # pylint: disable=import-outside-toplevel
+  run_cfg = config_checks.read_workdir_config(workdir)   # the config the run trained with
+  tokens_per_step = run_cfg["batch_size"] * run_cfg["data"]["seq_len"]
   return {
       "name": spec["name"] + tag, "shape": spec["shape"], "l1": spec["l1"],
       "reinit": spec["reinit"], "steps": steps, "tokens": steps * tokens_per_step,
@@ -155,21 +157,6 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
       # Start-up and compiles: the command's time before its first logged step.
       "first_step_s": train_rows[0]["wall_time"] - t0,
   }
-
-
-def _tokens_per_step(cmd: list[str]) -> int:
-  """Batch x context of a train.main command (its config with the command's overrides)."""
-  import importlib  # pylint: disable=import-outside-toplevel
-  config = next(a for a in cmd if a.startswith("--config=")).split("=", 1)[1]
-  module = config.split(":")[0].removesuffix(".py").replace("/", ".")
-  cfg = importlib.import_module(module).get_config()
-  batch, seq = cfg.batch_size, cfg.data.seq_len
-  for a in cmd:
-    if a.startswith("--config.batch_size="):
-      batch = int(a.split("=", 1)[1])
-    if a.startswith("--config.data.seq_len="):
-      seq = int(a.split("=", 1)[1])
-  return batch * seq
 
 
 def steps_in(run: dict, wall_s: float) -> int:

@@ -197,14 +197,16 @@ _ASYNC_START = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = .*?\s((?:all-gather|all-red
 _ASYNC_DONE = re.compile(r"\s(?:[a-z-]+-done|async-done)\(.*?%([^\s,)]+)")
 _KINDS = re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute")
 _COMPUTE = re.compile(r"\s(fusion|custom-call|call|dot|convolution|while|conditional)\(")
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?(\S+)\s.*\{\s*$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?\S+\s.*\{\s*$")
+_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
+                "pred": 1, "f64": 8, "s64": 8, "u64": 8}
 
 
 def collective_overlap(hlo_text: str) -> list[dict]:
   """Each asynchronous collective of a compiled (scheduled) module's entry computation, in
-  schedule order: {"kind", "bytes" (what it produces), "between"}, `between` counting the compute instructions
-  (fusions, custom calls, command buffers, dots) scheduled between its start and its done,
-  the work it can overlap. A collective with `between == 0` is waited for as soon as it is
+  schedule order: {"kind", "bytes" (what it produces), "between"}, `between` counting the
+  compute instructions (fusions, custom calls, command buffers, dots) scheduled between its
+  start and its done: the work it can overlap. A collective with `between == 0` is waited for as soon as it is
   issued. Synchronous collectives are not listed (`collectives` lists every one)."""
   entry, inside = [], False
   for line in hlo_text.splitlines():
@@ -242,6 +244,3 @@ def collective_overlap(hlo_text: str) -> list[dict]:
         op["between"] += 1
   return out
 
-
-_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
-                "pred": 1, "f64": 8, "s64": 8, "u64": 8}

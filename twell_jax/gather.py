@@ -16,8 +16,9 @@ non-finite x, or W_gate entry it meets): the dense FFN. Unused slots of a bucket
 feature that fired nowhere and are masked to zero, so every branch computes the same function
 as the dense ReLU FFN (`dense.dense_ffn`), up to the order of the f32 sums, for finite
 weights: a non-finite entry of W_up or W_down in a feature that fires nowhere is not read
-(the dense FFN would spread it as NaN; checking would read the weights this path skips). Its gradient is plain autodiff (exact, not sparse-efficient): it is an
-inference path. The statistics are the dense path's, from the gate's activity mask.
+(the dense FFN would spread it as NaN; checking would read the weights this path skips).
+Its gradient is plain autodiff (exact, not sparse-efficient): it is an inference path. The
+statistics are the dense path's, from the gate's activity mask.
 """
 
 from __future__ import annotations

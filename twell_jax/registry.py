@@ -121,7 +121,6 @@ class Gather:
 
   name = "gather"
   sparse = True
-  MAX_ROWS = 64
 
   def unsupported(self, call: Call) -> Optional[str]:
     if call.activation != "relu":
@@ -129,8 +128,7 @@ class Gather:
     return None
 
   def slower(self, call: Call) -> bool:
-    """Not measured against dense yet (`benchmarks/decode.py`): chosen only when named. Past
-    `MAX_ROWS` rows the union of the rows' features approaches all of them."""
+    """Not measured against dense yet (`benchmarks/decode.py`): chosen only when named."""
     del call
     return True
 
