@@ -23,6 +23,9 @@ on `--sweep_shape` (all of them) and `--best_shape` (dense SiLU and the sparse r
     wall-clock of the whole command (start-up and compiles included; the step count from
     its own equal-tokens run), with its own schedule over them.
 
+Schedules: linear warm-up over the first tenth of a run's steps, then the config's cosine;
+the paper shapes at 8 x 2048 tokens a step (`benchmarks.trained.SHORT_RUN`).
+
 Per run: steps, tokens, wall seconds of the command, final held-out CE, tokens/s (the
 trainer's log), active features per token per layer and the dead fraction (last log),
 peak device memory. Plots (PNG): held-out loss against wall-clock and against tokens, one
@@ -108,6 +111,16 @@ def _data_flags(fl, tokenizer: dict | None) -> list[str]:
                 f"--config.model.vocab_size={tokenizer['options']['vocab_size']}"]
 
 
+def _schedule_flags(shape: str, steps: int) -> list[str]:
+  """Warm-up over the first tenth of each run's own steps; the paper shapes at
+  `benchmarks.trained.SHORT_RUN`'s batch and rate (their configs are for 50k-step runs)."""
+  warmup = max(1, steps // 10)
+  if shape.startswith("paper_"):
+    from benchmarks import trained  # pylint: disable=import-outside-toplevel
+    return trained.short_run_flags(warmup)
+  return [f"--config.warmup_steps={warmup}"]
+
+
 def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> dict:
   """One `train.main` command; its measurements (module docstring)."""
   from train import metrics  # pylint: disable=import-outside-toplevel
@@ -120,7 +133,8 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
   cmd = [sys.executable, "-m", "train.main", f"--config={config}", f"--workdir={workdir}",
          f"--config.num_train_steps={steps}", f"--config.eval_every={every}",
          f"--config.eval_batches={fl.eval_batches}", f"--config.log_every={every}",
-         "--config.checkpoint_every=0", *data_flags, *spec["flags"]]
+         "--config.checkpoint_every=0", *_schedule_flags(spec["shape"], steps), *data_flags,
+         *spec["flags"]]
   if fl.batch_size:
     cmd.append(f"--config.batch_size={fl.batch_size}")
   if fl.seq_len:

@@ -35,6 +35,18 @@ DEFAULT_CACHE = "/tmp/twell_trained"
 PYTHON_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
 
 
+# The paper shapes' settings for short runs on one GPU (the configs' own are for 50k-step
+# runs of 0.5M-token batches): 8 x 2048 tokens a step, no remat, a higher peak rate.
+SHORT_RUN = {"batch_size": 8, "grad_accum_steps": 1, "model.remat": False,
+             "learning_rate": 1e-3, "warmup_steps": 100}
+
+
+def short_run_flags(warmup_steps: int) -> list[str]:
+  """`SHORT_RUN` as `train.main` flags, with the warm-up of the caller's schedule."""
+  items = {**SHORT_RUN, "warmup_steps": warmup_steps}
+  return [f"--config.{k}={v}" for k, v in items.items()]
+
+
 def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = None,
                tokenizer: str = "byte"):
   """Training config of `shape` on an offline corpus: the standard library's docstrings with
@@ -44,9 +56,9 @@ def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = No
     from configs import paper_0p5b  # pylint: disable=import-outside-toplevel
     c = paper_0p5b.get_config()
     c.data.update(dataset="twell_stdlib_text", tokenizer="byte", use_tfds=False)
-    c.batch_size, c.grad_accum_steps = batch or 8, 1
-    c.model.remat = False
-    c.learning_rate, c.warmup_steps = 1e-3, 100
+    c.update_from_flattened_dict(SHORT_RUN)
+    if batch:
+      c.batch_size = batch
   elif shape == "tiny":
     from configs import tiny  # pylint: disable=import-outside-toplevel
     c = tiny.get_config()
