@@ -26,6 +26,10 @@ on `--sweep_shape` (all of them) and `--best_shape` (dense SiLU and the sparse r
 Schedules: linear warm-up over the first tenth of a run's steps, then the config's cosine;
 the paper shapes at 8 x 2048 tokens a step (`benchmarks.trained.SHORT_RUN`).
 
+Every run starts with an empty compilation cache (its own), as a first run on a machine
+does, so no run inherits another's compiles. Each equal-tokens run traces
+`--profile_steps` steps near its end ("profile": the step's span and largest kernels).
+
 Per run: steps, tokens, wall seconds of the command, final held-out CE, tokens/s (the
 trainer's log), active features per token per layer and the dead fraction (last log),
 peak device memory. Plots (PNG): held-out loss against wall-clock and against tokens, one
@@ -72,6 +76,8 @@ def _define_flags():
                       ".model (trained offline if missing), or 'byte'")
   flags.DEFINE_list("runs", None, "only these run names (default: all)")
   flags.DEFINE_integer("timeout", 3600, "seconds per run")
+  flags.DEFINE_integer("profile_steps", 3, "equal-tokens runs: steps traced near the end "
+                       "(the step's largest kernels in the JSON; 0: none)")
 
 
 def run_specs(fl) -> list[dict]:
@@ -134,7 +140,14 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
          f"--config.num_train_steps={steps}", f"--config.eval_every={every}",
          f"--config.eval_batches={fl.eval_batches}", f"--config.log_every={every}",
          "--config.checkpoint_every=0", *_schedule_flags(spec["shape"], steps), *data_flags,
+         # Every run compiles from nothing, as a first run on a machine does: a cache
+         # shared between runs would hand its compiles to the runs after the first.
+         f"--config.compilation_cache_dir={os.path.join(workdir, 'jax_cache')}",
          *spec["flags"]]
+  profile = fl.profile_steps if not tag and steps > fl.profile_steps + 10 else 0
+  if profile:   # away from the evaluations (every `every` steps) and the last step
+    cmd += [f"--config.profile.first_step={steps - profile - 5}",
+            f"--config.profile.steps={profile}"]
   if fl.batch_size:
     cmd.append(f"--config.batch_size={fl.batch_size}")
   if fl.seq_len:
@@ -157,7 +170,10 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
   from train import config_checks  # pylint: disable=import-outside-toplevel
   run_cfg = config_checks.read_workdir_config(workdir)   # the config the run trained with
   tokens_per_step = run_cfg["batch_size"] * run_cfg["data"]["seq_len"]
+  from benchmarks import timing  # pylint: disable=import-outside-toplevel
+  traced = timing.trace_breakdown(os.path.join(workdir, "profile"), profile) if profile else None
   return {
+      "profile": traced and {"span_ms": traced["span_ms"], "kernels": traced["kernels"][:8]},
       "name": spec["name"] + tag, "shape": spec["shape"], "l1": spec["l1"],
       "reinit": spec["reinit"], "steps": steps, "tokens": steps * tokens_per_step,
       "wall_s": wall, "final_ce": evals[-1]["eval/loss"],

@@ -103,6 +103,10 @@ def get_config() -> ml_collections.ConfigDict:
   # shape). Empty: off.
   c.compilation_cache_dir = "~/.cache/twell_jax/jax"
 
+  # Trace `profile.steps` steps from step `profile.first_step` (jax.profiler, with a Perfetto
+  # trace) into workdir/profile: TensorBoard's profile plugin or ui.perfetto.dev reads it.
+  c.profile = ml_collections.ConfigDict(dict(first_step=0, steps=0))
+
   c.log_every = 50
   c.eval_every = 1000
   c.eval_batches = 8

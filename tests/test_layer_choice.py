@@ -178,6 +178,32 @@ class BackgroundStepsTest(absltest.TestCase):
     finally:
       steps.close()
 
+  def test_queued_build_that_would_end_after_the_deadline_is_not_started(self):
+    gate, built = threading.Event(), []
+
+    def build(names, autotune):
+      if names == ("b",):
+        gate.wait(10)   # a slow build: the run's end comes while it runs
+      built.append(names)
+      return names[0]
+
+    steps = layer_choice.BackgroundSteps(build)
+    try:
+      steps.request(("a",))
+      self.assertEqual(self._wait(steps), (("a",), "a"))
+      steps.request(("b",))
+      time.sleep(0.1)
+      # Queued behind "b", due to end 0.5 s from now.
+      steps.request(("c",), deadline=time.monotonic() + 0.5)
+      time.sleep(0.6)
+      gate.set()
+      self.assertEqual(self._wait(steps), (("b",), "b"))
+      time.sleep(0.2)
+      self.assertEqual(built, [("a",), ("b",)])       # "c" would have ended too late
+      self.assertIsNone(steps.ready())
+    finally:
+      steps.close()
+
   def test_foreground_builds_in_request(self):
     tuned = []
     steps = layer_choice.BackgroundSteps(

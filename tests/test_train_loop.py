@@ -50,11 +50,15 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
     cfg.num_train_steps = 32
     with self.assertRaisesRegex(train_lib.ConfigError, "num_train_steps: 30 -> 32"):
       train_lib.train_and_evaluate(cfg, wd)
+    cfg.profile.first_step, cfg.profile.steps = 30, 1   # a free change: traces step 31
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     with open(os.path.join(wd, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f]
     steps = [r["step"] for r in rows if "loss" in r]
     self.assertEqual(steps[-2:], [31, 32])  # first step after resume, last
+    import glob  # pylint: disable=g-import-not-at-top
+    self.assertLen(glob.glob(os.path.join(wd, "profile", "**", "perfetto_trace.json.gz"),
+                             recursive=True), 1)
 
   def test_grad_accumulation_matches_one_big_batch(self):
     outs = []

@@ -61,6 +61,7 @@ _INT_MIN = {
     "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
     "model.n_kv_heads": 1, "model.d_ff": 1,
     "data.seq_len": 1, "data.prefetch": 1, "layer_choice.every": 1,
+    "profile.first_step": 0, "profile.steps": 0,
 }
 # Float fields: (low, high, low included, high included); every value must be finite.
 _FLOAT_RANGE = {
@@ -217,7 +218,7 @@ CONFIG_FILE = "config.json"
 _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
          "data.data_dir", "data.use_tfds", "data.prefetch", "data.eval_split",
          "model.ffn_implementation", "model.attention", "model.remat", "model.interpret",
-         "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir")
+         "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir", "profile.")
 # Changes that fit the checkpoints but change the rest of the run: need the flag.
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",

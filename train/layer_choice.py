@@ -223,7 +223,10 @@ class BackgroundSteps:
   shape) while the current one keeps running, and `ready` hands over the newest requested
   step that is built (a request that arrives while another builds replaces the queued one;
   the one in flight is still handed over when done, being closer to the latest choice than
-  the step running). Executables are kept, so switching back costs nothing.
+  the step running). Executables are kept, so switching back costs nothing. A request may
+  carry a deadline (`time.monotonic()` by which the run ends): a queued build that would
+  finish after it, at the last build's pace, is not started (the run would only wait for it
+  at `close`).
   `background=False` builds in `request` (the switch lands on the decision step:
   reproducible).
 
@@ -257,6 +260,7 @@ class BackgroundSteps:
     self._newest_built = ((0, 0), None)
     self._handed = (0, 0)            # the version handed over last
     self._queued = []
+    self._deadline = None            # the latest request's (time.monotonic())
     self._closing = False
     self.last_build_s = None         # seconds the last build took
     self.failures = []               # (names, exception) of background builds that failed
@@ -291,11 +295,17 @@ class BackgroundSteps:
     collecting = gc.isenabled()
     gc.disable()
     try:
+      if self._would_miss_deadline():
+        logging.info("not building the train step for %s: the run ends in %.0f s, the last "
+                     "build took %.0f s", names, self._deadline - time.monotonic(),
+                     self.last_build_s)
+        return
       if names not in self._done:
         logging.info("building the train step for %s in the background", names)
         autotune = not self._quick_first
         self._built(seq, names, self._timed_build(names, autotune), autotune)
-      if names not in self._tuned and self._seq == seq and not self._closing:
+      if (names not in self._tuned and self._seq == seq and not self._closing
+          and not self._would_miss_deadline()):
         # Nothing newer waits: the tuned step, handed over in place of the quick one.
         self._built(seq, names, self._timed_build(names, True), True)
     except Exception as e:  # pylint: disable=broad-except
@@ -309,9 +319,16 @@ class BackgroundSteps:
         gc.enable()
       sys.setswitchinterval(interval)
 
-  def request(self, names: tuple) -> None:
-    """Asks for the step of `names` (built in the background unless built before)."""
+  def _would_miss_deadline(self) -> bool:
+    return (self._deadline is not None and self.last_build_s is not None
+            and time.monotonic() + self.last_build_s > self._deadline)
+
+  def request(self, names: tuple, deadline: float | None = None) -> None:
+    """Asks for the step of `names` (built in the background unless built before); a
+    background build does not start after `deadline` (`time.monotonic()`) minus the last
+    build's time."""
     self._seq += 1
+    self._deadline = deadline
     if names in self._done:
       self._built(self._seq, names, self._done[names], names in self._tuned)
       if names in self._tuned or not self.background:

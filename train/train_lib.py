@@ -286,6 +286,33 @@ def use_compilation_cache(path: str | None, backend: str | None = None) -> str |
   return path
 
 
+class _StepTracer:
+  """Traces steps [first_step, first_step + steps) of `cfg.profile` into workdir/profile."""
+
+  def __init__(self, profile_cfg, workdir: str):
+    profile_cfg = profile_cfg or {}
+    self.first = int(profile_cfg.get("first_step", 0))
+    self.last = self.first + int(profile_cfg.get("steps", 0))
+    self.dir = os.path.join(workdir, "profile")
+    self.on = False
+
+  def before(self, step: int) -> None:
+    if step == self.first and self.last > self.first and jax.process_index() == 0:
+      jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+      self.on = True
+
+  def after(self, done: int, outputs) -> None:
+    if self.on and done >= self.last:
+      jax.block_until_ready(outputs)
+      self.stop()
+      logging.info("traced steps %d-%d into %s", self.first + 1, done, self.dir)
+
+  def stop(self) -> None:
+    if self.on:
+      jax.profiler.stop_trace()
+      self.on = False
+
+
 def _build_can_land(steps, left_s: float) -> bool:
   """Whether a step requested now can be built before the run ends: always where builds
   run in the loop (`background=False`, reproducible runs), else when the training time left
@@ -393,12 +420,15 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   t_last, tokens_since = time.time(), 0
   preempted = None
   t_loop = time.time()
+  tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
     for step in range(start, cfg.num_train_steps):
       batch, data_state = next(prefetch)
+      tracer.before(step)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
                                                   tr.batch_sharding))
+      tracer.after(step + 1, m)
       done, ran = step + 1, running
       tokens_since += cfg.batch_size * cfg.data.seq_len
       if choice is not None:
@@ -423,7 +453,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
             logging.info("step %d: FFN per layer -> %s (predicted %s; compiling in the "
                          "background)", done, choice.describe(),
                          " ".join(f"{r:.2f}" for r in choice.predicted))
-            steps.request(choice.key)
+            steps.request(choice.key, deadline=time.monotonic() + left_s)
         handed = steps.ready()
         if handed is not None:
           running, train_step = handed
@@ -469,6 +499,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         break
     writer.flush()
   finally:
+    tracer.stop()
     if steps is not None:
       steps.close()
     prefetch.close()
