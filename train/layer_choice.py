@@ -82,6 +82,20 @@ INFERENCE_SPARSE_BELOW = 0.9
 # A new number of hot features is taken when it improves the predicted ratio by more than
 # this: a smaller gain is not worth a recompiled step.
 HOT_CHANGE_GAIN = 0.03
+# The training loop's time lost per second of a background build (the build's tracing and
+# compiling take CPU from the loop's dispatch): paper 0.5B shape, H100, 16 CPU cores, 100
+# steps took 21 s beside a 20 s build against 14 s without (`benchmarks.quality` logs).
+BUILD_SLOWDOWN = 0.4
+
+
+def ffn_flop_share(d_model: int, d_ff: int, n_layers: int, vocab_size: int, seq_len: int,
+                   n_heads: int, n_kv_heads: int, gated: bool = True) -> float:
+  """The dense FFN's share of a dense training step's matmul FLOPs (per token: the FFN's
+  (2 or 3) x D x H per layer against attention's projections and scores and the LM head)."""
+  head = d_model // n_heads
+  ffn = (3 if gated else 2) * d_model * d_ff * n_layers
+  attn = (2 * d_model * d_model + 2 * d_model * n_kv_heads * head + seq_len * d_model) * n_layers
+  return ffn / (ffn + attn + vocab_size * d_model)
 
 
 @dataclasses.dataclass
@@ -191,6 +205,19 @@ class LayerChoice:
     changed = self.update(ratios) or changed
     return changed, np.asarray(features_lib.popularity_order(counts))
 
+  def costs(self, key, feature_counts, tokens: int) -> np.ndarray:
+    """Each layer's predicted FFN time over the dense FFN's at `key` ((implementations, hot
+    features), `LayerChoice.key`) for the activity in `feature_counts` [L, H] (features in
+    popularity order): 1 on a dense layer."""
+    out = []
+    for name, k, c in zip(*key, np.asarray(feature_counts)):
+      if name != self.sparse:
+        out.append(1.0)
+      else:
+        tail = features_lib.sparse_work(c, tokens, k, break_even=0.0)
+        out.append(float(self.predict(k, tail)))
+    return np.asarray(out)
+
   @property
   def implementations(self) -> tuple[str, ...]:
     return tuple(self.current)
@@ -244,6 +271,7 @@ class BackgroundSteps:
   """
 
   _BUILD_SWITCH_INTERVAL_S = 2e-4
+  TUNE_PAYS_AFTER_BUILDS = 80   # 0.025 x left > BUILD_SLOWDOWN x 5 x quick build
 
   def __init__(self, build, background: bool = True, quick_first: bool = False):
     import concurrent.futures  # pylint: disable=import-outside-toplevel
@@ -305,7 +333,7 @@ class BackgroundSteps:
         autotune = not self._quick_first
         self._built(seq, names, self._timed_build(names, autotune), autotune)
       if (names not in self._tuned and self._seq == seq and not self._closing
-          and not self._would_miss_deadline()):
+          and self._tuning_pays()):
         # Nothing newer waits: the tuned step, handed over in place of the quick one.
         self._built(seq, names, self._timed_build(names, True), True)
     except Exception as e:  # pylint: disable=broad-except
@@ -318,6 +346,15 @@ class BackgroundSteps:
       if collecting:
         gc.enable()
       sys.setswitchinterval(interval)
+
+  def _tuning_pays(self) -> bool:
+    """Whether the tuned stage of a quick build pays before the deadline: its step is ~2.5%
+    faster, and its build takes ~5x the quick one's on a busy device, costing the loop
+    `BUILD_SLOWDOWN` of that: it pays with more than `TUNE_PAYS_AFTER_BUILDS` quick builds'
+    time left."""
+    return (self._deadline is None or self.last_build_s is None
+            or self._deadline - time.monotonic()
+            > self.TUNE_PAYS_AFTER_BUILDS * self.last_build_s)
 
   def _would_miss_deadline(self) -> bool:
     return (self._deadline is not None and self.last_build_s is not None

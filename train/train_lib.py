@@ -313,12 +313,36 @@ class _StepTracer:
       self.on = False
 
 
-def _build_can_land(steps, left_s: float) -> bool:
-  """Whether a step requested now can be built before the run ends: always where builds
-  run in the loop (`background=False`, reproducible runs), else when the training time left
-  (`left_s`, at the loop's pace so far) exceeds the last build's time. A build that cannot
-  land would only be waited for at the end (`BackgroundSteps.close`)."""
-  return not steps.background or steps.last_build_s is None or left_s > steps.last_build_s
+def _no_landing(steps, left_s: float) -> str | None:
+  """Why a step requested now would not be built before the run ends (None: it would).
+  Builds in the loop (`background=False`, reproducible runs) always land; background ones
+  when the training time left (`left_s`, at the loop's pace so far) exceeds the last build's
+  time. A build that cannot land would only be waited for at the end."""
+  if not steps.background or steps.last_build_s is None or left_s > steps.last_build_s:
+    return None
+  return (f"about {left_s:.0f} s of training left, the last build took "
+          f"{steps.last_build_s:.0f} s")
+
+
+def _no_payback(steps, choice, running, counts, tokens: int, step_s: float, steps_left: int,
+                ffn_share: float) -> str | None:
+  """Why the choice's new step would not pay for its background build (None: it would).
+
+  Saving: the predicted FFN time of the running step and of the new one
+  (`LayerChoice.costs`, over the dense FFN's), the FFN being `ffn_share` of a dense step,
+  over the steps left. Cost: `layer_choice.BUILD_SLOWDOWN` of the last build's time. Builds
+  in the loop (`background=False`) are reproducible runs' and always go ahead."""
+  if not steps.background or steps.last_build_s is None:
+    return None
+  old = float(choice.costs(running, counts, tokens).mean())
+  new = float(choice.costs(choice.key, counts, tokens).mean())
+  dense_step_s = step_s / ((1 - ffn_share) + ffn_share * old)
+  saving_s = ffn_share * dense_step_s * (old - new) * steps_left
+  cost_s = layer_choice_lib.BUILD_SLOWDOWN * steps.last_build_s
+  if saving_s > cost_s:
+    return None
+  return (f"predicted to save {saving_s:.1f} s over the {steps_left} steps left, less than "
+          f"the {cost_s:.1f} s a build takes from the loop")
 
 
 def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
@@ -411,6 +435,11 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       choice.hot = list(meta.get("layer_hot_features") or [0] * choice.n_layers)
     running = choice.key
     train_step = steps.get_now(running)
+    mc = tr.model_cfg
+    ffn_share = layer_choice_lib.ffn_flop_share(
+        mc.d_model, mc.d_ff, mc.n_layers, mc.vocab_size, cfg.data.seq_len, mc.n_heads,
+        mc.n_kv_heads, mc.ffn_gated)
+    tokens_per_step = cfg.batch_size * cfg.data.seq_len
     logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
                  "below %g of the dense one's time (train.layer_choice.CostModel), then %s "
                  "(back above %g); features sorted by popularity every %d steps",
@@ -438,16 +467,20 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
           # (the running step's hot features then cover the hottest ones). Decisions fall on
           # the same steps in a resumed run as in an uninterrupted one (the choice in use is
           # restored from the checkpoint), so both reorder the features alike.
-          changed, order = choice.update_from_counts(
-              jax.device_get(m["feature_counts"]), cfg.batch_size * cfg.data.seq_len)
+          counts = jax.device_get(m["feature_counts"])
+          changed, order = choice.update_from_counts(counts, tokens_per_step)
           state = tr.sort_features(state, order)
-          left_s = (cfg.num_train_steps - done) * (time.time() - t_loop) / (done - start)
-          if changed and not _build_can_land(steps, left_s):
-            # The run would end before the step is built: keep the one running (and the
-            # choice with it, so that the next decision starts from what runs).
-            logging.info("step %d: FFN per layer -> %s predicted, not built: about %.0f s "
-                         "of training left, the last build took %.0f s", done,
-                         choice.describe(), left_s, steps.last_build_s)
+          step_s = (time.time() - t_loop) / (done - start)
+          left_s = (cfg.num_train_steps - done) * step_s
+          why_not = changed and (
+              _no_landing(steps, left_s)
+              or _no_payback(steps, choice, running, counts, tokens_per_step, step_s,
+                             cfg.num_train_steps - done, ffn_share))
+          if why_not:
+            # The step would land too late or not pay for its build: keep the one running
+            # (and the choice with it, so that the next decision starts from what runs).
+            logging.info("step %d: FFN per layer -> %s predicted, not built: %s", done,
+                         choice.describe(), why_not)
             choice.current, choice.hot = list(running[0]), list(running[1])
           elif changed:
             logging.info("step %d: FFN per layer -> %s (predicted %s; compiling in the "
