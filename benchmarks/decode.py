@@ -21,7 +21,9 @@ B x bandwidth / bytes per step (bytes at the mean position of the loop).
 
 Exactness: the sparse decode's greedy tokens against the dense FFN's on the same prompts;
 where a row parts, the top-2 logit gap of the dense model at the first differing position
-(a near-tie is rounding, a large gap a bug).
+("top2_gaps": a near-tie is rounding, a large gap a bug). `exact`: every row equal or
+parting at a gap of at most `NEAR_TIE`. With `--profile_dir`, the first batch size's row
+has each decode's per-token kernel times ("profile": span and largest kernels per token).
 
 JSON: {"device", "peak_bandwidth_gbs", "rows": [{"shape", "batch", "prompt",
 "dense_tokens_per_s", "sparse_tokens_per_s", "ratio", "dense_bandwidth_fraction", "exact",
@@ -31,6 +33,7 @@ JSON: {"device", "peak_bandwidth_gbs", "rows": [{"shape", "batch", "prompt",
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from absl import app
@@ -39,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from benchmarks import trained
 
 # HBM bandwidth by device kind (vendor specifications), GB/s.
@@ -58,6 +62,8 @@ def _define_flags():
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "corpus and tokenizer of the "
                     "trained weights and the prompts (benchmarks.trained.config_for)")
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, short prompts, few tokens")
+  flags.DEFINE_string("profile_dir", None, "trace one decode of each FFN at the first batch "
+                      "size here; the rows get per-token kernel times (\"profile\")")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -109,11 +115,21 @@ def _prompts(cfg, tokenizer, batch: int, length: int) -> list[list[int]]:
   return out
 
 
-def _top2_gap(lm, params, seq: list[int], pos: int) -> float:
-  """Dense model's gap between its two largest logits predicting token `pos` of `seq`."""
-  logits = lm.apply(params, jnp.asarray([seq[:pos]]))[0][0, pos - 1]
-  top = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
-  return float(top[0] - top[1])
+# Where the sparse decode's greedy token differs from the dense one's, the dense model's top
+# two logits must be this close (f32 logits of a bf16 model: one bf16 step at magnitudes
+# 16-32) for the difference to be rounding, not a different function.
+NEAR_TIE = 0.125
+
+
+def _top2_gaps(lm, params, seqs: list[list[int]], positions: list[int]) -> list[float]:
+  """The dense model's gap between its two largest logits predicting token `positions[i]`
+  of `seqs[i]` (one forward over all the rows, which have one length)."""
+  if not seqs:
+    return []
+  logits = lm.apply(params, jnp.asarray(seqs))[0]
+  at = logits[jnp.arange(len(seqs)), jnp.asarray(positions) - 1].astype(jnp.float32)
+  top = jax.lax.top_k(at, 2)[0]
+  return [float(g) for g in top[:, 0] - top[:, 1]]
 
 
 def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
@@ -141,12 +157,17 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
       continue
     for batch in map(int, fl.batches):
       prompts = _prompts(cfg, gens["dense"].tokenizer, batch, prompt_len)
-      out = {}
+      out, profile = {}, {}
       for name, gen in gens.items():
-        gen.generate_ids(prompts, max_new_tokens=fl.new_tokens, sampling=greedy,
-                         stop_at_eos=False)                         # compiles
-        out[name] = gen.generate_ids(prompts, max_new_tokens=fl.new_tokens, sampling=greedy,
-                                     stop_at_eos=False)
+        run = lambda g=gen: g.generate_ids(prompts, max_new_tokens=fl.new_tokens,
+                                            sampling=greedy, stop_at_eos=False)
+        run()                                                         # compiles
+        out[name] = run()
+        if fl.profile_dir and not rows:   # the first batch size: per-token kernel times
+          trace_dir = os.path.join(fl.profile_dir, f"{shape}_{name}_b{batch}")
+          with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            run()
+          profile[name] = timing.trace_breakdown(trace_dir, fl.new_tokens, top=10)
       dense = out["dense"].stats
       step_bytes = weights + kv_bytes(mc, batch, prompt_len + fl.new_tokens / 2)
       ceiling = batch * peak_gbs * 1e9 / step_bytes
@@ -164,9 +185,12 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
           "sparse_tokens_per_s": s["decode_tokens_per_s"],
           "sparse_ms_per_step": s["decode_ms_per_step"],
           "ratio": s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
-          "exact": not parted, "rows_parted": len(parted),
-          "top2_gaps": [_top2_gap(lm, params, prompts[r] + out["dense"].tokens[r],
-                                  len(prompts[r]) + i) for r, i in parted[:4]]})
+          "profile": profile or None,
+          "rows_parted": len(parted),
+          "top2_gaps": _top2_gaps(lm, params,
+                                  [prompts[r] + out["dense"].tokens[r] for r, _ in parted],
+                                  [len(prompts[r]) + i for r, i in parted])})
+      row["exact"] = all(g <= NEAR_TIE for g in row["top2_gaps"])
       rows.append(row)
       print(f"  {shape:<5} batch {batch:>3} prompt {prompt_len:>5}: dense "
             f"{row['dense_tokens_per_s']:>9,.0f} tok/s ({row['dense_bandwidth_fraction']:.2f} "
