@@ -23,7 +23,8 @@ Exactness: the sparse decode's greedy tokens against the dense FFN's on the same
 where a row parts, the top-2 logit gap of the dense model at the first differing position
 ("top2_gaps": a near-tie is rounding, a large gap a bug). `exact`: every row equal or
 parting at a gap of at most `NEAR_TIE`. With `--profile_dir`, the first batch size's row
-has each decode's per-token kernel times ("profile": span and largest kernels per token).
+has each decode's per-token kernel times ("profile": span and largest kernels per token),
+and the compiled programs' HLO is written there.
 
 JSON: {"device", "peak_bandwidth_gbs", "rows": [{"shape", "batch", "prompt",
 "dense_tokens_per_s", "sparse_tokens_per_s", "ratio", "dense_bandwidth_fraction", "exact",
@@ -168,6 +169,10 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
           with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             run()
           profile[name] = timing.trace_breakdown(trace_dir, fl.new_tokens, top=10)
+          for key, (compiled, _) in gen._compiled.items():  # pylint: disable=protected-access
+            with open(os.path.join(fl.profile_dir, f"{shape}_{name}_b{batch}_{key[0]}.hlo"),
+                      "w") as f:
+              f.write(compiled.as_text())
       dense = out["dense"].stats
       step_bytes = weights + kv_bytes(mc, batch, prompt_len + fl.new_tokens / 2)
       ceiling = batch * peak_gbs * 1e9 / step_bytes

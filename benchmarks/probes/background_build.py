@@ -12,7 +12,8 @@ worker thread while the current one keeps training. At the paper 0.5B shape
 * per `--background` case `K:options`, a build through `BackgroundSteps` beside the dense
   step's loop: how long it takes and the loop's step time meanwhile. K is one number of hot
   features for every layer or one per layer joined by `-` (layers with different K compile
-  as separate groups); options `tuned` or `untuned`.
+  as separate groups); options `tuned`, `untuned` or `untuned_2threads` (XLA compiling on
+  two threads).
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ _BACKGROUND = flags.DEFINE_list(
     "background builds, K:options (module docstring)")
 _MIXED = flags.DEFINE_string("mixed", "768-256-256-256-768-768-512-256",
                              "per-layer hot features of the foreground tuned/untuned pair")
-_OPTIONS = {"tuned": None, "untuned": train_lib.NO_AUTOTUNE}
+_OPTIONS = {"tuned": None, "untuned": train_lib.NO_AUTOTUNE,
+            # XLA's compile on two threads, not one per core: does the loop slow down less?
+            "untuned_2threads": {**train_lib.NO_AUTOTUNE,
+                                 "xla_gpu_force_compilation_parallelism": 2}}
+_FOREGROUND = flags.DEFINE_bool("foreground", True, "also time the dense and --mixed steps "
+                                "built tuned and untuned in the foreground")
 _BUDGET = flags.DEFINE_float("budget_s", 240.0, "longest wait for one background build")
 
 
@@ -81,20 +87,24 @@ def main(argv):
 
   dense_key = (("dense",) * n_layers, (0,) * n_layers)
   built = {}
-  for name, key in (("dense", dense_key), ("mixed", sparse(_MIXED.value))):
-    for opt_name, options in _OPTIONS.items():
-      built[name, opt_name], t = _build(tr, key, specs, options)
+  foreground = ("tuned", "untuned")
+  pairs = (("dense", dense_key), ("mixed", sparse(_MIXED.value)))
+  for name, key in pairs if _FOREGROUND.value else pairs[:1]:
+    for opt_name in foreground if _FOREGROUND.value else ("tuned",):
+      built[name, opt_name], t = _build(tr, key, specs, _OPTIONS[opt_name])
       show(f"foreground {name} ({opt_name}) build", t)
   # Tuned against untuned in alternating chunks (the state trains on: the chunks share it).
-  for name in ("dense", "mixed"):
-    times = {o: [] for o in _OPTIONS}
-    for o in _OPTIONS:
+  for name in ("dense", "mixed") if _FOREGROUND.value else ():
+    times = {o: [] for o in foreground}
+    for o in foreground:
       state, _ = _loop_ms(built[name, o], state, batch, 3)
     for _ in range(4):
-      for o in _OPTIONS:
+      for o in foreground:
         state, ms = _loop_ms(built[name, o], state, batch, 10)
         times[o].append(round(ms, 1))
     print(f"{name} step ms per 10, alternating:", times, flush=True)
+  state, ms = _loop_ms(built["dense", "tuned"], state, batch, 20)
+  print(f"dense step ms alone: {ms:.1f}", flush=True)
 
   # The trainer's background builds (train.layer_choice.BackgroundSteps) beside the dense
   # step's loop: the loop's step time while each builds, and how long it takes.
@@ -102,7 +112,7 @@ def main(argv):
   for case in _BACKGROUND.value:
     k, opt_name = case.split(":")
     steps = layer_choice.BackgroundSteps(
-        lambda key, o=_OPTIONS[opt_name]: _build(tr, key, specs, o))
+        lambda key, autotune, o=_OPTIONS[opt_name]: _build(tr, key, specs, o))
     t0 = time.perf_counter()
     steps.request(sparse(k))
     loop, handed = [], None
