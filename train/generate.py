@@ -152,6 +152,7 @@ class Generator:
     self.active_per_token = (None if active_per_token is None
                              else [float(a) for a in active_per_token])
     self._compiled: dict[tuple, Any] = {}
+    self._layers = None
 
   # ---- which FFN implementation each layer runs ----
 
@@ -198,6 +199,15 @@ class Generator:
     return dataclasses.replace(self.model_cfg, ffn_layer_implementations=tuple(names)
                                ).layer_groups()
 
+  def _layer_params(self) -> list:
+    """The blocks' parameters split into one array per layer, for decode (kept beside the
+    stacked ones, which prefill scans over: the blocks' weights twice in device memory)."""
+    if self._layers is None:
+      n = self.model_cfg.n_layers
+      self._layers = jax.jit(lambda blocks: [jax.tree.map(lambda a, l=l: a[l], blocks)
+                                             for l in range(n)])(self.params["blocks"])
+    return self._layers
+
   # ---- the two compiled functions ----
 
   def _prefill_fn(self, params, tokens, lengths, *, names, t_max):
@@ -226,37 +236,34 @@ class Generator:
     pad = ((0, 0), (0, 0), (0, t_max - tokens.shape[1]), (0, 0), (0, 0))
     return logits, jnp.pad(ks, pad), jnp.pad(vs, pad), active
 
-  def _decode_fn(self, params, logits, ck, cv, lengths, key, *, names, steps, sampling,
-                 eos_id, pad_id, stop_at_eos):
-    """(tokens [B, steps] int32 (pad_id after a row's EOS), decode steps run)."""
+  def _decode_fn(self, params, layers, logits, ck, cv, lengths, key, *, names, steps,
+                 sampling, eos_id, pad_id, stop_at_eos):
+    """(tokens [B, steps] int32 (pad_id after a row's EOS), decode steps run).
+
+    `layers`: the blocks' parameters one array per layer (`_layer_params`), and the KV cache
+    one array per layer in the loop: each step reads every weight where it lies (XLA copies
+    a layer's slice of the stacked arrays inside the token loop every step: three times
+    the bytes a step must read)."""
     lm = self._lm
     outer = lm.outer_module(params)
     rows = jnp.arange(logits.shape[0])
-    # Layer groups sliced once, before the loop, not in every step.
-    groups = [(name, hot, jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"]),
-               jnp.arange(start, stop)) for start, stop, name, hot in self._groups(names)]
-
-    def layer(carry, xs, name, hot, pos):
-      x, ck, cv = carry
-      block_params, l = xs
-      block = lm.block_module(block_params)
-      block.ffn.implementation, block.ffn.hot_features = name, hot
-      q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
-      ck = ck.at[l, rows, pos].set(k[:, 0])
-      cv = cv.at[l, rows, pos].set(v[:, 0])
-      o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
-                                       implementation="xla")
-      x = x + block.attn.out(o)
-      y = block.ffn(block.ffn_norm(x))
-      return (x + y.astype(x.dtype), ck, cv), None
+    per_layer = [(name, hot) for start, stop, name, hot in self._groups(names)
+                 for _ in range(start, stop)]
+    ck, cv = tuple(ck[l] for l in range(len(layers))), tuple(cv[l] for l in range(len(layers)))
 
     def forward(tok, pos, ck, cv):
-      carry = (outer.embed_tokens(tok[:, None]), ck, cv)
-      for name, hot, group, layer_ids in groups:
-        carry, _ = jax.lax.scan(functools.partial(layer, name=name, hot=hot, pos=pos), carry,
-                                (group, layer_ids))
-      x, ck, cv = carry
-      return outer.logits(x)[:, 0], ck, cv
+      x, ck, cv = outer.embed_tokens(tok[:, None]), list(ck), list(cv)
+      for l, (block_params, (name, hot)) in enumerate(zip(layers, per_layer)):
+        block = lm.block_module(block_params)
+        block.ffn.implementation, block.ffn.hot_features = name, hot
+        q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
+        ck[l] = ck[l].at[rows, pos].set(k[:, 0])
+        cv[l] = cv[l].at[rows, pos].set(v[:, 0])
+        o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
+                                         implementation="xla")
+        x = x + block.attn.out(o)
+        x = x + block.ffn(block.ffn_norm(x)).astype(x.dtype)
+      return outer.logits(x)[:, 0], tuple(ck), tuple(cv)
 
     tok = sample(logits, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((logits.shape[0], steps), pad_id, jnp.int32).at[:, 0].set(tok)
@@ -337,12 +344,14 @@ class Generator:
 
     decode_names = self._decode_implementations(names)
     key = jax.random.key(seed)
+    outer_params = {k: v for k, v in self.params.items() if k != "blocks"}
+    args = (outer_params, self._layer_params(), logits, ck, cv, lens, key)
     decode, decode_compile_s = self._compile(
-        "decode", self._decode_fn, (self.params, logits, ck, cv, lens, key),
+        "decode", self._decode_fn, args,
         names=decode_names, steps=max_new_tokens, sampling=sampling,
         eos_id=int(self.tokenizer.eos_id), pad_id=data_lib.PAD_ID, stop_at_eos=stop_at_eos)
     t0 = time.perf_counter()
-    out, steps = jax.block_until_ready(decode(self.params, logits, ck, cv, lens, key))
+    out, steps = jax.block_until_ready(decode(*args))
     decode_s = time.perf_counter() - t0
     out, steps = np.asarray(out), int(steps)
 

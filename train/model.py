@@ -198,18 +198,23 @@ class Attention(nnx.Module):
 
   def qkv(self, x, positions=None):
     """(q [B, T, N, E], k [B, T, K, E], v [B, T, K, E]) of x [B, T, D], RoPE at `positions`."""
-    cfg, (b, t, _) = self.cfg, x.shape
+    cfg, (b, t, d) = self.cfg, x.shape
     dt, e = x.dtype, cfg.head_dim
     w = lambda p: sharded.gathered(p[...].astype(dt))
-    q = (x @ w(self.wq)).reshape(b, t, cfg.n_heads, e)
-    k = (x @ w(self.wk)).reshape(b, t, cfg.n_kv_heads, e)
-    v = (x @ w(self.wv)).reshape(b, t, cfg.n_kv_heads, e)
+    # [B * T, D] operands: at one token per row XLA turns a [B, 1, D] x [D, F] product into
+    # a broadcast multiply writing [D, F] and a reduction (three passes over the weight);
+    # the 2-D product stays one GEMM.
+    x2 = x.reshape(b * t, d)
+    q = (x2 @ w(self.wq)).reshape(b, t, cfg.n_heads, e)
+    k = (x2 @ w(self.wk)).reshape(b, t, cfg.n_kv_heads, e)
+    v = (x2 @ w(self.wv)).reshape(b, t, cfg.n_kv_heads, e)
     return rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions), v
 
   def out(self, o):
     """The output projection of the attention result o [B, T, N, E] -> [B, T, D]."""
     b, t = o.shape[:2]
-    return o.reshape(b, t, -1) @ sharded.gathered(self.wo[...].astype(o.dtype))
+    y = o.reshape(b * t, -1) @ sharded.gathered(self.wo[...].astype(o.dtype))   # 2-D: qkv
+    return y.reshape(b, t, -1)
 
   def __call__(self, x):  # x [B, T, D] in the compute dtype
     q, k, v = self.qkv(x)
