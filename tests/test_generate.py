@@ -47,6 +47,12 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
           padded = jnp.asarray([seq + [0] * (32 - len(seq))])
           seq.append(int(jnp.argmax(fwd(params, padded)[0, len(seq) - 1])))
         self.assertEqual(new, seq[len(prompt):], f"scan_layers={scan}")
+      # One prompt alone (decoded as two equal rows): its tokens in the batch.
+      alone = generate.Generator(params, cfg).generate_ids(
+          prompts[2:], max_new_tokens=10, sampling=generate.Sampling(temperature=0.0),
+          stop_at_eos=False)
+      self.assertEqual(alone.tokens, out.tokens[2:])
+      self.assertEqual(alone.stats["decode_steps"], 9)
     # A sparse FFN implementation at prefill and decode (the portable one on the CPU) gives
     # the same tokens.
     sparse = generate.Generator(params, cfg, prefill_ffn="xla", decode_ffn="same")

@@ -246,6 +246,13 @@ class Generator:
     the bytes a step must read)."""
     lm = self._lm
     outer = lm.outer_module(params)
+    # One row runs as two equal ones: XLA rewrites a [1, D] x [D, F] product whose operands
+    # hold under 10M elements as a broadcast multiply writing [D, F] and a reduction, three
+    # passes over the weight; with two rows every projection stays one GEMM.
+    single = logits.shape[0] == 1
+    if single:
+      logits, lengths = jnp.concatenate([logits, logits]), jnp.concatenate([lengths, lengths])
+      ck, cv = jnp.concatenate([ck, ck], axis=1), jnp.concatenate([cv, cv], axis=1)
     rows = jnp.arange(logits.shape[0])
     per_layer = [(name, hot) for start, stop, name, hot in self._groups(names)
                  for _ in range(start, stop)]
@@ -265,7 +272,11 @@ class Generator:
         x = x + block.ffn(block.ffn_norm(x)).astype(x.dtype)
       return outer.logits(x)[:, 0], tuple(ck), tuple(cv)
 
-    tok = sample(logits, jax.random.fold_in(key, 0), sampling)
+    def draw(logits, i):
+      tok = sample(logits, jax.random.fold_in(key, i), sampling)
+      return jnp.broadcast_to(tok[:1], tok.shape) if single else tok   # the copy follows
+
+    tok = draw(logits, 0)
     out = jnp.full((logits.shape[0], steps), pad_id, jnp.int32).at[:, 0].set(tok)
     done = tok == eos_id
 
@@ -278,11 +289,11 @@ class Generator:
       i, tok, ck, cv, out, done = state
       # Token i - 1 sits at position length + i - 1; its logits give token i.
       logits, ck, cv = forward(tok, lengths + i - 1, ck, cv)
-      nxt = jnp.where(done, pad_id, sample(logits, jax.random.fold_in(key, i), sampling))
+      nxt = jnp.where(done, pad_id, draw(logits, i))
       return (i + 1, nxt, ck, cv, out.at[:, i].set(nxt), done | (nxt == eos_id))
 
     state = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, ck, cv, out, done))
-    return state[4], state[0] - 1
+    return (state[4][:1] if single else state[4]), state[0] - 1
 
   def _compile(self, kind: str, fn, args, **static):
     key = (kind, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:])),
