@@ -2,6 +2,7 @@ r"""Same quality for less GPU time? Held-out loss of the sparse model against th
 
     python -m benchmarks.quality --out=quality.json --plots=plots/          # one GPU
     python -m benchmarks.quality --smoke --out=/tmp/q.json --plots=/tmp/q   # CPU, a minute
+    python -m benchmarks.quality --plot_only --out=quality.json --plots=plots/  # plots again
 
 Every run is the training command a user types (`python -m train.main`, its own workdir,
 no checkpoints), from the same initialisation (the config's seed) on the same token stream:
@@ -76,6 +77,7 @@ def _define_flags():
                       ".model (trained offline if missing), or 'byte'")
   flags.DEFINE_list("runs", None, "only these run names (default: all)")
   flags.DEFINE_integer("timeout", 3600, "seconds per run")
+  flags.DEFINE_bool("plot_only", False, "only draw --plots from the runs --out holds")
   flags.DEFINE_integer("profile_steps", 3, "equal-tokens runs: steps traced near the end "
                        "(the step's largest kernels in the JSON; 0: none)")
 
@@ -283,6 +285,10 @@ def main(argv):
     with open(fl.out) as f:
       results = json.load(f)
   done = {r["name"] for r in results["runs"]}
+  if fl.plot_only:
+    for path in plot(results, fl.plots):
+      print(f"  plot: {path}")
+    return
   results["corpus"] = {**text_corpus.fingerprint(fl.dataset, "train"),
                        "validation": text_corpus.fingerprint(fl.dataset, "validation")}
   tokenizer = None

@@ -34,7 +34,8 @@ pad M to 128 and spread rows over CTAs), while the dense FFN at a few rows is a 
 GEMV whose time is reading W_gate, W_up and W_down once, so `decode_ffn="dense"` is the default;
 `decode_ffn="same"` decodes with the prefill's per-layer choice, to measure the other way, and
 `decode_ffn="gather"` with the exact few-row FFN that reads only the weights of the features
-that fire (`twell_jax.gather`; not yet measured against dense on a GPU).
+that fire (`twell_jax.gather`; 0.63-0.72x of dense on an H100 at batch 1-64,
+`benchmarks/results/h100/decode.json`).
 
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
 document follows the EOS of the one before, so this is how the model saw a document begin.
