@@ -113,6 +113,7 @@ class ConfigCheckTest(parameterized.TestCase):
       ("rope_theta", dict(model__rope_theta=0.0), r"config\.model\.rope_theta=0\.0"),
       ("keep_checkpoints", dict(keep_checkpoints=0), r"config\.keep_checkpoints=0"),
       ("log_every", dict(log_every=0), r"config\.log_every=0"),
+      ("profile_steps", dict(profile__steps=-1), r"config\.profile\.steps=-1"),
       ("dtype", dict(model__dtype="float8"), r"config\.model\.dtype='float8': must be one of"),
       ("l1_normalization", dict(l1_normalization="mean"), r"config\.l1_normalization='mean'"),
       ("implementation", dict(model__ffn_implementation="cuda"),

@@ -8,7 +8,7 @@ with bf16, or the interpreter; on a GPU only at shapes where `twell_jax.shape_co
 them faster than dense, forward and forward + backward) and else "dense". "xla",
 the sparse algorithm in plain JAX, computes the same function but is slower than dense
 everywhere it was measured (4-5x on the CPU, about 20x on an H200 at the paper's shape), so
-it runs only when named.
+it runs only when named; so does "gather", the few-row decode FFN.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ class Dense:
     return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation)
 
 
-class Xla:
-  """The sparse algorithm in plain JAX with a sparse custom VJP (any backend)."""
-  name = "xla"
+class _SlowerExactSparse:
+  """An exact sparse implementation in plain JAX for ReLU gates, slower than dense wherever
+  it was measured: chosen only when named."""
   sparse = True
 
   def unsupported(self, call: Call) -> Optional[str]:
@@ -73,7 +73,12 @@ class Xla:
 
   def slower(self, call: Call) -> bool:
     del call
-    return True   # everywhere it was measured (module docstring)
+    return True
+
+
+class Xla(_SlowerExactSparse):
+  """The sparse algorithm in plain JAX with a sparse custom VJP (any backend)."""
+  name = "xla"
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
     return sparse_xla.sparse_ffn(x, w_gate, w_up, w_down, ell_width=call.ell_width,
@@ -115,22 +120,11 @@ class MosaicGpu:
                              hot_features=call.hot_features)
 
 
-class Gather:
+class Gather(_SlowerExactSparse):
   """The exact ReLU FFN for few rows (decoding): the gate GEMM, then only the columns of
-  W_up and rows of W_down of the features that fire in some row (`twell_jax.gather`)."""
-
+  W_up and rows of W_down of the features that fire in some row (`twell_jax.gather`;
+  0.63-0.72x of dense at decode on an H100, `benchmarks/results/h100/decode.json`)."""
   name = "gather"
-  sparse = True
-
-  def unsupported(self, call: Call) -> Optional[str]:
-    if call.activation != "relu":
-      return f"activation={call.activation!r} has no exact zeros to skip"
-    return None
-
-  def slower(self, call: Call) -> bool:
-    """Not measured against dense yet (`benchmarks/decode.py`): chosen only when named."""
-    del call
-    return True
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
     return gather_lib.gather_ffn(x, w_gate, w_up, w_down)
