@@ -8,8 +8,9 @@ token loop inside one compiled program), greedy, `--new_tokens` tokens after pro
 `--prompts` tokens (validation documents of the offline corpus, one per row), at batch
 sizes `--batches`, on weights trained to the paper-like activity (`benchmarks.trained`,
 cached; 0.5B, and the 1.5B depth by repeating those layers), once with the dense FFN at
-every decode step and once with `--sparse` (default "gather",
-`twell_jax.gather`). The prefill is the same in both (dense), so the decode times compare
+every decode step and once with `--sparse` (a `train.generate` decode_ffn value; default
+"auto": the few-row sparse kernels of `twell_jax.decode` in the layers where few features
+fire in the batch; "sparse": in every layer). The prefill is the same in both (dense), so the decode times compare
 the FFNs alone; each is timed on a second call (the first compiles).
 
 The ceiling: a decode step must read every weight of the model once (in the compute dtype:
@@ -33,6 +34,7 @@ JSON: {"device", "peak_bandwidth_gbs", "rows": [{"shape", "batch", "prompt",
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -56,8 +58,8 @@ def _define_flags():
   flags.DEFINE_list("batches", ["1", "4", "16", "64"], "batch sizes")
   flags.DEFINE_list("prompts", ["128", "1024"], "prompt lengths in tokens")
   flags.DEFINE_integer("new_tokens", 256, "tokens decoded per row")
-  flags.DEFINE_string("sparse", "gather", "the decode FFN measured against dense "
-                      "(a train.generate decode_ffn value)")
+  flags.DEFINE_string("sparse", "auto", "the decode FFN measured against dense "
+                      "(a train.generate decode_ffn value: auto, sparse, same)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "corpus and tokenizer of the "
@@ -148,8 +150,11 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
   lm = model_lib.LanguageModel(mc)
   weights = model_bytes(params, mc)
   rows = []
-  gens = {name: generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn=name)
-          for name in ("dense", fl.sparse)}
+  sparse_cfg = copy.deepcopy(cfg)
+  sparse_cfg.model.interpret = bool(fl.smoke)   # the CPU smoke runs the kernels interpreted
+  gens = {"dense": generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn="dense"),
+          fl.sparse: generate.Generator(params, sparse_cfg, prefill_ffn="dense",
+                                        decode_ffn=fl.sparse)}
   greedy = generate.Sampling(temperature=0.0)
   for prompt_len in map(int, fl.prompts):
     if prompt_len + fl.new_tokens > cfg.data.seq_len:
@@ -189,6 +194,7 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
       row.update({
           "sparse_tokens_per_s": s["decode_tokens_per_s"],
           "sparse_ms_per_step": s["decode_ms_per_step"],
+          "sparse_layers": s["decode_ffn"],
           "ratio": s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
           "profile": profile or None,
           "rows_parted": len(parted),
@@ -200,7 +206,8 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
       print(f"  {shape:<5} batch {batch:>3} prompt {prompt_len:>5}: dense "
             f"{row['dense_tokens_per_s']:>9,.0f} tok/s ({row['dense_bandwidth_fraction']:.2f} "
             f"of the ceiling {ceiling:,.0f}); {fl.sparse} "
-            f"{row['sparse_tokens_per_s']:>9,.0f} ({row['ratio']:.3f}x), exact {row['exact']}",
+            f"{row['sparse_tokens_per_s']:>9,.0f} ({row['ratio']:.3f}x, layers "
+            f"{row['sparse_layers']}), exact {row['exact']}",
             flush=True)
   return rows
 

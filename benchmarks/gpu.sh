@@ -29,7 +29,9 @@
 #             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
 #   shapes    benchmarks.shapes alone ($SHAPES_FLAGS)
 #   decode    benchmarks.decode: decode tokens/s with the dense FFN and with the exact sparse
-#             decode FFN (gather), the bandwidth ceiling, exactness ($DECODE_FLAGS)
+#             decode FFN (decode_ffn=auto), the bandwidth ceiling, exactness ($DECODE_FLAGS)
+#   decode_ffn benchmarks.decode_ffn: the few-row sparse FFN against dense by rows and union,
+#             and the tile sweep ($DECODE_FFN_FLAGS, default --sweep)
 #   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
 #             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
 #             a rerun with the same $OUT skips the runs quality.json holds)
@@ -128,6 +130,9 @@ for part in "${parts[@]}"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_DECODE:-560} \
         python3 -m benchmarks.decode --out="$OUT/decode.json" ${DECODE_FLAGS} 2>&1 \
         | tee "$OUT/decode.log" | grep -E "^  |^device" ;;
+    decode_ffn)
+      timeout ${T_DECODE_FFN:-400} python3 -m benchmarks.decode_ffn --out="$OUT/decode_ffn.json" \
+        ${DECODE_FFN_FLAGS:---sweep} 2>&1 | tee "$OUT/decode_ffn.log" | grep -E "^M |^break|^  \{" ;;
     quality)
       timeout ${T_QUALITY:-3000} python3 -m benchmarks.quality --out="$OUT/quality.json" \
         --plots="$OUT/quality_plots" ${QUALITY_FLAGS} 2>&1 | tee "$OUT/quality.log" \

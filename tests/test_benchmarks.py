@@ -247,8 +247,9 @@ class QualitySmokeTest(absltest.TestCase):
 
 
 class DecodeSmokeTest(absltest.TestCase):
-  """`benchmarks.decode --smoke`: dense against gather decoding through train.generate, the
-  bandwidth ceiling and exactness, into the JSON the GPU runs write."""
+  """`benchmarks.decode --smoke --sparse=sparse`: dense against the few-row sparse kernels
+  (interpreted) in every layer through train.generate, the bandwidth ceiling and exactness,
+  into the JSON the GPU runs write."""
 
   def test_smoke_mode(self):
     import subprocess  # pylint: disable=import-outside-toplevel
@@ -257,7 +258,7 @@ class DecodeSmokeTest(absltest.TestCase):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(tmp, "decode.json")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--smoke", f"--out={out}",
-                           f"--cache_dir={tmp}/trained"], cwd=root, capture_output=True,
+                           "--sparse=sparse", f"--cache_dir={tmp}/trained"], cwd=root, capture_output=True,
                           text=True, timeout=600, check=False)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     with open(out) as f:
@@ -266,6 +267,7 @@ class DecodeSmokeTest(absltest.TestCase):
     self.assertEqual([(x["batch"], x["prompt"]) for x in r["rows"]], [(1, 16), (4, 16)])
     for x in r["rows"]:
       self.assertTrue(x["exact"], x)          # the same greedy tokens as the dense FFN
+      self.assertEqual(set(x["sparse_layers"]), {"S"})
       self.assertGreater(x["dense_tokens_per_s"], 0)
       self.assertAlmostEqual(x["ratio"], x["sparse_tokens_per_s"] / x["dense_tokens_per_s"])
       self.assertGreater(x["bytes_per_step"], x["weight_bytes"])      # + the KV cache

@@ -1,6 +1,7 @@
 """Tests for train.generate: the KV-cache decode against the full forward, sampling, EOS,
 errors, and the command line on a trained checkpoint."""
 
+import copy
 import json
 import os
 import sys
@@ -60,12 +61,34 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
                                 sampling=generate.Sampling(temperature=0.0))
     self.assertEqual((again.stats["prefill_ffn"], again.stats["decode_ffn"]), ("SS", "SS"))
     self.assertEqual(again.tokens, out.tokens)
-    # The decode FFN that reads only the firing features' weights: the same tokens too.
-    gathered = generate.Generator(params, cfg, decode_ffn="gather").generate_ids(
+    # The few-row decode kernels (interpreted), which read only the firing features' W_up
+    # and W_down rows: the same tokens too. Without the interpreter or a GPU, "auto" decodes
+    # dense and "sparse" is refused.
+    interpreted = copy.deepcopy(cfg)
+    interpreted.model.interpret = True
+    kernels = generate.Generator(params, interpreted, decode_ffn="sparse").generate_ids(
         prompts, max_new_tokens=10, stop_at_eos=False,
         sampling=generate.Sampling(temperature=0.0))
-    self.assertEqual(gathered.stats["decode_ffn"], "SS")
-    self.assertEqual(gathered.tokens, out.tokens)
+    self.assertEqual(kernels.stats["decode_ffn"], "SS")
+    self.assertEqual(kernels.tokens, out.tokens)
+    with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn='sparse': no GPU"):
+      generate.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)
+
+  def test_auto_decode_choice_follows_the_batch_union(self):
+    """decode_ffn="auto": a layer decodes sparse while the features expected to fire in some
+    row of the batch stay within DECODE_UNION_LIMIT of H; dense where the kernels cannot run."""
+    cfg, _, params = _random_model(True)
+    h = cfg.model.d_ff
+    auto = generate.Generator(params, cfg)
+    self.assertEqual(auto.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
+    interpreted = copy.deepcopy(cfg)
+    interpreted.model.interpret = True
+    auto = generate.Generator(params, interpreted)
+    few, many = 0.02 * h, 0.6 * h
+    self.assertEqual(auto.decode_implementations(1, None, [few, many]), ("decode", "dense"))
+    # 0.02 H per row: the union of 64 rows is ~72% of H.
+    self.assertEqual(auto.decode_implementations(64, None, [few, few]), ("dense", "dense"))
+    self.assertEqual(auto.decode_implementations(16, None, [few, few]), ("decode", "decode"))
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
@@ -103,7 +126,7 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     with self.assertRaisesRegex(train_lib.ConfigError, "exceeds the context of 96"):
       gen.generate_ids([[3] * 90], max_new_tokens=7)
     with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn"):
-      generate.Generator(params, cfg, decode_ffn="sparse")
+      generate.Generator(params, cfg, decode_ffn="gather")
 
   def test_text_api_and_cli_on_a_trained_checkpoint(self):
     wd = tu.trained_workdir("relu")

@@ -29,13 +29,13 @@ the dense FFN for layers that fire few enough features: `prefill_ffn="auto"` tak
 per-layer choice for inference (`LayerChoice.for_inference`, the sparse implementation below
 its threshold of active features per token) from the checkpoint's logged activity, where the
 sparse implementation runs here (a Hopper GPU); elsewhere every layer runs dense. Decode calls
-each FFN on B tokens (one per row): the kernels are built for thousands of rows per call (they
-pad M to 128 and spread rows over CTAs), while the dense FFN at a few rows is a weight-streaming
-GEMV whose time is reading W_gate, W_up and W_down once, so `decode_ffn="dense"` is the default;
-`decode_ffn="same"` decodes with the prefill's per-layer choice, to measure the other way, and
-`decode_ffn="gather"` with the exact few-row FFN that reads only the weights of the features
-that fire (`twell_jax.gather`; 0.63-0.72x of dense on an H100 at batch 1-64,
-`benchmarks/results/h100/decode.json`).
+each FFN on B tokens (one per row), where the dense FFN streams W_gate, W_up and W_down for a
+few rows: `decode_ffn="auto"` (the default) runs a layer on the few-row sparse kernels
+(`twell_jax.decode`: W_gate, then only the W_up and W_down rows of the features that fire in
+some row) when the features expected to fire in some row of the batch, from the layer's
+activity (logged, else measured by the prefill), are at most `DECODE_UNION_LIMIT` of H, and
+the kernels run here (a GPU, or `model.interpret`); "sparse" runs them in every layer,
+"dense" none, "same" the prefill's per-layer choice.
 
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
 document follows the EOS of the one before, so this is how the model saw a document begin.
@@ -65,7 +65,12 @@ from train import train_lib
 
 PROMPT_BUCKET = 64     # prompts are padded to a multiple of this (fewer recompiles)
 DEFAULT_MAX_NEW_TOKENS = 128
-DECODE_FFN = ("dense", "same", "gather")
+DECODE_FFN = ("auto", "dense", "sparse", "same")
+# decode_ffn="auto" runs a layer's FFN sparse at a decode step when the features expected to
+# fire in some row of the batch are at most this fraction of H: the sparse FFN reads W_gate
+# and 2 D-long rows per such feature, the dense one W_gate, W_up and W_down
+# (`benchmarks/results/<device>/decode_ffn.json`: kernel time against the union's size).
+DECODE_UNION_LIMIT = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +132,13 @@ class Generator:
       or a sequence of L names.
     active_per_token: [L] measured activity for "auto"; None: taken from the first call's
       own prefill, which then runs dense.
-    decode_ffn: "dense", "same" (the prefill's choice) or "gather" (every layer).
+    decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
+      see the module docstring.
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
                prefill_ffn: str | Sequence[str] = "auto",
-               active_per_token: Sequence[float] | None = None, decode_ffn: str = "dense"):
+               active_per_token: Sequence[float] | None = None, decode_ffn: str = "auto"):
     if decode_ffn not in DECODE_FFN:
       raise train_lib.ConfigError(f"decode_ffn={decode_ffn!r} not in {DECODE_FFN}")
     try:
@@ -154,6 +160,7 @@ class Generator:
                              else [float(a) for a in active_per_token])
     self._compiled: dict[tuple, Any] = {}
     self._layers = None
+    self._ffn_param_names = tuple(self.params["blocks"]["ffn"])
 
   # ---- which FFN implementation each layer runs ----
 
@@ -186,13 +193,37 @@ class Generator:
         self.active_per_token, self.model_cfg.d_ff, sparse=sparse,
         d_model=self.model_cfg.d_model, tokens=tokens).implementations
 
-  def _decode_implementations(self, prefill_names) -> tuple[str, ...]:
-    n = self.model_cfg.n_layers
-    if self.decode_ffn == "gather":
-      return ("gather",) * n
-    if self.decode_ffn == "dense" or prefill_names is None:
+  def _decode_runs_here(self) -> str | None:
+    """None when the decode kernels run here, else why not."""
+    from twell_jax import registry  # pylint: disable=import-outside-toplevel
+    mc = self.model_cfg
+    return registry.get("decode").unsupported(registry.Call(
+        m=1, d=mc.d_model, h=mc.d_ff, gated=mc.ffn_gated, dtype=jnp.dtype(
+            model_lib.DTYPES[mc.dtype]), activation=mc.ffn_activation,
+        interpret=bool(mc.interpret), ell_width=1, tail_rows=None))
+
+  def decode_implementations(self, batch: int, prefill_names,
+                             active_per_token: Sequence[float]) -> tuple[str, ...]:
+    """Per-layer FFN implementations of the decode steps of `batch` rows: "decode" (the
+    few-row sparse kernels) or "dense"; "same" repeats the prefill's. "auto": sparse where
+    the kernels run here and the features expected to fire in some row of the batch (from
+    each layer's `active_per_token`, rows drawn independently: an overestimate, rows share
+    their hot features) are at most DECODE_UNION_LIMIT of H."""
+    mc, n = self.model_cfg, self.model_cfg.n_layers
+    if self.decode_ffn == "same":
+      return tuple(prefill_names)
+    if self.decode_ffn == "dense":
       return ("dense",) * n
-    return tuple(prefill_names)
+    why_not = self._decode_runs_here()
+    if self.decode_ffn == "sparse":
+      if why_not is not None:
+        raise train_lib.ConfigError(f"decode_ffn='sparse': {why_not}")
+      return ("decode",) * n
+    if why_not is not None:
+      return ("dense",) * n
+    h = mc.d_ff
+    union = [h * (1.0 - (1.0 - min(float(a), h) / h) ** batch) for a in active_per_token]
+    return tuple("decode" if u <= DECODE_UNION_LIMIT * h else "dense" for u in union)
 
   def _groups(self, names):
     """[(start, stop, name, hot features)]: runs of layers with one implementation and one
@@ -200,14 +231,24 @@ class Generator:
     return dataclasses.replace(self.model_cfg, ffn_layer_implementations=tuple(names)
                                ).layer_groups()
 
-  def _layer_params(self) -> list:
+  def _layer_params(self, names: Sequence[str]) -> list:
     """The blocks' parameters split into one array per layer, for decode (kept beside the
-    stacked ones, which prefill scans over: the blocks' weights twice in device memory)."""
-    if self._layers is None:
-      n = self.model_cfg.n_layers
-      self._layers = jax.jit(lambda blocks: [jax.tree.map(lambda a, l=l: a[l], blocks)
-                                             for l in range(n)])(self.params["blocks"])
-    return self._layers
+    stacked ones, which prefill scans over: the blocks' weights twice in device memory).
+    The FFN of a layer that decodes sparse ("decode") is held in the kernels' layout
+    (`twell_jax.decode.DecodeWeights`: W_up transposed)."""
+    from twell_jax import decode  # pylint: disable=import-outside-toplevel
+    sparse = tuple(l for l, name in enumerate(names) if name == "decode")
+    if self._layers is None or self._layers[0] != sparse:
+      def split(blocks):
+        layers = [jax.tree.map(lambda a, l=l: a[l], blocks) for l in range(len(names))]
+        for l in sparse:
+          f = layers[l]["ffn"]
+          layers[l] = {**layers[l], "ffn": decode.DecodeWeights.of(
+              f.get("w_gate"), f["w_up"], f["w_down"])}
+        return layers
+      self._layers = None   # the old copy goes before the new one is made
+      self._layers = (sparse, jax.jit(split)(self.params["blocks"]))
+    return self._layers[1]
 
   # ---- the two compiled functions ----
 
@@ -245,6 +286,7 @@ class Generator:
     one array per layer in the loop: each step reads every weight where it lies (XLA copies
     a layer's slice of the stacked arrays inside the token loop every step: three times
     the bytes a step must read)."""
+    from twell_jax import decode  # pylint: disable=import-outside-toplevel
     lm = self._lm
     outer = lm.outer_module(params)
     # One row runs as two equal ones: XLA rewrites a [1, D] x [D, F] product whose operands
@@ -259,9 +301,16 @@ class Generator:
                  for _ in range(start, stop)]
     ck, cv = tuple(ck[l] for l in range(len(layers))), tuple(cv[l] for l in range(len(layers)))
 
+    cfg = self.model_cfg
+
     def forward(tok, pos, ck, cv):
       x, ck, cv = outer.embed_tokens(tok[:, None]), list(ck), list(cv)
       for l, (block_params, (name, hot)) in enumerate(zip(layers, per_layer)):
+        sparse = name == "decode"
+        if sparse:   # the FFN in the kernels' layout; the block module never calls its own
+          # FFN, whose weights are only placeholders here
+          w = block_params["ffn"]
+          block_params = {**block_params, "ffn": {k: w.w_down for k in self._ffn_param_names}}
         block = lm.block_module(block_params)
         block.ffn.implementation, block.ffn.hot_features = name, hot
         q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
@@ -270,7 +319,12 @@ class Generator:
         o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
                                          implementation="xla")
         x = x + block.attn.out(o)
-        x = x + block.ffn(block.ffn_norm(x)).astype(x.dtype)
+        if sparse:
+          xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
+          y = decode.decode_ffn_weights(xn, w, interpret=bool(cfg.interpret))[0][:, None]
+        else:
+          y = block.ffn(block.ffn_norm(x))
+        x = x + y.astype(x.dtype)
       return outer.logits(x)[:, 0], tuple(ck), tuple(cv)
 
     def draw(logits, i):
@@ -354,10 +408,11 @@ class Generator:
       self.active_per_token = [float(a) for a in np.asarray(active)]
       names = self.prefill_implementations(batch.size)
 
-    decode_names = self._decode_implementations(names)
+    activity = self.active_per_token or [float(a) for a in np.asarray(active)]
+    decode_names = self.decode_implementations(len(prompts), names or run_names, activity)
     key = jax.random.key(seed)
     outer_params = {k: v for k, v in self.params.items() if k != "blocks"}
-    args = (outer_params, self._layer_params(), logits, ck, cv, lens, key)
+    args = (outer_params, self._layer_params(decode_names), logits, ck, cv, lens, key)
     decode, decode_compile_s = self._compile(
         "decode", self._decode_fn, args,
         names=decode_names, steps=max_new_tokens, sampling=sampling,
@@ -446,9 +501,9 @@ def _define_flags():
                     "timing).")
   flags.DEFINE_bool("prefix_eos", True, "Start each prompt with EOS (a document start).")
   flags.DEFINE_string("prefill_ffn", "auto", "auto, or one FFN implementation for all layers.")
-  flags.DEFINE_enum("decode_ffn", "dense", DECODE_FFN, "FFN at decode: dense, the same "
-                    "per-layer choice as the prefill, or gather (only the weights of the "
-                    "features that fire).")
+  flags.DEFINE_enum("decode_ffn", "auto", DECODE_FFN, "FFN at decode: auto (sparse kernels "
+                    "per layer where few features fire in the batch), dense, sparse (every "
+                    "layer) or same (the prefill's per-layer choice).")
   flags.DEFINE_string("out", None, "Also write the completions and stats as JSON here.")
   flags.mark_flag_as_required("workdir")
 

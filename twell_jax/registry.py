@@ -8,7 +8,8 @@ with bf16, or the interpreter; on a GPU only at shapes where `twell_jax.shape_co
 them faster than dense, forward and forward + backward) and else "dense". "xla",
 the sparse algorithm in plain JAX, computes the same function but is slower than dense
 everywhere it was measured (4-5x on the CPU, about 20x on an H200 at the paper's shape), so
-it runs only when named; so does "gather", the few-row decode FFN.
+it runs only when named; so does "decode", the few-row FFN of decoding (kernels that want
+W_up transposed, which a call through `ffn` does each time).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
-from twell_jax import gather as gather_lib
 from twell_jax import shape_costs
 from twell_jax import sparse_xla
 from twell_jax import stats as stats_lib
@@ -61,9 +61,10 @@ class Dense:
     return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation)
 
 
-class _SlowerExactSparse:
-  """An exact sparse implementation in plain JAX for ReLU gates, slower than dense wherever
-  it was measured: chosen only when named."""
+class Xla:
+  """The sparse algorithm in plain JAX with a sparse custom VJP (any backend; ReLU gates);
+  slower than dense wherever it was measured: chosen only when named."""
+  name = "xla"
   sparse = True
 
   def unsupported(self, call: Call) -> Optional[str]:
@@ -74,11 +75,6 @@ class _SlowerExactSparse:
   def slower(self, call: Call) -> bool:
     del call
     return True
-
-
-class Xla(_SlowerExactSparse):
-  """The sparse algorithm in plain JAX with a sparse custom VJP (any backend)."""
-  name = "xla"
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
     return sparse_xla.sparse_ffn(x, w_gate, w_up, w_down, ell_width=call.ell_width,
@@ -120,14 +116,30 @@ class MosaicGpu:
                              hot_features=call.hot_features)
 
 
-class Gather(_SlowerExactSparse):
-  """The exact ReLU FFN for few rows (decoding): the gate GEMM, then only the columns of
-  W_up and rows of W_down of the features that fire in some row (`twell_jax.gather`;
-  0.63-0.72x of dense at decode on an H100, `benchmarks/results/h100/decode.json`)."""
-  name = "gather"
+class Decode:
+  """The exact ReLU FFN for few rows (decoding): W_gate, then only the W_up and W_down rows
+  of the features that fire in some row (`twell_jax.decode`, Pallas Triton kernels). Through
+  `ffn` it transposes W_up in every call, so it runs only when named; decode loops hold the
+  kernels' layout (`twell_jax.decode.DecodeWeights`)."""
+  name = "decode"
+  sparse = True
+
+  def unsupported(self, call: Call) -> Optional[str]:
+    if call.activation != "relu":
+      return f"activation={call.activation!r} has no exact zeros to skip"
+    if not call.interpret and jax.default_backend() != "gpu":
+      return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
+              "interpret=True to run the kernels in the interpreter")
+    from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
+    return decode_ffn_triton.supports(call.m, call.d, call.h, call.dtype)
+
+  def slower(self, call: Call) -> bool:
+    del call
+    return True
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
-    return gather_lib.gather_ffn(x, w_gate, w_up, w_down)
+    from twell_jax import decode  # pylint: disable=import-outside-toplevel
+    return decode.decode_ffn(x, w_gate, w_up, w_down, interpret=call.interpret)
 
 
 def _manual_devices() -> int:
@@ -136,7 +148,7 @@ def _manual_devices() -> int:
   return math.prod(mesh.shape[name] for name in mesh.manual_axes)
 
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu(), Gather())}
+IMPLEMENTATIONS = {impl.name: impl for impl in (Dense(), Xla(), MosaicGpu(), Decode())}
 AUTO_ORDER = ("mosaic_gpu", "dense")
 SPARSE = tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.sparse)
 

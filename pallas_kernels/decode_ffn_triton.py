@@ -1,0 +1,212 @@
+"""The exact ReLU FFN for few rows (decoding), reading only the weights of the features that
+fire: two kernels (Pallas, Triton backend) and a reduction.
+
+For x [M, D] (M <= ``MAX_ROWS``, one row per sequence at a decode step):
+
+    gated:      pre = x W_gate;  p = relu(pre);  h = p * (x W_up);   y = h W_down
+    non-gated:  pre = x W_up;    p = relu(pre);  h = p;              y = h W_down
+
+with the weights feature-major, [H, D] each: W_gate^T, W_up^T and W_down (row j: feature j's
+weights, one contiguous D-long row; a block of features is one contiguous slab).
+
+At a decode step the dense FFN streams all three weight matrices for a handful of rows: its
+time is reading 3 H D weights. With a ReLU gate only the features with p > 0 in some row
+contribute, and at paper-like activity (~30 of 5,632 per token, a few hundred at batch 16
+as the rows share their hot features) that is a few percent of W_up and W_down:
+
+  1. ``gate_up`` (grid: blocks of ``block_features`` hidden features). The gate product for
+     its rows of W_gate^T over the whole of D (the one full read), rounded to x.dtype as the
+     dense FFN's GEMM output is, then relu. ``fired`` = the features whose pre-activation is
+     > 0 (or NaN, so that a NaN spreads as in the dense FFN) in some row. If any fired, the
+     rows of W_up^T of the fired features only (a masked load: the others are not fetched),
+     u = x W_up rounded to x.dtype, h = p * u in f32 rounded to x.dtype. Writes p and h
+     [M, H] (zeros for features that fired nowhere).
+  2. ``down`` (grid: groups of ``down_features`` features x column blocks of ``down_cols``).
+     The features whose h is non-zero in some row, the W_down rows of those only (a masked
+     load), partial[g] = h[:, group] W_down[group, cols] in f32.
+  3. y = sum over the groups of partial, rounded to x.dtype (XLA; deterministic, no atomics).
+
+It is the dense ReLU FFN's function (``reference.dense_ffn``): the same roundings, sums in f32
+in another order. Features whose h is zero in every row contribute nothing, so their W_up and
+W_down rows are not read: a non-finite entry there (which the dense FFN would spread as NaN)
+is not seen. A NaN or infinity in x or W_gate reaches y as in the dense FFN.
+
+Supported: M <= MAX_ROWS (the kernels compute on Mp rows, a power of two >= 16, Triton's
+smallest dot; rows past M are masked, read as zeros and not written);
+any D and H (ragged blocks are masked); 16- or 32-bit floats. On a GPU the Triton backend;
+``interpret=True`` runs it in the Pallas interpreter (CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+MAX_ROWS = 64
+
+
+def _pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+  """Tiles of the two kernels (powers of two >= 16), warps and pipeline stages.
+
+  block_features: hidden features per ``gate_up`` program (its W_gate column block).
+  block_d: the D chunk of one step of ``gate_up``'s loop over D.
+  down_features, down_cols: the W_down tile of one ``down`` program.
+  Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632), M 1-64
+  (``python -m benchmarks.decode_ffn``).
+  """
+  block_features: int = 32
+  block_d: int = 256
+  down_features: int = 256
+  down_cols: int = 128
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_features", "block_d", "down_features", "down_cols"):
+      v = getattr(self, name)
+      if not (_pow2(v) and v >= 16):
+        raise ValueError(f"{name}={v} must be a power of two >= 16")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
+    if self.num_stages < 1:
+      raise ValueError(f"{self.num_stages=} must be >= 1")
+
+
+def padded_rows(m: int) -> int:
+  """Mp: the rows the kernels run on for M rows (a power of two, at least 16)."""
+  return max(16, 1 << max(m - 1, 0).bit_length())
+
+
+def _gate_up_kernel(x_ref, wp_ref, wu_ref, p_ref, h_ref, *, m: int, mp: int, d: int, h: int,
+                    bf: int, bd: int, gated: bool):
+  dt = x_ref.dtype
+  f0 = pl.program_id(0) * bf
+  feat_ok = f0 + jnp.arange(bf, dtype=jnp.int32) < h
+  row_ok = jnp.arange(mp, dtype=jnp.int32) < m
+  steps = pl.cdiv(d, bd)
+  out_mask = row_ok[:, None] & feat_ok[None, :]
+
+  def x_chunk(i):
+    k_ok = i * bd + jnp.arange(bd, dtype=jnp.int32) < d
+    return k_ok, plt.load(x_ref.at[pl.ds(0, mp), pl.ds(i * bd, bd)],
+                          mask=row_ok[:, None] & k_ok[None, :], other=0)
+
+  def product(w_ref, rows):
+    """x w_ref[f0:f0 + bf, :]^T [mp, bf] in f32, reading the rows where `rows`."""
+    def step(i, acc):
+      k_ok, xk = x_chunk(i)
+      w = plt.load(w_ref.at[pl.ds(f0, bf), pl.ds(i * bd, bd)],
+                   mask=rows[:, None] & k_ok[None, :], other=0)          # [bf, bd]
+      return acc + lax.dot_general(xk, w, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    return lax.fori_loop(0, steps, step, jnp.zeros((mp, bf), jnp.float32))
+
+  pre = product(wp_ref, feat_ok).astype(dt)
+  p = jnp.maximum(pre, jnp.zeros_like(pre))
+  plt.store(p_ref.at[pl.ds(0, mp), pl.ds(f0, bf)], p, mask=out_mask)
+  if not gated:
+    plt.store(h_ref.at[pl.ds(0, mp), pl.ds(f0, bf)], p, mask=out_mask)
+    return
+  # ~(pre <= 0): > 0, or NaN (relu keeps a NaN, and the dense FFN spreads it). Padding rows
+  # read x as 0: pre 0.
+  live = (jnp.max(jnp.where(pre <= 0, 0, 1), axis=0) > 0) & feat_ok
+  n_live = jnp.sum(live.astype(jnp.int32))
+
+  @pl.when(n_live == 0)
+  def _none():
+    plt.store(h_ref.at[pl.ds(0, mp), pl.ds(f0, bf)], jnp.zeros((mp, bf), dt), mask=out_mask)
+
+  @pl.when(n_live > 0)
+  def _up():
+    u = product(wu_ref, live).astype(dt)
+    hk = (p.astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
+    plt.store(h_ref.at[pl.ds(0, mp), pl.ds(f0, bf)], hk, mask=out_mask)
+
+
+def _down_kernel(h_ref, wd_ref, part_ref, *, m: int, mp: int, d: int, h: int, bf: int,
+                 bc: int):
+  f0 = pl.program_id(0) * bf
+  c0 = pl.program_id(1) * bc
+  feat_ok = f0 + jnp.arange(bf, dtype=jnp.int32) < h
+  col_ok = c0 + jnp.arange(bc, dtype=jnp.int32) < d
+  row_ok = jnp.arange(mp, dtype=jnp.int32) < m
+  hk = plt.load(h_ref.at[pl.ds(0, mp), pl.ds(f0, bf)], mask=row_ok[:, None] & feat_ok[None, :],
+                other=0)                                                    # [mp, bf]
+  live = (jnp.max(jnp.where(hk != 0, 1, 0), axis=0) > 0) & feat_ok
+  w = plt.load(wd_ref.at[pl.ds(f0, bf), pl.ds(c0, bc)],
+               mask=live[:, None] & col_ok[None, :], other=0)               # [bf, bc]
+  part = jnp.dot(hk, w, preferred_element_type=jnp.float32)
+  plt.store(part_ref.at[pl.program_id(0), pl.ds(0, mp), pl.ds(c0, bc)], part,
+            mask=row_ok[:, None] & col_ok[None, :])
+
+
+def supports(m: int, d: int, h: int, dtype) -> Optional[str]:
+  """None when ``decode_ffn`` runs these shapes, else the reason."""
+  if not 1 <= m <= MAX_ROWS:
+    return f"{m} rows: the decode kernels run 1 to {MAX_ROWS} rows"
+  if d < 1 or h < 1:
+    return f"empty weights (D={d}, H={h})"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                              jnp.dtype(jnp.float32)):
+    return f"dtype {jnp.dtype(dtype)}: bf16, f16 or f32 only"
+  return None
+
+
+def decode_ffn(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig = DecodeConfig(),
+               interpret: bool = False):
+  """(y [M, D] x.dtype, p [M, H] x.dtype, h [M, H] x.dtype) of the ReLU FFN (module
+  docstring). The weights feature-major, [H, D] each: ``w_pre_t`` the relu'd product's
+  weight transposed (W_gate^T, or W_up^T when non-gated); ``w_up_t`` W_up^T (gated), or None
+  (non-gated); ``w_down``. p is relu(pre) and h the hidden activation (for statistics)."""
+  m, d = x.shape
+  h = w_pre_t.shape[0]
+  gated = w_up_t is not None
+  reason = supports(m, d, h, x.dtype)
+  if reason is not None:
+    raise ValueError(f"decode_ffn: {reason}")
+  if (w_pre_t.shape != (h, d) or (gated and w_up_t.shape != (h, d))
+      or w_down.shape != (h, d)):
+    raise ValueError(f"decode_ffn: bad shapes x {x.shape}, w_pre_t {w_pre_t.shape}, w_up_t "
+                     f"{None if w_up_t is None else w_up_t.shape}, w_down {w_down.shape}")
+  mp = padded_rows(m)
+  bf, bd = config.block_features, config.block_d
+  anywhere = pl.BlockSpec(memory_space=pl.ANY)
+  params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+  gate_up = pl.pallas_call(
+      functools.partial(_gate_up_kernel, m=m, mp=mp, d=d, h=h, bf=bf, bd=bd, gated=gated),
+      out_shape=(jax.ShapeDtypeStruct((m, h), x.dtype),) * 2,
+      grid=(pl.cdiv(h, bf),),
+      in_specs=[anywhere] * 3,
+      out_specs=[anywhere] * 2,
+      compiler_params=params,
+      interpret=interpret,
+      name="twell_decode_gate_up",
+  )
+  # Non-gated: the kernel reads no W_up^T; w_pre_t fills the operand.
+  p, hid = gate_up(x, w_pre_t, w_up_t if gated else w_pre_t)
+  gf, bc = config.down_features, config.down_cols
+  groups = pl.cdiv(h, gf)
+  down = pl.pallas_call(
+      functools.partial(_down_kernel, m=m, mp=mp, d=d, h=h, bf=gf, bc=bc),
+      out_shape=jax.ShapeDtypeStruct((groups, m, d), jnp.float32),
+      grid=(groups, pl.cdiv(d, bc)),
+      in_specs=[anywhere] * 2,
+      out_specs=anywhere,
+      compiler_params=params,
+      interpret=interpret,
+      name="twell_decode_down",
+  )
+  y = jnp.sum(down(hid, w_down), axis=0).astype(x.dtype)
+  return y, p, hid
