@@ -86,9 +86,10 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     auto = generate.Generator(params, interpreted)
     few, many = 0.02 * h, 0.6 * h
     self.assertEqual(auto.decode_implementations(1, None, [few, many]), ("decode", "dense"))
-    # 0.02 H per row: the union of 64 rows is ~72% of H.
-    self.assertEqual(auto.decode_implementations(64, None, [few, few]), ("dense", "dense"))
+    # 0.02 H per row: the union of 16 rows is ~28% of H, of 32 rows ~48%.
     self.assertEqual(auto.decode_implementations(16, None, [few, few]), ("decode", "decode"))
+    self.assertEqual(auto.decode_implementations(32, None, [0.001 * h] * 2), ("dense", "dense"))
+    self.assertEqual(generate.DECODE_MAX_BATCH, 16)
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))

@@ -33,8 +33,9 @@ each FFN on B tokens (one per row), where the dense FFN streams W_gate, W_up and
 few rows: `decode_ffn="auto"` (the default) runs a layer on the few-row sparse kernels
 (`twell_jax.decode`: W_gate, then only the W_up and W_down rows of the features that fire in
 some row) when the features expected to fire in some row of the batch, from the layer's
-activity (logged, else measured by the prefill), are at most `DECODE_UNION_LIMIT` of H, and
-the kernels run here (a GPU, or `model.interpret`); "sparse" runs them in every layer,
+activity (logged, else measured by the prefill), are at most `DECODE_UNION_LIMIT` of H at
+batches up to `DECODE_MAX_BATCH` (measured: beyond, the kernels lose to dense), and the
+kernels run here (a GPU, or `model.interpret`); "sparse" runs them in every layer,
 "dense" none, "same" the prefill's per-layer choice.
 
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
@@ -66,11 +67,14 @@ from train import train_lib
 PROMPT_BUCKET = 64     # prompts are padded to a multiple of this (fewer recompiles)
 DEFAULT_MAX_NEW_TOKENS = 128
 DECODE_FFN = ("auto", "dense", "sparse", "same")
-# decode_ffn="auto" runs a layer's FFN sparse at a decode step when the features expected to
-# fire in some row of the batch are at most this fraction of H: the sparse FFN reads W_gate
-# and 2 D-long rows per such feature, the dense one W_gate, W_up and W_down
-# (`benchmarks/results/<device>/decode_ffn.json`: kernel time against the union's size).
-DECODE_UNION_LIMIT = 0.5
+# decode_ffn="auto" runs a layer's FFN sparse at a decode step of at most DECODE_MAX_BATCH rows
+# when the features expected to fire in some row of the batch are at most DECODE_UNION_LIMIT
+# of H. Measured on an H100 at the paper's 0.5B shape (`benchmarks.decode_ffn`,
+# benchmarks/results/h100/decode_ffn.json): the sparse FFN is faster than dense up to a union
+# of 0.49 H at 2 rows and 0.51 H at 16 (1.45x at 1-5%, 1.09-1.13x at 50%), and slower at
+# every union at 64 rows.
+DECODE_UNION_LIMIT = 0.45
+DECODE_MAX_BATCH = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +212,8 @@ class Generator:
     few-row sparse kernels) or "dense"; "same" repeats the prefill's. "auto": sparse where
     the kernels run here and the features expected to fire in some row of the batch (from
     each layer's `active_per_token`, rows drawn independently: an overestimate, rows share
-    their hot features) are at most DECODE_UNION_LIMIT of H."""
+    their hot features) are at most DECODE_UNION_LIMIT of H, at batches up to
+    DECODE_MAX_BATCH."""
     mc, n = self.model_cfg, self.model_cfg.n_layers
     if self.decode_ffn == "same":
       return tuple(prefill_names)
@@ -219,7 +224,7 @@ class Generator:
       if why_not is not None:
         raise train_lib.ConfigError(f"decode_ffn='sparse': {why_not}")
       return ("decode",) * n
-    if why_not is not None:
+    if why_not is not None or batch > DECODE_MAX_BATCH:
       return ("dense",) * n
     h = mc.d_ff
     union = [h * (1.0 - (1.0 - min(float(a), h) / h) ** batch) for a in active_per_token]
