@@ -327,11 +327,12 @@ def run_shape(shape: str, fl) -> dict:
 def from_init(shape: str, fl) -> dict:
   """Sparse (ReLU + L1, per-layer choice, trainer defaults) and dense (SiLU) training from the
   same random initialisation through the trainer (`train.train_lib`), tokens/s per logged
-  step as sparse / dense. The first logged step holds each model's compilation: left out."""
+  step as sparse / dense (the first logged step holds each model's compilation: left out),
+  and each whole run's wall-clock."""
   import tempfile  # pylint: disable=import-outside-toplevel
   from train import train_lib  # pylint: disable=import-outside-toplevel
   base = "tiny" if shape == "tiny" else "paper_0p5b"
-  runs = {}
+  runs, wall = {}, {}
   for name in ("sparse", "dense"):
     cfg = trained.config_for(base, tokenizer=fl.tokenizer)
     cfg.num_train_steps, cfg.log_every = fl.from_init_steps, fl.from_init_log_every
@@ -349,8 +350,8 @@ def from_init(shape: str, fl) -> dict:
       with open(f"{wd}/metrics.jsonl") as f:
         rows = [r for r in map(json.loads, f) if "tokens_per_s" in r]
     runs[name] = rows
-    print(f"  from init, {name}: {fl.from_init_steps} steps in {time.time() - t0:.0f}s",
-          flush=True)
+    wall[name] = time.time() - t0
+    print(f"  from init, {name}: {fl.from_init_steps} steps in {wall[name]:.0f}s", flush=True)
   dense_tps = {r["step"]: r["tokens_per_s"] for r in runs["dense"]}
   points = []
   for r in runs["sparse"][1:]:
@@ -362,8 +363,12 @@ def from_init(shape: str, fl) -> dict:
   for p in points:
     print(f"    step {p['step']:>5}: {p['ratio']:.3f} of dense, {p['sparse_layers']} sparse "
           "layers", flush=True)
-  return {"steps": fl.from_init_steps, "log_every": fl.from_init_log_every, "points": points,
-          "min_ratio": min((p["ratio"] for p in points), default=None)}
+  return {"steps": fl.from_init_steps, "log_every": fl.from_init_log_every,
+          "tokenizer": fl.tokenizer, "points": points,
+          "min_ratio": min((p["ratio"] for p in points), default=None),
+          # The whole run (`train_and_evaluate`: compiles, builds, checkpoints, evaluation).
+          "sparse_wall_s": wall["sparse"], "dense_wall_s": wall["dense"],
+          "wall_ratio": wall["sparse"] / wall["dense"]}
 
 
 def main(argv):

@@ -296,6 +296,8 @@ class EndToEndSmokeTest(absltest.TestCase):
     self.assertLen(tiny["tail_per_token"], tiny["layers"])
     self.assertLen(tiny["predicted_train_ratio"], tiny["layers"])
     self.assertEqual([p["step"] for p in r["tiny_from_init"]["points"]], [2, 4])
+    fi = r["tiny_from_init"]
+    self.assertAlmostEqual(fi["wall_ratio"], fi["sparse_wall_s"] / fi["dense_wall_s"])
 
 
 if __name__ == "__main__":
