@@ -31,6 +31,11 @@ in another order. Features whose h is zero in every row contribute nothing, so t
 W_down rows are not read: a non-finite entry there (which the dense FFN would spread as NaN)
 is not seen. A NaN or infinity in x or W_gate reaches y as in the dense FFN.
 
+Why Triton: the work is per-row masked loads (a feature's weights are fetched only if it
+fired) and products with a handful of rows, below the 64-row tiles of Mosaic GPU's warpgroup
+matrix multiply; Triton's dot runs 16 rows, and a masked-off lane issues no memory request.
+(jax marks the Triton backend deprecated, as ``twell_to_ell_triton`` notes.)
+
 Supported: M <= MAX_ROWS (the kernels compute on Mp rows, a power of two >= 16, Triton's
 smallest dot; rows past M are masked, read as zeros and not written);
 any D and H (ragged blocks are masked); 16- or 32-bit floats. On a GPU the Triton backend;
