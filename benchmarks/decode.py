@@ -60,6 +60,8 @@ def _define_flags():
   flags.DEFINE_integer("new_tokens", 256, "tokens decoded per row")
   flags.DEFINE_string("sparse", "auto", "the decode FFN measured against dense "
                       "(a train.generate decode_ffn value: auto, sparse, same)")
+  flags.DEFINE_string("decode_attention", "auto", "attention at decode, both decodes (a "
+                      "train.generate decode_attention value: auto, kernel, xla)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "corpus and tokenizer of the "
@@ -152,9 +154,11 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
   rows = []
   sparse_cfg = copy.deepcopy(cfg)
   sparse_cfg.model.interpret = bool(fl.smoke)   # the CPU smoke runs the kernels interpreted
-  gens = {"dense": generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn="dense"),
+  attention = fl.decode_attention if not fl.smoke else "xla"
+  gens = {"dense": generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn="dense",
+                                      decode_attention=attention),
           fl.sparse: generate.Generator(params, sparse_cfg, prefill_ffn="dense",
-                                        decode_ffn=fl.sparse)}
+                                        decode_ffn=fl.sparse, decode_attention=attention)}
   greedy = generate.Sampling(temperature=0.0)
   for prompt_len in map(int, fl.prompts):
     if prompt_len + fl.new_tokens > cfg.data.seq_len:
@@ -186,7 +190,8 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
              "bytes_per_step": step_bytes, "ceiling_tokens_per_s": ceiling,
              "dense_tokens_per_s": dense["decode_tokens_per_s"],
              "dense_ms_per_step": dense["decode_ms_per_step"],
-             "dense_bandwidth_fraction": dense["decode_tokens_per_s"] / ceiling}
+             "dense_bandwidth_fraction": dense["decode_tokens_per_s"] / ceiling,
+             "decode_attention": dense["decode_attention"]}
       s = out[fl.sparse].stats
       parted = [(r, next(i for i, (a, b) in enumerate(zip(ta, tb)) if a != b))
                 for r, (ta, tb) in enumerate(zip(out["dense"].tokens, out[fl.sparse].tokens))

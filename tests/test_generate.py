@@ -70,6 +70,8 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
         prompts, max_new_tokens=10, stop_at_eos=False,
         sampling=generate.Sampling(temperature=0.0))
     self.assertEqual(kernels.stats["decode_ffn"], "SS")
+    self.assertEqual(kernels.stats["decode_attention"], "kernel")   # interpreted too
+    self.assertEqual(out.stats["decode_attention"], "xla")          # the CPU, compiled
     self.assertEqual(kernels.tokens, out.tokens)
     with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn='sparse': no GPU"):
       generate.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)

@@ -75,6 +75,11 @@ DECODE_FFN = ("auto", "dense", "sparse", "same")
 # every union at 64 rows.
 DECODE_UNION_LIMIT = 0.45
 DECODE_MAX_BATCH = 16
+# Attention at a decode step: "kernel" (`pallas_kernels.decode_attention_triton`: attention and
+# the KV-cache write in one kernel per layer), "xla" (`jax.nn.dot_product_attention` and two
+# scatters: about ten small kernels per layer), "auto": the kernel where it runs (a GPU, or
+# `model.interpret`) and supports the heads.
+DECODE_ATTENTION = ("auto", "kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +143,18 @@ class Generator:
       own prefill, which then runs dense.
     decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
       see the module docstring.
+    decode_attention: "auto", "kernel" or "xla" (`DECODE_ATTENTION`).
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
                prefill_ffn: str | Sequence[str] = "auto",
-               active_per_token: Sequence[float] | None = None, decode_ffn: str = "auto"):
+               active_per_token: Sequence[float] | None = None, decode_ffn: str = "auto",
+               decode_attention: str = "auto"):
     if decode_ffn not in DECODE_FFN:
       raise train_lib.ConfigError(f"decode_ffn={decode_ffn!r} not in {DECODE_FFN}")
+    if decode_attention not in DECODE_ATTENTION:
+      raise train_lib.ConfigError(
+          f"decode_attention={decode_attention!r} not in {DECODE_ATTENTION}")
     try:
       mc = model_lib.ModelConfig.from_config(config.model)
     except (TypeError, ValueError) as e:  # bad or unknown model fields
@@ -160,6 +170,7 @@ class Generator:
     self._lm = model_lib.LanguageModel(dataclasses.replace(
         self.model_cfg, scan_layers=True, ffn_layer_implementations=None))
     self.prefill_ffn, self.decode_ffn = prefill_ffn, decode_ffn
+    self.decode_attention = self._attention_choice(decode_attention)
     self.active_per_token = (None if active_per_token is None
                              else [float(a) for a in active_per_token])
     self._compiled: dict[tuple, Any] = {}
@@ -196,6 +207,16 @@ class Generator:
     return layer_choice_lib.LayerChoice.for_inference(
         self.active_per_token, self.model_cfg.d_ff, sparse=sparse,
         d_model=self.model_cfg.d_model, tokens=tokens).implementations
+
+  def _attention_choice(self, name: str) -> str:
+    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
+    mc = self.model_cfg
+    why_not = decode_attention_triton.supports(mc.n_heads, mc.n_kv_heads, mc.head_dim)
+    if why_not is None and jax.default_backend() != "gpu" and not mc.interpret:
+      why_not = f"no GPU (default backend {jax.default_backend()!r}) and model.interpret off"
+    if name == "kernel" and why_not is not None:
+      raise train_lib.ConfigError(f"decode_attention='kernel': {why_not}")
+    return "kernel" if name == "kernel" or (name == "auto" and why_not is None) else "xla"
 
   def _decode_runs_here(self) -> str | None:
     """None when the decode kernels run here, else why not."""
@@ -291,6 +312,7 @@ class Generator:
     one array per layer in the loop: each step reads every weight where it lies (XLA copies
     a layer's slice of the stacked arrays inside the token loop every step: three times
     the bytes a step must read)."""
+    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
     from twell_jax import decode  # pylint: disable=import-outside-toplevel
     lm = self._lm
     outer = lm.outer_module(params)
@@ -319,10 +341,15 @@ class Generator:
         block = lm.block_module(block_params)
         block.ffn.implementation, block.ffn.hot_features = name, hot
         q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
-        ck[l] = ck[l].at[rows, pos].set(k[:, 0])
-        cv[l] = cv[l].at[rows, pos].set(v[:, 0])
-        o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
-                                         implementation="xla")
+        if self.decode_attention == "kernel":
+          o, ck[l], cv[l] = decode_attention_triton.decode_attention(
+              q[:, 0], k[:, 0], v[:, 0], ck[l], cv[l], pos, interpret=bool(cfg.interpret))
+          o = o[:, None]
+        else:
+          ck[l] = ck[l].at[rows, pos].set(k[:, 0])
+          cv[l] = cv[l].at[rows, pos].set(v[:, 0])
+          o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
+                                           implementation="xla")
         x = x + block.attn.out(o)
         if sparse:
           xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
@@ -443,6 +470,7 @@ class Generator:
         "decode_ms_per_step": 1e3 * decode_s / steps if steps else 0.0,
         "compile_s": prefill_compile_s + decode_compile_s,
         "prefill_ffn": describe(run_names), "decode_ffn": describe(decode_names),
+        "decode_attention": self.decode_attention,
         "ffn_implementations": sorted(set(run_names) | set(decode_names)),
         "prefill_active_per_token": [float(a) for a in np.asarray(active)],
     }
@@ -509,6 +537,8 @@ def _define_flags():
   flags.DEFINE_enum("decode_ffn", "auto", DECODE_FFN, "FFN at decode: auto (sparse kernels "
                     "per layer where few features fire in the batch), dense, sparse (every "
                     "layer) or same (the prefill's per-layer choice).")
+  flags.DEFINE_enum("decode_attention", "auto", DECODE_ATTENTION, "Attention at decode: auto "
+                    "(the one-kernel decode attention where it runs), kernel, or xla.")
   flags.DEFINE_string("out", None, "Also write the completions and stats as JSON here.")
   flags.mark_flag_as_required("workdir")
 
@@ -537,7 +567,8 @@ def main(argv):
     ck = inference.load_checkpoint(f.workdir, f.step)
     active = logged_activity(f.workdir, ck.step, ck.model_cfg.n_layers)
     gen = Generator(ck.params, ck.config, tokenizer=ck.tokenizer, prefill_ffn=f.prefill_ffn,
-                    active_per_token=active, decode_ffn=f.decode_ffn)
+                    active_per_token=active, decode_ffn=f.decode_ffn,
+                    decode_attention=f.decode_attention)
     out = gen(prompts, max_new_tokens=f.max_new_tokens, seed=f.seed,
               sampling=Sampling(f.temperature, f.top_k, f.top_p),
               stop_at_eos=f.stop_at_eos, prefix_eos=f.prefix_eos)
