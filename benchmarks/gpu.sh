@@ -29,7 +29,8 @@
 #             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
 #   shapes    benchmarks.shapes alone ($SHAPES_FLAGS)
 #   decode    benchmarks.decode: decode tokens/s with the dense FFN and with the exact sparse
-#             decode FFN (decode_ffn=auto), the bandwidth ceiling, exactness ($DECODE_FLAGS)
+#             decode FFN (decode_ffn=auto), both with the default decode attention, the
+#             bandwidth ceiling, exactness ($DECODE_FLAGS)
 #   decode_ffn benchmarks.decode_ffn: the few-row sparse FFN against dense by rows and union,
 #             and the tile sweep ($DECODE_FFN_FLAGS, default --sweep)
 #   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
