@@ -87,11 +87,9 @@ class MosaicGpu:
   sparse = True
 
   def unsupported(self, call: Call) -> Optional[str]:
-    if call.activation != "relu":
-      return f"activation={call.activation!r} has no exact zeros to skip"
-    if not call.interpret and jax.default_backend() != "gpu":
-      return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
-              "interpret=True to run the kernels in the interpreter")
+    reason = _kernels_unsupported(call)
+    if reason is not None:
+      return reason
     if call.interpret and _manual_devices() > 1:
       # The interpreter keeps one simulated GPU memory per process; kernels of several
       # devices running at once corrupt each other's barrier state.
@@ -119,17 +117,15 @@ class MosaicGpu:
 class Decode:
   """The exact ReLU FFN for few rows (decoding): W_gate, then only the W_up and W_down rows
   of the features that fire in some row (`twell_jax.decode`, Pallas Triton kernels). Through
-  `ffn` it transposes W_up in every call, so it runs only when named; decode loops hold the
-  kernels' layout (`twell_jax.decode.DecodeWeights`)."""
+  `ffn` it transposes W_gate and W_up in every call, so it runs only when named; decode loops
+  hold the kernels' layout (`twell_jax.decode.DecodeWeights`)."""
   name = "decode"
   sparse = True
 
   def unsupported(self, call: Call) -> Optional[str]:
-    if call.activation != "relu":
-      return f"activation={call.activation!r} has no exact zeros to skip"
-    if not call.interpret and jax.default_backend() != "gpu":
-      return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
-              "interpret=True to run the kernels in the interpreter")
+    reason = _kernels_unsupported(call)
+    if reason is not None:
+      return reason
     from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
     return decode_ffn_triton.supports(call.m, call.d, call.h, call.dtype)
 
@@ -140,6 +136,17 @@ class Decode:
   def run(self, call: Call, x, w_gate, w_up, w_down):
     from twell_jax import decode  # pylint: disable=import-outside-toplevel
     return decode.decode_ffn(x, w_gate, w_up, w_down, interpret=call.interpret)
+
+
+def _kernels_unsupported(call: Call) -> Optional[str]:
+  """Why the Pallas kernels cannot run `call` here (a gate without exact zeros, no GPU and
+  no interpreter), or None."""
+  if call.activation != "relu":
+    return f"activation={call.activation!r} has no exact zeros to skip"
+  if not call.interpret and jax.default_backend() != "gpu":
+    return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
+            "interpret=True to run the kernels in the interpreter")
+  return None
 
 
 def _manual_devices() -> int:
