@@ -246,6 +246,31 @@ class QualitySmokeTest(absltest.TestCase):
     self.assertNotIn("steps", proc.stdout.split("best:")[0])
 
 
+class DecodeFfnSmokeTest(absltest.TestCase):
+  """`benchmarks.decode_ffn --smoke --sweep`: the few-row FFN against dense by rows and union
+  (interpreted), the break-even table and the sweep's entries, into the JSON."""
+
+  def test_smoke_mode(self):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    tmp = self.create_tempdir().full_path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = os.path.join(tmp, "decode_ffn.json")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_ffn", "--smoke", "--sweep",
+                           f"--out={out}"], cwd=root, capture_output=True, text=True,
+                          timeout=600, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    with open(out) as f:
+      r = json.load(f)
+    self.assertEqual([x["m"] for x in r["rows"]], [2, 2, 16, 16])
+    for x in r["rows"]:
+      self.assertEqual(x["max_rel_diff_to_dense"], 0.0)    # the dense FFN's roundings
+      self.assertGreater(x["union"], 0)
+      self.assertAlmostEqual(x["ratio"], x["dense_us"] / x["sparse_us"])
+    self.assertEqual(set(r["break_even"]), {"2", "16"})
+    self.assertEqual(len(r["sweep"]), 2)
+
+
 class DecodeSmokeTest(absltest.TestCase):
   """`benchmarks.decode --smoke --sparse=sparse`: dense against the few-row sparse kernels
   (interpreted) in every layer through train.generate, the bandwidth ceiling and exactness,
