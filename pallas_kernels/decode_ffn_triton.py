@@ -190,10 +190,12 @@ def decode_ffn(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig = DecodeConfi
   mp = padded_rows(m)
   bf, bd = config.block_features, config.block_d
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
+  # Under shard_map the outputs vary over the manual axes as x does (the weights enter whole).
+  out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x).mat)
   params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
   gate_up = pl.pallas_call(
       functools.partial(_gate_up_kernel, m=m, mp=mp, d=d, h=h, bf=bf, bd=bd, gated=gated),
-      out_shape=(jax.ShapeDtypeStruct((m, h), x.dtype),) * 2,
+      out_shape=(out((m, h), x.dtype),) * 2,
       grid=(pl.cdiv(h, bf),),
       in_specs=[anywhere] * 3,
       out_specs=[anywhere] * 2,
@@ -207,7 +209,7 @@ def decode_ffn(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig = DecodeConfi
   groups = pl.cdiv(h, gf)
   down = pl.pallas_call(
       functools.partial(_down_kernel, m=m, mp=mp, d=d, h=h, bf=gf, bc=bc),
-      out_shape=jax.ShapeDtypeStruct((groups, m, d), jnp.float32),
+      out_shape=out((groups, m, d), jnp.float32),
       grid=(groups, pl.cdiv(d, bc)),
       in_specs=[anywhere] * 2,
       out_specs=anywhere,
