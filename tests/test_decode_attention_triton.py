@@ -41,6 +41,7 @@ def _check(b, t, kh, g, e, pos, *, interpret, seed=0, block_t=16):
     (3, 40, 2, 4, 32, [0, 17, 39]),         # first position, ragged, last row
     (2, 37, 4, 1, 16, [36, 5]),             # multi-head; T not a multiple of the block
     (1, 64, 1, 8, 64, [63]),                # one row (G = 8), the whole cache
+    (2, 24, 4, 3, 64, [23, 11]),            # G = 3 (the small config's 12 / 4 heads)
 ])
 def test_matches_xla_attention_interpreted(b, t, kh, g, e, pos):
   _check(b, t, kh, g, e, pos, interpret=True)

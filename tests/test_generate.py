@@ -66,7 +66,8 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     # dense and "sparse" is refused.
     interpreted = copy.deepcopy(cfg)
     interpreted.model.interpret = True
-    kernels = generate.Generator(params, interpreted, decode_ffn="sparse").generate_ids(
+    kernels = generate.Generator(params, interpreted, decode_ffn="sparse",
+                                 decode_attention="kernel").generate_ids(
         prompts, max_new_tokens=10, stop_at_eos=False,
         sampling=generate.Sampling(temperature=0.0))
     self.assertEqual(kernels.stats["decode_ffn"], "SS")
@@ -79,13 +80,19 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
   def test_auto_decode_choice_follows_the_batch_union(self):
     """decode_ffn="auto": a layer decodes sparse while the features expected to fire in some
     row of the batch stay within DECODE_UNION_LIMIT of H; dense where the kernels cannot run."""
-    cfg, _, params = _random_model(True)
+    cfg, _, params = _random_model(True, dtype="bfloat16")
     h = cfg.model.d_ff
     auto = generate.Generator(params, cfg)
     self.assertEqual(auto.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
     interpreted = copy.deepcopy(cfg)
     interpreted.model.interpret = True
     auto = generate.Generator(params, interpreted)
+    self.assertEqual(auto.decode_attention, "kernel")
+    # Measured for 16-bit models only: an f32 model decodes dense with XLA's attention.
+    interpreted.model.dtype = "float32"
+    f32 = generate.Generator(params, interpreted)
+    self.assertEqual(f32.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
+    self.assertEqual(f32.decode_attention, "xla")
     few, many = 0.02 * h, 0.6 * h
     self.assertEqual(auto.decode_implementations(1, None, [few, many]), ("decode", "dense"))
     # 0.02 H per row: the union of 16 rows is ~28% of H, of 32 rows ~48%.

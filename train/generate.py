@@ -78,7 +78,7 @@ DECODE_MAX_BATCH = 16
 # Attention at a decode step: "kernel" (`pallas_kernels.decode_attention_triton`: attention and
 # the KV-cache write in one kernel per layer), "xla" (`jax.nn.dot_product_attention` and two
 # scatters: about ten small kernels per layer), "auto": the kernel where it runs (a GPU, or
-# `model.interpret`) and supports the heads.
+# `model.interpret`), supports the heads and the model computes in 16 bits (as measured).
 DECODE_ATTENTION = ("auto", "kernel", "xla")
 
 
@@ -216,7 +216,10 @@ class Generator:
       why_not = f"no GPU (default backend {jax.default_backend()!r}) and model.interpret off"
     if name == "kernel" and why_not is not None:
       raise train_lib.ConfigError(f"decode_attention='kernel': {why_not}")
-    return "kernel" if name == "kernel" or (name == "auto" and why_not is None) else "xla"
+    # "auto" only where it was measured: 16-bit caches.
+    measured = mc.dtype in ("bfloat16", "float16")
+    return ("kernel" if name == "kernel" or (name == "auto" and why_not is None and measured)
+            else "xla")
 
   def _decode_runs_here(self) -> str | None:
     """None when the decode kernels run here, else why not."""
@@ -234,7 +237,7 @@ class Generator:
     the kernels run here and the features expected to fire in some row of the batch (from
     each layer's `active_per_token`, rows drawn independently: an overestimate, rows share
     their hot features) are at most DECODE_UNION_LIMIT of H, at batches up to
-    DECODE_MAX_BATCH."""
+    DECODE_MAX_BATCH, for 16-bit models (as measured)."""
     mc, n = self.model_cfg, self.model_cfg.n_layers
     if self.decode_ffn == "same":
       return tuple(prefill_names)
@@ -245,7 +248,8 @@ class Generator:
       if why_not is not None:
         raise train_lib.ConfigError(f"decode_ffn='sparse': {why_not}")
       return ("decode",) * n
-    if why_not is not None or batch > DECODE_MAX_BATCH:
+    if (why_not is not None or batch > DECODE_MAX_BATCH
+        or mc.dtype not in ("bfloat16", "float16")):   # measured for 16-bit weights only
       return ("dense",) * n
     h = mc.d_ff
     union = [h * (1.0 - (1.0 - min(float(a), h) / h) ** batch) for a in active_per_token]
