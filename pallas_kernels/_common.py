@@ -58,6 +58,22 @@ def round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+def is_pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+  """The smallest power of two >= n and >= minimum (Triton's block sizes are powers of two;
+  its dot wants 16 or more rows)."""
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def check_triton_warps(num_warps: int) -> None:
+  """ValueError unless ``num_warps`` is a Triton program's warp count."""
+  if num_warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"{num_warps=} must be 1, 2, 4, 8 or 16")
+
+
 def zeros_varying_like(shape, dtype, *like):
   """Zeros that vary over every manual mesh axis any of ``like`` varies over (shard_map).
 

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _common as common
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionConfig:
@@ -48,10 +50,9 @@ class AttentionConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    if self.block_t < 16 or self.block_t & (self.block_t - 1):
+    if self.block_t < 16 or not common.is_pow2(self.block_t):
       raise ValueError(f"{self.block_t=} must be a power of two >= 16")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
+    common.check_triton_warps(self.num_warps)
 
 
 def supports(q_heads: int, kv_heads: int, head_dim: int) -> Optional[str]:
@@ -60,7 +61,7 @@ def supports(q_heads: int, kv_heads: int, head_dim: int) -> Optional[str]:
     return f"{q_heads} query heads are not a multiple of {kv_heads} key/value heads"
   if q_heads // kv_heads > 64:
     return f"{q_heads // kv_heads} query heads per key/value head (at most 64)"
-  if head_dim < 16 or head_dim & (head_dim - 1):
+  if head_dim < 16 or not common.is_pow2(head_dim):
     return f"head dim {head_dim} is not a power of two >= 16"
   return None
 
@@ -126,7 +127,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, pos, *,
     raise ValueError(f"decode_attention: bad shapes q {q.shape}, k_new {k_new.shape}, v_new "
                      f"{v_new.shape}, caches {k_cache.shape} {v_cache.shape}, pos {pos.shape}")
   g = hq // kh
-  gp = max(16, 1 << (g - 1).bit_length())
+  gp = common.pow2_at_least(g, 16)
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
   f = pl.pallas_call(
       functools.partial(_kernel, g=g, gp=gp, bt=config.block_t, t_max=t_max,

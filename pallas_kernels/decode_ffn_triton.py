@@ -54,11 +54,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _common as common
+
 MAX_ROWS = 64
-
-
-def _pow2(n: int) -> bool:
-  return n >= 1 and not n & (n - 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,17 +81,16 @@ class DecodeConfig:
   def __post_init__(self):
     for name in ("block_features", "block_d", "down_features", "down_cols"):
       v = getattr(self, name)
-      if not (_pow2(v) and v >= 16):
+      if not (common.is_pow2(v) and v >= 16):
         raise ValueError(f"{name}={v} must be a power of two >= 16")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
+    common.check_triton_warps(self.num_warps)
     if self.num_stages < 1:
       raise ValueError(f"{self.num_stages=} must be >= 1")
 
 
 def padded_rows(m: int) -> int:
   """Mp: the rows the kernels run on for M rows (a power of two, at least 16)."""
-  return max(16, 1 << max(m - 1, 0).bit_length())
+  return common.pow2_at_least(m, 16)
 
 
 def _gate_up_kernel(x_ref, wp_ref, wu_ref, p_ref, h_ref, *, m: int, mp: int, d: int, h: int,

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _common as common
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConvertConfig:
@@ -56,17 +58,16 @@ class ConvertConfig:
 
   def __post_init__(self):
     r = self.rows_per_program
-    if r < 1 or r & (r - 1):
+    if not common.is_pow2(r):
       raise ValueError(f"{self.rows_per_program=} must be a power of two")
     if self.tiles_per_step < 1:
       raise ValueError(f"{self.tiles_per_step=} must be >= 1")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"{self.num_warps=} must be 1, 2, 4, 8 or 16")
+    common.check_triton_warps(self.num_warps)
 
 
 def entry_slots(width: int) -> int:
   """Wk: ``width`` rounded up to a power of two (Triton's block sizes are powers of two)."""
-  return 1 << max(width - 1, 0).bit_length()
+  return common.pow2_at_least(width)
 
 
 def _kernel(counts_ref, words_ref, nonfinite_ref, _, entries_ref, n_ref, pos_ref, rows_ref,

@@ -216,10 +216,12 @@ class Generator:
       why_not = f"no GPU (default backend {jax.default_backend()!r}) and model.interpret off"
     if name == "kernel" and why_not is not None:
       raise train_lib.ConfigError(f"decode_attention='kernel': {why_not}")
-    # "auto" only where it was measured: 16-bit caches.
-    measured = mc.dtype in ("bfloat16", "float16")
-    return ("kernel" if name == "kernel" or (name == "auto" and why_not is None and measured)
-            else "xla")
+    auto = name == "auto" and why_not is None and self._auto_measured()
+    return "kernel" if name == "kernel" or auto else "xla"
+
+  def _auto_measured(self) -> bool:
+    """The decode kernels' "auto" choices hold where they were measured: 16-bit models."""
+    return self.model_cfg.dtype in ("bfloat16", "float16")
 
   def _decode_runs_here(self) -> str | None:
     """None when the decode kernels run here, else why not."""
@@ -248,8 +250,7 @@ class Generator:
       if why_not is not None:
         raise train_lib.ConfigError(f"decode_ffn='sparse': {why_not}")
       return ("decode",) * n
-    if (why_not is not None or batch > DECODE_MAX_BATCH
-        or mc.dtype not in ("bfloat16", "float16")):   # measured for 16-bit weights only
+    if why_not is not None or batch > DECODE_MAX_BATCH or not self._auto_measured():
       return ("dense",) * n
     h = mc.d_ff
     union = [h * (1.0 - (1.0 - min(float(a), h) / h) ** batch) for a in active_per_token]
