@@ -219,6 +219,7 @@ DECODE_CASES = {
                                                  top_shares=((0.01, 0.5),))),
     "ragged_d_and_h": (5, 72, 600, dict(active_fraction=0.03)),
     "batch_64": (64, 48, 512, dict(active_fraction=0.01)),
+    "most_features_dead": (8, 48, 1024, dict(active_fraction=0.01, dead_fraction=0.9)),
     "all_active_rows": (4, 32, 512, dict(active_fraction=0.2, heavy_fraction=0.5,
                                          heavy_fill=1.0)),
 }
@@ -273,6 +274,13 @@ def test_decode_non_finite_input_spreads_as_in_dense():
   np.testing.assert_array_equal(np.isnan(np.asarray(y, np.float32)),
                                 np.isnan(np.asarray(y_dense, np.float32)))
   assert np.isnan(np.asarray(y[2], np.float32)).any()
+
+
+def test_decode_kernels_refuse_mismatched_weights():
+  from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
+  x, wg, wu, wd = ffn_inputs(jax.random.key(2), 4, 32, 256)
+  with pytest.raises(ValueError, match="bad shapes"):
+    decode_ffn_triton.decode_ffn(x, wg.T, wu, wd, interpret=True)   # W_up not transposed
 
 
 def test_decode_refuses_more_rows_than_it_runs():

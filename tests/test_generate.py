@@ -137,6 +137,10 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
       gen.generate_ids([[3] * 90], max_new_tokens=7)
     with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn"):
       generate.Generator(params, cfg, decode_ffn="gather")
+    with self.assertRaisesRegex(train_lib.ConfigError, "decode_attention='flash'"):
+      generate.Generator(params, cfg, decode_attention="flash")
+    with self.assertRaisesRegex(train_lib.ConfigError, "decode_attention='kernel': no GPU"):
+      generate.Generator(params, cfg, decode_attention="kernel")
 
   def test_text_api_and_cli_on_a_trained_checkpoint(self):
     wd = tu.trained_workdir("relu")
