@@ -19,9 +19,11 @@ sequences of the shape's context per device, for two models at the paper's shape
 
 A mesh of several devices is compiled with each of `--options`: "trainer" (the trainer's
 own: XLA's defaults) and XLA option sets to compare (`OPTION_SETS`).
-Per mesh, model and option set: median tokens/s of synchronized steps, per device, the
-scaling efficiency against the 1-device mesh (tokens/s over devices x the 1-device
-tokens/s), the compiled step's collectives by kind, every one that moves something other
+Per mesh, model and option set: tokens/s of back-to-back steps, as the trainer runs them
+(it reads the device only every `log_every` steps), per device, and the scaling efficiency
+against the 1-device mesh (tokens/s over devices x the 1-device tokens/s); the same of
+synchronized steps (`synced_*`: each step waited for, so each pays its launch); the compiled
+step's collectives by kind, every one that moves something other
 than a weight (`train.sharding.non_weight_collectives`; expected: none), how many of the
 asynchronous ones overlap compute and how many bytes they move
 (`train.sharding.collective_overlap`), XLA's peak memory estimate and each device's measured
@@ -185,12 +187,13 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   for _ in range(2):
     state, m = step(state, batch)
   jax.block_until_ready(state)
-  ms = []
+  synced = []
   for _ in range(fl.iters):
     t0 = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(state)
-    ms.append((time.perf_counter() - t0) * 1e3)
+    synced.append((time.perf_counter() - t0) * 1e3)
+  ms, state = timing.pipelined_ms(step, state, batch, iters=fl.iters, rounds=3, carry=True)
   profile = None
   if getattr(fl, "profile_dir", None):
     trace_dir = os.path.join(fl.profile_dir, f"{model}_{data}x{fsdp}_{options}")
@@ -200,15 +203,16 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       jax.block_until_ready(state)
     profile = timing.trace_breakdown(trace_dir, steps=3)
   tokens = cfg.batch_size * cfg.data.seq_len
-  med = statistics.median(ms)
+  med = statistics.median(synced)
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in tr.mesh.devices.flat]
   kinds = collections.Counter(kind for kind, _ in found)
   return {
       "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
       "compiler_options": OPTION_SETS[options], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
-      "ms": med, "tokens_per_s": tokens / med * 1e3,
-      "tokens_per_s_per_device": tokens / med * 1e3 / n, "compile_s": compile_s,
+      "ms": ms, "tokens_per_s": tokens / ms * 1e3,
+      "tokens_per_s_per_device": tokens / ms * 1e3 / n,
+      "synced_ms": med, "synced_tokens_per_s": tokens / med * 1e3, "compile_s": compile_s,
       "collectives": dict(kinds),
       "async_collectives": len(overlap),
       "overlapped_collectives": sum(o["between"] > 0 for o in overlap),
@@ -261,17 +265,27 @@ def main(argv):
         one = next((x for x in results["runs"] if x["model"] == model and x["devices"] == 1
                     and "error" not in x), None)
         if one is not None and r["devices"] > 1:
-          r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
+          for key in ("", "synced_"):
+            r[f"{key}scaling_efficiency"] = (r[f"{key}tokens_per_s"]
+                                             / (r["devices"] * one[f"{key}tokens_per_s"]))
         results["runs"].append(r)
         print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} "
               f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "
               f"device" + (f", efficiency {r['scaling_efficiency']:.3f}"
                            if "scaling_efficiency" in r else "")
-              + f") {r['ms']:.1f} ms; collectives {r['collectives']}, overlapped "
+              + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
+              + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
+                 if "synced_scaling_efficiency" in r else "") + "); collectives {r['collectives']}, overlapped "
               f"{r['overlapped_collectives']}/{r['async_collectives']} "
               f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
               f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
               f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
+        if r.get("profile"):
+          pr = r["profile"]
+          print(f"    trace per step: span {pr['span_ms']:.2f} ms, compute "
+                f"{pr['compute_ms']:.2f}, idle {pr['idle_ms']:.2f}, collectives "
+                f"{pr['collective_ms']:.2f} ({pr['exposed_collective_ms']:.2f} exposed)",
+                flush=True)
         if fl.out:
           with open(fl.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -8,7 +8,8 @@
   median of several rounds.
 * ``kernel_breakdown``: per-kernel device time in launch order.
 * ``trace_breakdown``: a ``jax.profiler`` trace's first GPU, per step: the span, each
-  stream's busy time and the largest kernels by total time (works for programs of several
+  stream's busy time, the idle time, collective (NCCL) time and the part of it no compute
+  kernel hides, and the largest kernels by total time (works for programs of several
   devices, where CUPTI's ``kernel_breakdown`` does not).
 """
 
@@ -57,9 +58,23 @@ def device_ms(f, *args, iterations: int = 10) -> float | None:
   return statistics.median(rt) if isinstance(rt, list) else float(rt)
 
 
-def pipelined_ms(f, *args, iters: int, rounds: int = 5) -> float:
+def pipelined_ms(f, *args, iters: int, rounds: int = 5, carry: bool = False):
   """Median over ``rounds`` of the mean ms per call of ``iters`` back-to-back calls (one round
-  alone moves by a few percent with the host's scheduling)."""
+  alone moves by a few percent with the host's scheduling).
+
+  ``carry``: ``f`` is a step ``(state, *rest) -> (state, ...)`` that may donate its state;
+  each call takes the state the last one returned, and ``(ms, last state)`` is returned.
+  """
+  if carry:
+    state, rest = args[0], args[1:]
+    per_call = []
+    for _ in range(rounds):
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        state = f(state, *rest)[0]
+      jax.block_until_ready(state)
+      per_call.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(per_call), state
   jax.block_until_ready(f(*args))
   per_call = []
   for _ in range(rounds):
@@ -108,11 +123,45 @@ def summarize_breakdown(label: str, table, top: int = 12) -> dict:
   return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}
 
 
+def _union(intervals) -> list[tuple[float, float]]:
+  out = []
+  for a, b in sorted(intervals):
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], b))
+    else:
+      out.append((a, b))
+  return out
+
+
+def _length(intervals) -> float:
+  return sum(b - a for a, b in intervals)
+
+
+def _minus(intervals, cover) -> float:
+  """Length of the union of `intervals` outside the union of `cover` (both unions sorted)."""
+  total, j = 0.0, 0
+  for a, b in intervals:
+    while j < len(cover) and cover[j][1] <= a:
+      j += 1
+    t, k = a, j
+    while t < b:
+      if k < len(cover) and cover[k][0] < b:
+        total += max(0.0, cover[k][0] - t)
+        t = max(t, cover[k][1])
+        k += 1
+      else:
+        total += b - t
+        t = b
+  return total
+
+
 def trace_breakdown(trace_dir: str, steps: int, top: int = 12) -> dict | None:
   """Per step of the `steps` steps traced into `trace_dir` (`jax.profiler.trace` with
   `create_perfetto_trace=True`), on the first GPU: {"span_ms" (first kernel start to last
-  end), "busy_ms_by_stream", "kernels": [[name, ms]] (the `top` largest; names with their
-  numeric suffixes merged)}; None without a trace of a GPU."""
+  end), "idle_ms" (no kernel running), "collective_ms" (NCCL kernels' time, summed),
+  "exposed_collective_ms" (NCCL kernels running while no other kernel does), "compute_ms"
+  (time some other kernel runs), "busy_ms_by_stream", "kernels": [[name, ms]] (the `top`
+  largest; names with their numeric suffixes merged)}; None without a trace of a GPU."""
   paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
   if not paths:
     return None
@@ -133,6 +182,14 @@ def trace_breakdown(trace_dir: str, steps: int, top: int = 12) -> dict | None:
   start = min(e["ts"] for e in kernels)
   end = max(e["ts"] + e["dur"] for e in kernels)
   per = lambda us: us / 1e3 / steps
+  span = lambda e: (e["ts"], e["ts"] + e["dur"])
+  is_nccl = lambda e: "nccl" in e["name"].lower()
+  collective = _union(span(e) for e in kernels if is_nccl(e))
+  compute = _union(span(e) for e in kernels if not is_nccl(e))
   return {"span_ms": per(end - start),
+          "idle_ms": per(end - start - _length(_union(span(e) for e in kernels))),
+          "collective_ms": per(sum(e["dur"] for e in kernels if is_nccl(e))),
+          "exposed_collective_ms": per(_minus(collective, compute)),
+          "compute_ms": per(_length(compute)),
           "busy_ms_by_stream": {k: per(v) for k, v in by_stream.most_common()},
           "kernels": [[k, per(v)] for k, v in by_name.most_common(top)]}

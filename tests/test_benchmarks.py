@@ -204,6 +204,12 @@ class TraceBreakdownTest(absltest.TestCase):
     self.assertAlmostEqual(r["span_ms"], 3.2 / 2)                 # 0 to 3,200 us
     self.assertEqual(r["busy_ms_by_stream"], {"101": 1.0, "24": 0.75})
     self.assertEqual(r["kernels"], [["ncclDevKernel_AllReduce", 1.0], ["fusion", 0.75]])
+    # Compute 0-1,000 and 1,500-2,000; the collective 1,200-3,200 runs alone over 1,200-1,500
+    # and 2,000-3,200; nothing runs over 1,000-1,200.
+    self.assertAlmostEqual(r["compute_ms"], 1.5 / 2)
+    self.assertAlmostEqual(r["collective_ms"], 2.0 / 2)
+    self.assertAlmostEqual(r["exposed_collective_ms"], 1.5 / 2)
+    self.assertAlmostEqual(r["idle_ms"], 0.2 / 2)
     self.assertIsNone(timing.trace_breakdown(self.create_tempdir().full_path, steps=1))
 
 
