@@ -200,6 +200,12 @@ def run_cell(config: str, impl: str, mesh: str, root: str, gpus: str | None,
           cell[k] = False
           errors.append(f"{k}: {e}")
       cmp = same.result()
+    if cell.get("generate"):
+      # Which decode the CLI's defaults chose for this model (FFN per layer, attention).
+      with open(os.path.join(wd, "generate.json")) as f:
+        stats = json.load(f)["stats"]
+      cell["decode"] = {k: stats.get(k) for k in ("decode_ffn", "decode_attention",
+                                                   "decode_tokens_per_s")}
     cell["same_state"] = bool(cmp["equal"])
     cell["state_max_abs_diff"] = cmp["max_abs_diff"]
     if not cell["same_state"]:

@@ -77,6 +77,7 @@ OPTION_SETS = {
     "combine_256m": {"xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20},
     "combine_8m": {"xla_gpu_all_reduce_combine_threshold_bytes": 8 << 20},
     "priority": {"xla_gpu_enable_highest_priority_async_stream": True},
+    "pipelined_ar": {"xla_gpu_enable_pipelined_all_reduce": True},
 }
 
 
@@ -275,7 +276,7 @@ def main(argv):
                            if "scaling_efficiency" in r else "")
               + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
               + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
-                 if "synced_scaling_efficiency" in r else "") + "); collectives {r['collectives']}, overlapped "
+                 if "synced_scaling_efficiency" in r else "") + f"); collectives {r['collectives']}, overlapped "
               f"{r['overlapped_collectives']}/{r['async_collectives']} "
               f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
               f"non-weight {len(r['non_weight_collectives'])}; XLA peak "

@@ -242,6 +242,32 @@ class TwoGpuOverlapTest(absltest.TestCase):
     hidden = sum(o["bytes"] for o in found if o["between"] > 0)
     self.assertGreater(hidden, 0.5 * total, found)
 
+  @pytest.mark.gpu
+  def test_tied_table_gradient_reduced_in_two_parts(self):
+    """The LM head's gradient of the tied embedding is all-reduced on its own, in bf16, and
+    early; XLA's reassociation used to fold it into the lookup's, reducing one f32 [V, D]
+    sum after the whole backward (losses._reduced_apart)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from train import train_lib  # pylint: disable=import-outside-toplevel
+    if jax.default_backend() != "gpu" or jax.device_count() < 2:
+      self.skipTest("needs two GPUs")
+    from configs import tiny  # pylint: disable=import-outside-toplevel
+    cfg = tiny.get_config()
+    cfg.update(batch_size=8)
+    cfg.data.seq_len = 128
+    cfg.model.update(d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=2,
+                     ffn_implementation="dense", dtype="bfloat16")
+    cfg.mesh.update(data=2, fsdp=1)
+    tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
+    batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
+                                 sharding=tr.batch_sharding)
+    hlo = tr.jit_train_step().lower(tr.abstract_state(), batch).compile().as_text()
+    table = (tr.model_cfg.vocab_size, tr.model_cfg.d_model)
+    reduced = [dt for kind, shapes in sharding.collectives(hlo) if kind == "all-reduce"
+               for dt, shape in shapes if shape == table]
+    self.assertLen(reduced, 2, reduced)
+    self.assertEqual(set(reduced), {"bf16"}, reduced)
+
 
 class FourDevicesTest(absltest.TestCase):
 
