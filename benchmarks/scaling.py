@@ -77,7 +77,10 @@ OPTION_SETS = {
     "combine_256m": {"xla_gpu_all_reduce_combine_threshold_bytes": 256 << 20},
     "combine_8m": {"xla_gpu_all_reduce_combine_threshold_bytes": 8 << 20},
     "priority": {"xla_gpu_enable_highest_priority_async_stream": True},
-    "pipelined_ar": {"xla_gpu_enable_pipelined_all_reduce": True},
+    "overlap2": {"xla_gpu_experimental_parallel_collective_overlap_limit": 2},
+    "double_buffer": {"xla_gpu_enable_while_loop_double_buffering": True},
+    "overlap2_db": {"xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                    "xla_gpu_enable_while_loop_double_buffering": True},
 }
 
 
