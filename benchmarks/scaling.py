@@ -279,7 +279,8 @@ def main(argv):
                            if "scaling_efficiency" in r else "")
               + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
               + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
-                 if "synced_scaling_efficiency" in r else "") + f"); collectives {r['collectives']}, overlapped "
+                 if "synced_scaling_efficiency" in r else "")
+              + f"); collectives {r['collectives']}, overlapped "
               f"{r['overlapped_collectives']}/{r['async_collectives']} "
               f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
               f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
