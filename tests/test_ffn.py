@@ -33,8 +33,10 @@ def _losses(impl, ct, **kw):
   return loss, ref_loss
 
 
-def _check(impl, x, wg, wu, wd, **kw):
-  """Forward, stats and all gradients of `impl` against the f32 reference."""
+def _check(impl, x, wg, wu, wd, grads_of=None, **kw):
+  """Forward, stats and all gradients of `impl` against the f32 reference; with `grads_of`,
+  the gradients against that implementation's instead (for an `impl` whose gradient is that
+  one's by construction: the same bf16 roundings, so a tolerance far below bf16's error)."""
   argnums = (0, 2, 3) if wg is None else (0, 1, 2, 3)
   y, st = jax.jit(functools.partial(tj.ffn, implementation=impl, return_stats=True, **kw))(x, wg, wu, wd)
   y_ref, l1_ref = tj.reference_ffn(x, wg, wu, wd)
@@ -45,10 +47,15 @@ def _check(impl, x, wg, wu, wd, **kw):
   loss, ref_loss = _losses(impl, ct, **kw)
   grads = jax.jit(jax.grad(loss, argnums=argnums))(x, wg, wu, wd)
   f32 = lambda a: None if a is None else a.astype(F32)
-  ref_grads = jax.grad(ref_loss, argnums=argnums)(f32(x), f32(wg), f32(wu), f32(wd))
+  if grads_of is None:
+    ref_grads = jax.grad(ref_loss, argnums=argnums)(f32(x), f32(wg), f32(wu), f32(wd))
+    tol = TOL["grad"]
+  else:
+    ref_grads = jax.jit(jax.grad(_losses(grads_of, ct)[0], argnums=argnums))(x, wg, wu, wd)
+    tol = 1e-3
   for i, g, r in zip(argnums, grads, ref_grads):
     assert g.dtype == (x, wg, wu, wd)[i].dtype
-    assert _rel(g, r) < TOL["grad"], f"gradient of argument {i}: {_rel(g, r)}"
+    assert _rel(g, r) < tol, f"gradient of argument {i}: {_rel(g, r)}"
   return st
 
 
@@ -72,7 +79,8 @@ SPARSITY_CASES = {
 @pytest.mark.parametrize("case", sorted(SPARSITY_CASES))
 def test_xla_matches_reference(case, gated):
   m, d, h, gen, kw = SPARSITY_CASES[case]
-  x, wg, wu, wd = ffn_inputs(jax.random.key(hash(case) % 2**31), m, d, h, gated=gated, **gen)
+  seed = sorted(SPARSITY_CASES).index(case)   # fixed: str hashes change between processes
+  x, wg, wu, wd = ffn_inputs(jax.random.key(seed), m, d, h, gated=gated, **gen)
   st = _check("xla", x, wg, wu, wd, **kw)
   active = _active_mask(x, wg, wu)
   np.testing.assert_allclose(float(st.nnz_per_token), active.sum(1).mean(), rtol=1e-5)
@@ -228,11 +236,13 @@ DECODE_CASES = {
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", sorted(DECODE_CASES))
 def test_decode_matches_reference_and_dense(case, gated):
-  """The decode FFN (interpreted kernels): the f32 reference (forward, stats, gradients) and
-  the dense FFN of the same dtype, on rows with no, one, many and all features active."""
+  """The decode FFN (interpreted kernels): the f32 reference (forward, stats) and the dense
+  FFN of the same dtype (forward; gradients, which are the dense FFN's by construction), on
+  rows with no, one, many and all features active."""
   m, d, h, gen = DECODE_CASES[case]
-  x, wg, wu, wd = ffn_inputs(jax.random.key(hash(case) % 2**31), m, d, h, gated=gated, **gen)
-  st = _check("decode", x, wg, wu, wd, interpret=True)
+  seed = sorted(DECODE_CASES).index(case)     # fixed: str hashes change between processes
+  x, wg, wu, wd = ffn_inputs(jax.random.key(seed), m, d, h, gated=gated, **gen)
+  st = _check("decode", x, wg, wu, wd, grads_of="dense", interpret=True)
   active = _active_mask(x, wg, wu)
   np.testing.assert_array_equal(np.asarray(st.fired), active.any(0))
   np.testing.assert_allclose(float(st.nnz_per_token), active.sum(1).mean(), rtol=1e-5)
