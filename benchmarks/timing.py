@@ -65,24 +65,21 @@ def pipelined_ms(f, *args, iters: int, rounds: int = 5, carry: bool = False):
   ``carry``: ``f`` is a step ``(state, *rest) -> (state, ...)`` that may donate its state;
   each call takes the state the last one returned, and ``(ms, last state)`` is returned.
   """
-  if carry:
-    state, rest = args[0], args[1:]
-    per_call = []
-    for _ in range(rounds):
-      t0 = time.perf_counter()
-      for _ in range(iters):
-        state = f(state, *rest)[0]
-      jax.block_until_ready(state)
-      per_call.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(per_call), state
-  jax.block_until_ready(f(*args))
+  args = list(args)
+  if not carry:
+    jax.block_until_ready(f(*args))
   per_call = []
   for _ in range(rounds):
     t0 = time.perf_counter()
-    outs = [f(*args) for _ in range(iters)]
-    jax.block_until_ready(outs)
+    outs = []
+    for _ in range(iters):
+      outs.append(f(*args))
+      if carry:
+        args[0], outs = outs[-1][0], []
+    jax.block_until_ready(args[0] if carry else outs)
     per_call.append((time.perf_counter() - t0) * 1e3 / iters)
-  return statistics.median(per_call)
+  ms = statistics.median(per_call)
+  return (ms, args[0]) if carry else ms
 
 
 def kernel_breakdown(f, *args, iterations: int = 5) -> list[tuple[str, float]] | None:
@@ -137,24 +134,6 @@ def _length(intervals) -> float:
   return sum(b - a for a, b in intervals)
 
 
-def _minus(intervals, cover) -> float:
-  """Length of the union of `intervals` outside the union of `cover` (both unions sorted)."""
-  total, j = 0.0, 0
-  for a, b in intervals:
-    while j < len(cover) and cover[j][1] <= a:
-      j += 1
-    t, k = a, j
-    while t < b:
-      if k < len(cover) and cover[k][0] < b:
-        total += max(0.0, cover[k][0] - t)
-        t = max(t, cover[k][1])
-        k += 1
-      else:
-        total += b - t
-        t = b
-  return total
-
-
 def trace_breakdown(trace_dir: str, steps: int, top: int = 12) -> dict | None:
   """Per step of the `steps` steps traced into `trace_dir` (`jax.profiler.trace` with
   `create_perfetto_trace=True`), on the first GPU: {"span_ms" (first kernel start to last
@@ -184,12 +163,12 @@ def trace_breakdown(trace_dir: str, steps: int, top: int = 12) -> dict | None:
   per = lambda us: us / 1e3 / steps
   span = lambda e: (e["ts"], e["ts"] + e["dur"])
   is_nccl = lambda e: "nccl" in e["name"].lower()
-  collective = _union(span(e) for e in kernels if is_nccl(e))
-  compute = _union(span(e) for e in kernels if not is_nccl(e))
+  busy = _length(_union(span(e) for e in kernels))
+  compute = _length(_union(span(e) for e in kernels if not is_nccl(e)))
   return {"span_ms": per(end - start),
-          "idle_ms": per(end - start - _length(_union(span(e) for e in kernels))),
+          "idle_ms": per(end - start - busy),
           "collective_ms": per(sum(e["dur"] for e in kernels if is_nccl(e))),
-          "exposed_collective_ms": per(_minus(collective, compute)),
-          "compute_ms": per(_length(compute)),
+          "exposed_collective_ms": per(busy - compute),   # busy with collectives alone
+          "compute_ms": per(compute),
           "busy_ms_by_stream": {k: per(v) for k, v in by_stream.most_common()},
           "kernels": [[k, per(v)] for k, v in by_name.most_common(top)]}

@@ -29,7 +29,8 @@ as the rows share their hot features) that is a few percent of W_up and W_down:
 It is the dense ReLU FFN's function (``reference.dense_ffn``): the same roundings, sums in f32
 in another order. A feature that fires in no row has its W_up^T row skipped, one whose h is
 zero in every row its W_down row (they contribute nothing): a non-finite entry there (which
-the dense FFN would spread as NaN) is not seen. A NaN or infinity in x or W_gate reaches y as in the dense FFN.
+the dense FFN would spread as NaN) is not seen. A NaN or infinity in x or W_gate reaches y as
+in the dense FFN.
 
 Why Triton: the work is per-row masked loads (a feature's weights are fetched only if it
 fired) and products with a handful of rows, below the 64-row tiles of Mosaic GPU's warpgroup
