@@ -60,6 +60,8 @@ def _define_flags():
   flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse model's FFN implementation")
   flags.DEFINE_list("models", ["sparse", "dense"], "sparse, dense")
   flags.DEFINE_bool("remat", False, "rematerialize each block")
+  flags.DEFINE_bool("scan_layers", True, "the layers as a lax.scan over stacked weights (the "
+                    "paper configs' layout), else one unrolled block per layer")
   flags.DEFINE_list("options", ["trainer", "no_lhs"],
                     "XLA option sets for meshes of several devices: " + ", ".join(OPTION_SETS))
   flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
@@ -90,6 +92,7 @@ def _config(fl, model: str, data: int, fsdp: int):
   if fl.shape != "tiny":
     cfg.model.n_layers = fl.layers
   cfg.model.remat = fl.remat
+  cfg.model.scan_layers = fl.scan_layers
   cfg.mesh.update(data=data, fsdp=fsdp)
   if model == "sparse":
     # The per-layer choice picks each layer's FFN (ffn_implementation None), as in training.
@@ -113,6 +116,11 @@ def _params(fl):
   if fl.shape != "tiny":
     params = {**params, "blocks": jax.tree.map(
         lambda a: a[jnp.arange(fl.layers) % a.shape[0]], params["blocks"])}
+  if not fl.scan_layers:  # the loop layout: {layer: that layer's block}
+    stacked = params["blocks"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    params = {**params, "blocks": {
+        i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)}}
   # On the host: each mesh's state is a fresh copy, which its step donates (an array already
   # on the mesh's device would be placed as is, and deleted by the first step).
   return jax.device_get(params)
@@ -249,7 +257,7 @@ def main(argv):
     print(f"sparse model's layers: {choice['describe']} (predicted "
           + " ".join(f"{r:.2f}" for r in choice["predicted"]) + ")", flush=True)
   results = {"device": device, "device_count": n, "jax": jax.__version__,
-             "shape": fl.shape, "layers": fl.layers, "batch_per_device": fl.batch_per_device,
+             "shape": fl.shape, "layers": fl.layers, "scan_layers": fl.scan_layers, "batch_per_device": fl.batch_per_device,
              "weights": fl.weights,
              "sparse_layers": None if choice is None else choice["describe"],
              "option_sets": {k: OPTION_SETS[k] for k in fl.options}, "runs": []}

@@ -78,15 +78,25 @@ class DecodeConfig:
   down_cols: int = 128
   num_warps: int = 2
   num_stages: int = 3
+  rows_max: int = 1
+  rows_features: int = 16
+  rows_chunk: int = 2048
+  rows_warps: int = 4
+  rows_prefetch_down: bool = False
 
   def __post_init__(self):
-    for name in ("block_features", "block_d", "down_features", "down_cols"):
+    for name in ("block_features", "block_d", "down_features", "down_cols", "rows_chunk"):
       v = getattr(self, name)
       if not (common.is_pow2(v) and v >= 16):
         raise ValueError(f"{name}={v} must be a power of two >= 16")
+    if not (common.is_pow2(self.rows_features) and self.rows_features >= 2):
+      raise ValueError(f"rows_features={self.rows_features} must be a power of two >= 2")
     common.check_triton_warps(self.num_warps)
+    common.check_triton_warps(self.rows_warps)
     if self.num_stages < 1:
       raise ValueError(f"{self.num_stages=} must be >= 1")
+    if not 0 <= self.rows_max <= MAX_ROWS:
+      raise ValueError(f"rows_max={self.rows_max} must be in [0, {MAX_ROWS}]")
 
 
 def padded_rows(m: int) -> int:
@@ -157,6 +167,120 @@ def _down_kernel(h_ref, wd_ref, part_ref, *, m: int, mp: int, d: int, h: int, bf
             mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, *, m: int,
+                 d: int, h: int, bf: int, cd: int, gated: bool, prefetch_down: bool):
+  """The whole FFN of ``bf`` features for m (few) rows: products as f32 multiply-and-sum over
+  whole weight rows in registers (no MMA tile, no loop over D when D <= cd: a program's loads
+  are in flight together), then the fired features' W_up and W_down rows; writes p, h, this
+  block's y partial [m, D] (zeros where nothing fired)."""
+  dt = x_ref.dtype
+  pid = pl.program_id(0)
+  f0 = pid * bf
+  feat_ok = f0 + jnp.arange(bf, dtype=jnp.int32) < h
+  chunks = pl.cdiv(d, cd)
+
+  def tile(w_ref, rows, i):
+    """w_ref[f0:f0 + bf, D chunk i] in f32, reading the weight rows `rows` only."""
+    c_ok = i * cd + jnp.arange(cd, dtype=jnp.int32) < d
+    return plt.load(w_ref.at[pl.ds(f0, bf), pl.ds(i * cd, cd)],
+                    mask=rows[:, None] & c_ok[None, :], other=0).astype(jnp.float32)
+
+  def row_sums(w, i, accs):
+    """accs[r] + x_r[D chunk i] w^T for each row r ([bf] f32 each)."""
+    k_ok = i * cd + jnp.arange(cd, dtype=jnp.int32) < d
+    out = []
+    for r in range(m):
+      xr = plt.load(x_ref.at[pl.ds(r, 1), pl.ds(i * cd, cd)], mask=k_ok[None, :],
+                    other=0).astype(jnp.float32)                            # [1, cd]
+      out.append(accs[r] + jnp.sum(w * xr, axis=1))
+    return tuple(out)
+
+  def products(w_ref, rows):
+    """[x_r w_ref[f0:f0 + bf, :]^T in f32 for each row r], reading the weight rows `rows`."""
+    zeros = tuple(jnp.zeros((bf,), jnp.float32) for _ in range(m))
+    if chunks == 1:
+      return row_sums(tile(w_ref, rows, 0), 0, zeros)
+    return lax.fori_loop(0, chunks, lambda i, accs: row_sums(tile(w_ref, rows, i), i, accs),
+                         zeros)
+
+  pre = [v.astype(dt) for v in products(wp_ref, feat_ok)]
+  p = [jnp.maximum(v, jnp.zeros_like(v)) for v in pre]
+  for r in range(m):
+    plt.store(p_ref.at[pl.ds(r, 1), pl.ds(f0, bf)], p[r][None], mask=feat_ok[None])
+  # ~(pre <= 0): > 0, or NaN (as in `_gate_up_kernel`).
+  fired = functools.reduce(jnp.logical_or, [~(v <= 0) for v in pre]) & feat_ok
+  n_live = jnp.sum(fired.astype(jnp.int32))
+
+  @pl.when(n_live == 0)
+  def _none():
+    for r in range(m):
+      plt.store(h_ref.at[pl.ds(r, 1), pl.ds(f0, bf)], jnp.zeros((1, bf), dt),
+                mask=feat_ok[None])
+
+    # A zero partial (the sum reads every block's: one reduction kernel, no select).
+    def zeros(i, carry):
+      c_ok = i * cd + jnp.arange(cd, dtype=jnp.int32) < d
+      for r in range(m):
+        plt.store(part_ref.at[pid, pl.ds(r, 1), pl.ds(i * cd, cd)],
+                  jnp.zeros((1, cd), jnp.float32), mask=c_ok[None])
+      return carry
+    if chunks == 1:
+      zeros(0, 0)
+    else:
+      lax.fori_loop(0, chunks, zeros, 0)
+
+  @pl.when(n_live > 0)
+  def _fired():
+    # With D in one chunk the fired rows of W_down are loaded with W_up's (both requests in
+    # flight together), before the products that need W_up's.
+    wd_early = tile(wd_ref, fired, 0) if prefetch_down and chunks == 1 else None
+    if gated:
+      u = [v.astype(dt) for v in products(wu_ref, fired)]
+      hk = [(p[r].astype(jnp.float32) * u[r].astype(jnp.float32)).astype(dt) for r in range(m)]
+    else:
+      hk = p
+    for r in range(m):
+      plt.store(h_ref.at[pl.ds(r, 1), pl.ds(f0, bf)], hk[r][None], mask=feat_ok[None])
+    hf = [v.astype(jnp.float32)[:, None] for v in hk]                        # [bf, 1]
+
+    def down(i, carry):
+      c_ok = i * cd + jnp.arange(cd, dtype=jnp.int32) < d
+      w = wd_early if wd_early is not None else tile(wd_ref, fired, i)
+      for r in range(m):
+        plt.store(part_ref.at[pid, pl.ds(r, 1), pl.ds(i * cd, cd)],
+                  jnp.sum(hf[r] * w, axis=0)[None], mask=c_ok[None])
+      return carry
+    if chunks == 1:
+      down(0, 0)
+    else:
+      lax.fori_loop(0, chunks, down, 0)
+
+
+def _decode_rows(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig, interpret: bool):
+  """`decode_ffn` for m <= config.rows_max rows: one kernel (`_rows_kernel`) and the sum of
+  the blocks' partials (XLA; deterministic)."""
+  m, d = x.shape
+  h = w_pre_t.shape[0]
+  gated = w_up_t is not None
+  bf = config.rows_features
+  cd = min(config.rows_chunk, common.pow2_at_least(d, 16))
+  blocks = pl.cdiv(h, bf)
+  anywhere = pl.BlockSpec(memory_space=pl.ANY)
+  out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x).mat)
+  p, hid, part = pl.pallas_call(
+      functools.partial(_rows_kernel, m=m, d=d, h=h, bf=bf, cd=cd, gated=gated,
+                        prefetch_down=config.rows_prefetch_down),
+      out_shape=(out((m, h), x.dtype), out((m, h), x.dtype), out((blocks, m, d), jnp.float32)),
+      grid=(blocks,),
+      in_specs=[anywhere] * 4,
+      out_specs=[anywhere] * 3,
+      compiler_params=plt.CompilerParams(num_warps=config.rows_warps, num_stages=1),
+      interpret=interpret,
+      name="twell_decode_rows",
+  )(x, w_pre_t, w_up_t if gated else w_pre_t, w_down)
+  return jnp.sum(part, axis=0).astype(x.dtype), p, hid
+
+
 def supports(m: int, d: int, h: int, dtype) -> Optional[str]:
   """None when ``decode_ffn`` runs these shapes, else the reason."""
   if not 1 <= m <= MAX_ROWS:
@@ -185,6 +309,8 @@ def decode_ffn(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig = DecodeConfi
       or w_down.shape != (h, d)):
     raise ValueError(f"decode_ffn: bad shapes x {x.shape}, w_pre_t {w_pre_t.shape}, w_up_t "
                      f"{None if w_up_t is None else w_up_t.shape}, w_down {w_down.shape}")
+  if m <= config.rows_max:
+    return _decode_rows(x, w_pre_t, w_up_t, w_down, config=config, interpret=interpret)
   mp = padded_rows(m)
   bf, bd = config.block_features, config.block_d
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
