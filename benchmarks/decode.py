@@ -126,15 +126,28 @@ def _prompts(cfg, tokenizer, batch: int, length: int) -> list[list[int]]:
 NEAR_TIE = 0.125
 
 
-def _top2_gaps(lm, params, seqs: list[list[int]], positions: list[int]) -> list[float]:
-  """The dense model's gap between its two largest logits predicting token `positions[i]`
-  of `seqs[i]` (one forward over all the rows, which have one length)."""
-  if not seqs:
+def _top2_gaps(lm, params, prefixes: list[list[int]]) -> list[float]:
+  """The dense model's gap between its two largest logits predicting the token after each
+  prefix (one forward over the prefixes, right-padded to one length: the model is causal)."""
+  if not prefixes:
     return []
-  logits = lm.apply(params, jnp.asarray(seqs))[0]
-  at = logits[jnp.arange(len(seqs)), jnp.asarray(positions) - 1].astype(jnp.float32)
+  n = max(map(len, prefixes))
+  batch = np.zeros((len(prefixes), n), np.int32)
+  for r, seq in enumerate(prefixes):
+    batch[r, :len(seq)] = seq
+  logits = lm.apply(params, jnp.asarray(batch))[0]
+  last = jnp.asarray([len(seq) - 1 for seq in prefixes])
+  at = logits[jnp.arange(len(prefixes)), last].astype(jnp.float32)
   top = jax.lax.top_k(at, 2)[0]
   return [float(g) for g in top[:, 0] - top[:, 1]]
+
+
+def parting(a: list[int], b: list[int]) -> int | None:
+  """The first position where two greedy continuations differ (one ending early, at its end
+  of sequence, differs there), or None."""
+  if a == b:
+    return None
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
@@ -193,9 +206,9 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
              "dense_bandwidth_fraction": dense["decode_tokens_per_s"] / ceiling,
              "decode_attention": dense["decode_attention"]}
       s = out[fl.sparse].stats
-      parted = [(r, next(i for i, (a, b) in enumerate(zip(ta, tb)) if a != b))
-                for r, (ta, tb) in enumerate(zip(out["dense"].tokens, out[fl.sparse].tokens))
-                if ta != tb]
+      parted = [(r, i) for r, (ta, tb) in enumerate(zip(out["dense"].tokens,
+                                                        out[fl.sparse].tokens))
+                if (i := parting(ta, tb)) is not None]
       row.update({
           "sparse_tokens_per_s": s["decode_tokens_per_s"],
           "sparse_ms_per_step": s["decode_ms_per_step"],
@@ -203,9 +216,8 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
           "ratio": s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
           "profile": profile or None,
           "rows_parted": len(parted),
-          "top2_gaps": _top2_gaps(lm, params,
-                                  [prompts[r] + out["dense"].tokens[r] for r, _ in parted],
-                                  [len(prompts[r]) + i for r, i in parted])})
+          "top2_gaps": _top2_gaps(lm, params, [prompts[r] + out["dense"].tokens[r][:i]
+                                               for r, i in parted])})
       row["exact"] = all(g <= NEAR_TIE for g in row["top2_gaps"])
       rows.append(row)
       print(f"  {shape:<5} batch {batch:>3} prompt {prompt_len:>5}: dense "

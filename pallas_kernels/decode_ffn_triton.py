@@ -1,5 +1,5 @@
 """The exact ReLU FFN for few rows (decoding), reading only the weights of the features that
-fire: two kernels (Pallas, Triton backend) and a reduction.
+fire: for one row one kernel, for more two (Pallas, Triton backend); then a reduction.
 
 For x [M, D] (M <= ``MAX_ROWS``, one row per sequence at a decode step):
 
@@ -26,6 +26,20 @@ as the rows share their hot features) that is a few percent of W_up and W_down:
      load), partial[g] = h[:, group] W_down[group, cols] in f32.
   3. y = sum over the groups of partial, rounded to x.dtype (XLA; deterministic, no atomics).
 
+For M <= ``rows_max`` (default 1: a single sequence) one kernel does all of it:
+
+  ``rows`` (grid: blocks of ``rows_features`` features). A block's whole W_gate^T rows are
+  loaded at once (D in one chunk up to ``rows_chunk``: every request of a program in flight
+  together, no software pipeline, no MMA tile; the products are f32 multiply-and-sums in
+  registers), then, if a feature fired, the fired rows of W_up^T and W_down (both requested
+  before either is used), and the block's partial y [M, D] in f32 (zeros where nothing
+  fired); XLA sums the partials. At batch 1, paper shape, H100, weights read from memory
+  (``benchmarks.probes.decode_gate``): 15.6 us per layer against the tiled kernels' 20.4
+  (``gate_up`` 13.8, of which the W_up pass after the gate loop is ~2.4; ``down`` 5.3) and
+  the dense FFN's 28.4.
+  With more rows the per-row products outgrow the registers (2 rows: 25-32 us), so M > 1
+  takes the tiled kernels.
+
 It is the dense ReLU FFN's function (``reference.dense_ffn``): the same roundings, sums in f32
 in another order. A feature that fires in no row has its W_up^T row skipped, one whose h is
 zero in every row its W_down row (they contribute nothing): a non-finite entry there (which
@@ -37,8 +51,8 @@ fired) and products with a handful of rows, below the 64-row tiles of Mosaic GPU
 matrix multiply; Triton's dot runs 16 rows, and a masked-off lane issues no memory request.
 (jax marks the Triton backend deprecated, as ``twell_to_ell_triton`` notes.)
 
-Supported: M <= MAX_ROWS (the kernels compute on Mp rows, a power of two >= 16, Triton's
-smallest dot; rows past M are masked, read as zeros and not written);
+Supported: M <= MAX_ROWS (the tiled kernels compute on Mp rows, a power of two >= 16,
+Triton's smallest dot; rows past M are masked, read as zeros and not written);
 any D and H (ragged blocks are masked); 16- or 32-bit floats. On a GPU the Triton backend;
 ``interpret=True`` runs it in the Pallas interpreter (CPU).
 """
@@ -67,10 +81,17 @@ class DecodeConfig:
   block_features: hidden features per ``gate_up`` program (its W_gate column block).
   block_d: the D chunk of one step of ``gate_up``'s loop over D.
   down_features, down_cols: the W_down tile of one ``down`` program.
+  rows_max: calls of at most this many rows take the one-kernel ``rows`` path (0: never).
+  rows_features, rows_chunk, rows_warps: its features per program, D chunk, warps.
+  rows_prefetch_down: it requests the fired W_down rows together with the W_up rows (when D
+  fits one chunk).
   Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632; ``python -m
   benchmarks.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9
   against 31.2. At 64 rows every union measured loses to dense (41-58 us against 38).
+  The rows path's (``benchmarks.probes.decode_gate``, weights out of L2, one row, ~30
+  features firing): 8 features and 4 warps with W_down early 15.6 us per layer; 16 features
+  16.3, 32 features 20.5, 2 warps 19.1.
   """
   block_features: int = 16
   block_d: int = 256
@@ -79,10 +100,10 @@ class DecodeConfig:
   num_warps: int = 2
   num_stages: int = 3
   rows_max: int = 1
-  rows_features: int = 16
+  rows_features: int = 8
   rows_chunk: int = 2048
   rows_warps: int = 4
-  rows_prefetch_down: bool = False
+  rows_prefetch_down: bool = True
 
   def __post_init__(self):
     for name in ("block_features", "block_d", "down_features", "down_cols", "rows_chunk"):

@@ -297,3 +297,44 @@ def test_decode_refuses_more_rows_than_it_runs():
   x, wg, wu, wd = ffn_inputs(jax.random.key(1), 65, 32, 256)
   with pytest.raises(NotImplementedError, match="1 to 64 rows"):
     tj.ffn(x, wg, wu, wd, implementation="decode", interpret=True)
+
+
+@pytest.mark.parametrize("chunk", [2048, 16], ids=["one_chunk", "chunked_d"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", ["one_row_few_active", "ragged_d_and_h", "all_active_rows",
+                                  "most_features_dead"])
+def test_decode_rows_kernel_matches_reference(case, gated, chunk):
+  """The one-kernel path (whole weight rows per program, the down product fused), taken here
+  for every row count, D in one chunk and in several (ragged): the f32 reference and the
+  dense FFN, p and h included."""
+  from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import reference  # pylint: disable=import-outside-toplevel
+  m, d, h, gen = DECODE_CASES[case]
+  x, wg, wu, wd = ffn_inputs(jax.random.key(40 + sorted(DECODE_CASES).index(case)), m, d, h,
+                             gated=gated, **gen)
+  cfg = decode_ffn_triton.DecodeConfig(rows_max=decode_ffn_triton.MAX_ROWS, rows_features=64,
+                                       rows_chunk=chunk)
+  t = lambda w: jnp.swapaxes(w, 0, 1)
+  y, p, hid = decode_ffn_triton.decode_ffn(
+      x, t(wg) if gated else t(wu), t(wu) if gated else None, wd, config=cfg, interpret=True)
+  assert _rel(y, tj.reference_ffn(x, wg, wu, wd)[0]) < TOL["y"]
+  np.testing.assert_array_equal(np.asarray(p > 0), _active_mask(x, wg, wu))
+  _, h_dense, _ = reference.dense_ffn(x, wg if gated else None, wu, wd, "relu")
+  assert _rel(hid.astype(F32), h_dense.astype(F32)) < 1e-2
+  y_dense = tj.ffn(x, wg, wu, wd, implementation="dense")
+  assert _rel(y, y_dense.astype(F32)) < 1e-2
+
+
+def test_decode_rows_kernel_nothing_fires_and_non_finite():
+  """The one-row kernel: no feature firing gives y = 0 without reading W_up or W_down (a NaN
+  planted in W_down does not show); an infinity in x spreads as in the dense FFN."""
+  x, wg, wu, wd = ffn_inputs(jax.random.key(14), 1, 32, 256, active_fraction=0.0)
+  assert not _active_mask(x, wg, wu).any()
+  y = tj.ffn(x, wg, wu, wd.at[7, 3].set(jnp.nan), implementation="decode", interpret=True)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), 0.0)
+  x, wg, wu, wd = ffn_inputs(jax.random.key(15), 1, 32, 512, active_fraction=0.01)
+  x = x.at[0, 5].set(jnp.inf)
+  y = tj.ffn(x, wg, wu, wd, implementation="decode", interpret=True)
+  y_dense = tj.ffn(x, wg, wu, wd, implementation="dense")
+  np.testing.assert_array_equal(np.isnan(np.asarray(y, np.float32)),
+                                np.isnan(np.asarray(y_dense, np.float32)))
