@@ -77,6 +77,31 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn='sparse': no GPU"):
       generate.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)
 
+  def test_one_prompt_decodes_one_row_through_the_sparse_ffn(self):
+    """A single prompt decodes as two equal rows (XLA keeps [2, D] projections GEMMs), but
+    the decode FFN runs on one of them (its one-row kernel): the dense decode's tokens."""
+    from unittest import mock  # pylint: disable=import-outside-toplevel
+    from twell_jax import decode  # pylint: disable=import-outside-toplevel
+    cfg, _, params = _random_model(False)
+    prompt = [[2, 50, 51, 52, 53]]
+    greedy = generate.Sampling(temperature=0.0)
+    dense = generate.Generator(params, cfg).generate_ids(prompt, max_new_tokens=6,
+                                                         sampling=greedy, stop_at_eos=False)
+    interpreted = copy.deepcopy(cfg)
+    interpreted.model.interpret = True
+    rows = []
+    real = decode.decode_ffn_weights
+
+    def spy(x, *args, **kw):
+      rows.append(x.shape[0])
+      return real(x, *args, **kw)
+    with mock.patch.object(decode, "decode_ffn_weights", spy):
+      sparse = generate.Generator(params, interpreted, decode_ffn="sparse").generate_ids(
+          prompt, max_new_tokens=6, sampling=greedy, stop_at_eos=False)
+    self.assertEqual(sparse.stats["decode_ffn"], "SS")
+    self.assertEqual(set(rows), {1})
+    self.assertEqual(sparse.tokens, dense.tokens)
+
   def test_auto_decode_choice_follows_the_batch_union(self):
     """decode_ffn="auto": a layer decodes sparse while the features expected to fire in some
     row of the batch stay within DECODE_UNION_LIMIT of H; dense where the kernels cannot run."""

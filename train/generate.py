@@ -358,7 +358,10 @@ class Generator:
         x = x + block.attn.out(o)
         if sparse:
           xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
-          y = decode.decode_ffn_weights(xn, w, interpret=bool(cfg.interpret))[0][:, None]
+          # One row's two equal copies: the decode FFN runs on one (its one-row kernel).
+          y = decode.decode_ffn_weights(xn[:1] if single else xn, w,
+                                        interpret=bool(cfg.interpret))[0]
+          y = jnp.broadcast_to(y, xn.shape)[:, None]
         else:
           y = block.ffn(block.ffn_norm(x))
         x = x + y.astype(x.dtype)
