@@ -220,6 +220,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   kinds = collections.Counter(kind for kind, _ in found)
   return {
       "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
+      "scan_layers": fl.scan_layers,
       "compiler_options": OPTION_SETS[options], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,
@@ -257,7 +258,8 @@ def main(argv):
     print(f"sparse model's layers: {choice['describe']} (predicted "
           + " ".join(f"{r:.2f}" for r in choice["predicted"]) + ")", flush=True)
   results = {"device": device, "device_count": n, "jax": jax.__version__,
-             "shape": fl.shape, "layers": fl.layers, "scan_layers": fl.scan_layers, "batch_per_device": fl.batch_per_device,
+             "shape": fl.shape, "layers": fl.layers, "scan_layers": fl.scan_layers,
+             "batch_per_device": fl.batch_per_device,
              "weights": fl.weights,
              "sparse_layers": None if choice is None else choice["describe"],
              "option_sets": {k: OPTION_SETS[k] for k in fl.options}, "runs": []}

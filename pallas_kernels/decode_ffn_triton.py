@@ -35,10 +35,10 @@ For M <= ``rows_max`` (default 1: a single sequence) one kernel does all of it:
   before either is used), and the block's partial y [M, D] in f32 (zeros where nothing
   fired); XLA sums the partials. At batch 1, paper shape, H100, weights read from memory
   (``benchmarks.probes.decode_gate``): 15.6 us per layer against the tiled kernels' 20.4
-  (``gate_up`` 13.8, of which the W_up pass after the gate loop is ~2.4; ``down`` 5.3) and
-  the dense FFN's 28.4.
-  With more rows the per-row products outgrow the registers (2 rows: 25-32 us), so M > 1
-  takes the tiled kernels.
+  (``gate_up`` 13.8, of which the W_up pass after the gate loop is ~2.4 with the weights in
+  L2; ``down`` 5.3) and the dense FFN's 28.4. With more rows the per-row products outgrow
+  the registers (2 rows: 25-32 us against the tiled kernels' 20.7), so M > 1 takes the tiled
+  kernels.
 
 It is the dense ReLU FFN's function (``reference.dense_ffn``): the same roundings, sums in f32
 in another order. A feature that fires in no row has its W_up^T row skipped, one whose h is
