@@ -85,6 +85,9 @@ class DecodeConfig:
   rows_features, rows_chunk, rows_warps: its features per program, D chunk, warps.
   rows_prefetch_down: it requests the fired W_down rows together with the W_up rows (when D
   fits one chunk).
+  rows_sum: how its per-block partials are summed: "xla" (blocks where nothing fired write
+  zeros; XLA sums every block's) or "kernel" (they write nothing; a kernel of
+  ``rows_sum_cols`` columns per program loads the partials of the blocks that fired only).
   Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632; ``python -m
   benchmarks.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9
@@ -104,6 +107,8 @@ class DecodeConfig:
   rows_chunk: int = 2048
   rows_warps: int = 4
   rows_prefetch_down: bool = True
+  rows_sum: str = "xla"
+  rows_sum_cols: int = 8
 
   def __post_init__(self):
     for name in ("block_features", "block_d", "down_features", "down_cols", "rows_chunk"):
@@ -116,6 +121,10 @@ class DecodeConfig:
     common.check_triton_warps(self.rows_warps)
     if self.num_stages < 1:
       raise ValueError(f"{self.num_stages=} must be >= 1")
+    if self.rows_sum not in ("xla", "kernel"):
+      raise ValueError(f"rows_sum={self.rows_sum!r} must be 'xla' or 'kernel'")
+    if not common.is_pow2(self.rows_sum_cols):
+      raise ValueError(f"rows_sum_cols={self.rows_sum_cols} must be a power of two")
     if not 0 <= self.rows_max <= MAX_ROWS:
       raise ValueError(f"rows_max={self.rows_max} must be in [0, {MAX_ROWS}]")
 
@@ -188,17 +197,25 @@ def _down_kernel(h_ref, wd_ref, part_ref, *, m: int, mp: int, d: int, h: int, bf
             mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, *, m: int,
-                 d: int, h: int, bf: int, cd: int, gated: bool, prefetch_down: bool):
+def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, live_ref, *, m: int,
+                 d: int, h: int, bf: int, cd: int, gated: bool, prefetch_down: bool,
+                 zero_dead: bool):
   """The whole FFN of ``bf`` features for m (few) rows: products as f32 multiply-and-sum over
   whole weight rows in registers (no MMA tile, no loop over D when D <= cd: a program's loads
   are in flight together), then the fired features' W_up and W_down rows; writes p, h, this
-  block's y partial [m, D] (zeros where nothing fired)."""
+  block's y partial [m, D] (rows r * B + block of ``part_ref``, B the grid padded to a power
+  of two) and whether it holds one
+  (``live_ref``); ``zero_dead``: a block where nothing fired writes a zero partial, else
+  none."""
   dt = x_ref.dtype
   pid = pl.program_id(0)
+  blocks = live_ref.shape[0]            # the grid's, padded to a power of two
   f0 = pid * bf
   feat_ok = f0 + jnp.arange(bf, dtype=jnp.int32) < h
   chunks = pl.cdiv(d, cd)
+
+  def part_at(r, i):
+    return part_ref.at[pl.ds(r * blocks + pid, 1), pl.ds(i * cd, cd)]
 
   def tile(w_ref, rows, i):
     """w_ref[f0:f0 + bf, D chunk i] in f32, reading the weight rows `rows` only."""
@@ -231,6 +248,7 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, *, m: in
   # ~(pre <= 0): > 0, or NaN (as in `_gate_up_kernel`).
   fired = functools.reduce(jnp.logical_or, [~(v <= 0) for v in pre]) & feat_ok
   n_live = jnp.sum(fired.astype(jnp.int32))
+  plt.store(live_ref.at[pl.ds(pid, 1)], jnp.full((1,), jnp.minimum(n_live, 1), jnp.int32))
 
   @pl.when(n_live == 0)
   def _none():
@@ -238,12 +256,14 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, *, m: in
       plt.store(h_ref.at[pl.ds(r, 1), pl.ds(f0, bf)], jnp.zeros((1, bf), dt),
                 mask=feat_ok[None])
 
-    # A zero partial (the sum reads every block's: one reduction kernel, no select).
+    if not zero_dead:
+      return
+
+    # A zero partial (for a sum that reads every block's: one XLA reduction, no select).
     def zeros(i, carry):
       c_ok = i * cd + jnp.arange(cd, dtype=jnp.int32) < d
       for r in range(m):
-        plt.store(part_ref.at[pid, pl.ds(r, 1), pl.ds(i * cd, cd)],
-                  jnp.zeros((1, cd), jnp.float32), mask=c_ok[None])
+        plt.store(part_at(r, i), jnp.zeros((1, cd), jnp.float32), mask=c_ok[None])
       return carry
     if chunks == 1:
       zeros(0, 0)
@@ -268,8 +288,7 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, *, m: in
       c_ok = i * cd + jnp.arange(cd, dtype=jnp.int32) < d
       w = wd_early if wd_early is not None else tile(wd_ref, fired, i)
       for r in range(m):
-        plt.store(part_ref.at[pid, pl.ds(r, 1), pl.ds(i * cd, cd)],
-                  jnp.sum(hf[r] * w, axis=0)[None], mask=c_ok[None])
+        plt.store(part_at(r, i), jnp.sum(hf[r] * w, axis=0)[None], mask=c_ok[None])
       return carry
     if chunks == 1:
       down(0, 0)
@@ -277,29 +296,62 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, *, m: in
       lax.fori_loop(0, chunks, down, 0)
 
 
+def _sum_kernel(live_ref, part_ref, y_ref, *, m: int, blocks: int, d: int, dc: int):
+  """y[:, cols] = the sum over the blocks that hold a partial (``live_ref``) of their partial
+  rows, loaded together (the others' rows are masked off, never fetched); rounded to y's
+  dtype."""
+  c0 = pl.program_id(0) * dc
+  col_ok = c0 + jnp.arange(dc, dtype=jnp.int32) < d
+  bp = live_ref.shape[0]
+  b = jnp.arange(bp, dtype=jnp.int32)
+  live = plt.load(live_ref.at[pl.ds(0, bp)], mask=b < blocks, other=0) > 0
+  for r in range(m):
+    t = plt.load(part_ref.at[pl.ds(r * bp, bp), pl.ds(c0, dc)],
+                 mask=live[:, None] & col_ok[None, :], other=0)               # [bp, dc]
+    plt.store(y_ref.at[pl.ds(r, 1), pl.ds(c0, dc)], jnp.sum(t, axis=0)[None].astype(y_ref.dtype),
+              mask=col_ok[None])
+
+
 def _decode_rows(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig, interpret: bool):
   """`decode_ffn` for m <= config.rows_max rows: one kernel (`_rows_kernel`) and the sum of
-  the blocks' partials (XLA; deterministic)."""
+  the blocks' partials (``config.rows_sum``: "kernel", the blocks that hold one, or "xla",
+  every block's; deterministic either way)."""
   m, d = x.shape
   h = w_pre_t.shape[0]
   gated = w_up_t is not None
   bf = config.rows_features
   cd = min(config.rows_chunk, common.pow2_at_least(d, 16))
   blocks = pl.cdiv(h, bf)
+  bp = common.pow2_at_least(blocks, 16)
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
   out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x).mat)
-  p, hid, part = pl.pallas_call(
+  by_xla = config.rows_sum == "xla"
+  p, hid, part, live = pl.pallas_call(
       functools.partial(_rows_kernel, m=m, d=d, h=h, bf=bf, cd=cd, gated=gated,
-                        prefetch_down=config.rows_prefetch_down),
-      out_shape=(out((m, h), x.dtype), out((m, h), x.dtype), out((blocks, m, d), jnp.float32)),
+                        prefetch_down=config.rows_prefetch_down, zero_dead=by_xla),
+      out_shape=(out((m, h), x.dtype), out((m, h), x.dtype),
+                 out((m * bp, d), jnp.float32), out((bp,), jnp.int32)),
       grid=(blocks,),
       in_specs=[anywhere] * 4,
-      out_specs=[anywhere] * 3,
+      out_specs=[anywhere] * 4,
       compiler_params=plt.CompilerParams(num_warps=config.rows_warps, num_stages=1),
       interpret=interpret,
       name="twell_decode_rows",
   )(x, w_pre_t, w_up_t if gated else w_pre_t, w_down)
-  return jnp.sum(part, axis=0).astype(x.dtype), p, hid
+  if by_xla:
+    return jnp.sum(part.reshape(m, bp, d)[:, :blocks], axis=1).astype(x.dtype), p, hid
+  dc = config.rows_sum_cols
+  y = pl.pallas_call(
+      functools.partial(_sum_kernel, m=m, blocks=blocks, d=d, dc=dc),
+      out_shape=out((m, d), x.dtype),
+      grid=(pl.cdiv(d, dc),),
+      in_specs=[anywhere] * 2,
+      out_specs=anywhere,
+      compiler_params=plt.CompilerParams(num_warps=config.rows_warps, num_stages=1),
+      interpret=interpret,
+      name="twell_decode_rows_sum",
+  )(live, part)
+  return y, p, hid
 
 
 def supports(m: int, d: int, h: int, dtype) -> Optional[str]:

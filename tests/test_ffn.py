@@ -301,21 +301,24 @@ def test_decode_refuses_more_rows_than_it_runs():
     tj.ffn(x, wg, wu, wd, implementation="decode", interpret=True)
 
 
-@pytest.mark.parametrize("chunk", [2048, 16], ids=["one_chunk", "chunked_d"])
+@pytest.mark.parametrize("chunk,rows_sum", [(2048, "xla"), (2048, "kernel"), (16, "kernel")],
+                         ids=["one_chunk-xla_sum", "one_chunk-kernel_sum",
+                              "chunked_d-kernel_sum"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", ["one_row_few_active", "ragged_d_and_h", "all_active_rows",
                                   "most_features_dead"])
-def test_decode_rows_kernel_matches_reference(case, gated, chunk):
+def test_decode_rows_kernel_matches_reference(case, gated, chunk, rows_sum):
   """The one-kernel path (whole weight rows per program, the down product fused), taken here
-  for every row count, D in one chunk and in several (ragged): the f32 reference and the
-  dense FFN, p and h included."""
+  for every row count, D in one chunk and in several (ragged), its partials summed by XLA
+  or by the kernel that reads the fired blocks' only: the f32 reference and the dense FFN,
+  p and h included."""
   from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
   from pallas_kernels import reference  # pylint: disable=import-outside-toplevel
   m, d, h, gen = DECODE_CASES[case]
   x, wg, wu, wd = ffn_inputs(jax.random.key(40 + sorted(DECODE_CASES).index(case)), m, d, h,
                              gated=gated, **gen)
   cfg = decode_ffn_triton.DecodeConfig(rows_max=decode_ffn_triton.MAX_ROWS, rows_features=64,
-                                       rows_chunk=chunk)
+                                       rows_chunk=chunk, rows_sum=rows_sum, rows_sum_cols=16)
   t = lambda w: jnp.swapaxes(w, 0, 1)
   y, p, hid = decode_ffn_triton.decode_ffn(
       x, t(wg) if gated else t(wu), t(wu) if gated else None, wd, config=cfg, interpret=True)

@@ -8,7 +8,8 @@ its 23 MB of W_gate from L2 (50 MB on an H100), which a decode step never does (
 other weights pass in between). So each timed call here runs `--layers` FFNs with their own
 weights on the same x (paper-like activity: ~`--active` features per row), and the CUPTI
 kernel times are reported per layer: the dense FFN, the tiled kernels (`gate_up`, `down`)
-and the rows kernel (M <= `--rows_max`) at several block sizes and warp counts.
+and the rows kernel (M <= `--rows_max`) with its partials summed by XLA or by its sum kernel
+at a few widths.
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ def main(argv):
     runs.append(base)
     configs = [("tiled kernels", kernels.DecodeConfig(rows_max=0))]
     if m <= _ROWS_MAX.value:
-      for bf, warps, early in ((16, 4, False), (16, 4, True), (8, 4, False), (8, 4, True),
-                               (16, 8, True), (8, 2, False), (32, 8, True)):
-        configs.append((f"rows kernel, features {bf}, warps {warps}" + (
-            ", W_down early" if early else ""), kernels.DecodeConfig(
-                rows_max=_ROWS_MAX.value, rows_features=bf, rows_warps=warps,
-                rows_prefetch_down=early)))
+      rows = dict(rows_max=_ROWS_MAX.value, rows_features=8, rows_warps=4)
+      configs.append(("rows kernel, XLA sum", kernels.DecodeConfig(**rows, rows_sum="xla")))
+      for cols in (8, 16, 32):
+        configs.append((f"rows kernel, sum kernel of {cols} columns", kernels.DecodeConfig(
+            **rows, rows_sum="kernel", rows_sum_cols=cols)))
+      configs.append(("rows kernel, 16 features, sum kernel of 16", kernels.DecodeConfig(
+          **{**rows, "rows_features": 16}, rows_sum="kernel", rows_sum_cols=16)))
     for label, cfg in configs:
       try:
         f = sparse(cfg)
