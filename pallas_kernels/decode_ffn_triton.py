@@ -86,8 +86,11 @@ class DecodeConfig:
   rows_prefetch_down: it requests the fired W_down rows together with the W_up rows (when D
   fits one chunk).
   rows_sum: how its per-block partials are summed: "xla" (blocks where nothing fired write
-  zeros; XLA sums every block's) or "kernel" (they write nothing; a kernel of
-  ``rows_sum_cols`` columns per program loads the partials of the blocks that fired only).
+  zeros; XLA sums every block's: ~2.5 us of a batch-1 decode step's 15.5 us per layer at the
+  paper shape) or "kernel" (they write nothing; a kernel of ``rows_sum_cols`` columns per
+  program loads the partials of the blocks that fired only). "kernel" is checked in the
+  interpreter and not yet timed on a GPU (``benchmarks.probes.decode_gate`` times both), so
+  "xla" stays the default.
   Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632; ``python -m
   benchmarks.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9

@@ -266,6 +266,22 @@ def test_decode_kernels_on_the_gpu(m):
   assert _rel(y, tj.reference_ffn(x, wg, wu, wd)[0]) < TOL["y"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_sum", ["xla", "kernel"])
+def test_decode_one_row_kernel_on_the_gpu(rows_sum):
+  """The compiled one-row kernel at the paper's shape with either sum of its partials: the
+  dense FFN's output."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
+  from twell_jax import decode  # pylint: disable=import-outside-toplevel
+  x, wg, wu, wd = ffn_inputs(jax.random.key(3), 1, 2048, 5632, active_fraction=0.005)
+  cfg = decode_ffn_triton.DecodeConfig(rows_sum=rows_sum)
+  y = decode.decode_ffn_weights(x, decode.DecodeWeights.of(wg, wu, wd), config=cfg)[0]
+  y_dense = tj.ffn(x, wg, wu, wd, implementation="dense")
+  assert _rel(y, y_dense.astype(F32)) < 1e-2
+
+
 @pytest.mark.parametrize("m", [1, 3], ids=["one_row_kernel", "tiled_kernels"])
 def test_decode_no_feature_fires(m):
   """Every gate pre-activation negative: y is zero, and nothing of W_up or W_down is read
