@@ -116,14 +116,20 @@ def _params(fl):
   if fl.shape != "tiny":
     params = {**params, "blocks": jax.tree.map(
         lambda a: a[jnp.arange(fl.layers) % a.shape[0]], params["blocks"])}
-  if not fl.scan_layers:  # the loop layout: {layer: that layer's block}
-    stacked = params["blocks"]
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    params = {**params, "blocks": {
-        i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)}}
+  if not fl.scan_layers:
+    params = loop_layout(params)
   # On the host: each mesh's state is a fresh copy, which its step donates (an array already
   # on the mesh's device would be placed as is, and deleted by the first step).
   return jax.device_get(params)
+
+
+def loop_layout(params):
+  """Parameters of the scan layout (every block leaf stacked over [L]) in the loop layout:
+  params["blocks"] = {layer: that layer's block}."""
+  stacked = params["blocks"]
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  return {**params, "blocks": {i: jax.tree.map(lambda a, i=i: a[i], stacked)
+                               for i in range(n)}}
 
 
 def _state(tr, params):

@@ -165,7 +165,7 @@ class ScalingSmokeTest(absltest.TestCase):
   def test_one_mesh(self):
     import types  # pylint: disable=import-outside-toplevel
     fl = types.SimpleNamespace(shape="tiny", layers=2, batch_per_device=2, iters=1,
-                               weights="init", remat=False, sparse="xla")
+                               weights="init", remat=False, sparse="xla", scan_layers=True)
     params = scaling._params(fl)  # pylint: disable=protected-access
     # The sparse model as the trainer runs it: the per-layer choice from one step's counts.
     choice = scaling._choose(fl, params)  # pylint: disable=protected-access
@@ -178,6 +178,26 @@ class ScalingSmokeTest(absltest.TestCase):
     self.assertGreater(r["tokens_per_s"], 0)
     self.assertEqual(r["collectives"], {})
     self.assertEqual(r["non_weight_collectives"], [])
+    self.assertTrue(r["scan_layers"])
+
+  def test_loop_layout_of_stacked_params(self):
+    """`--scan_layers=false` runs scan-layout (cached) weights in the loop layout: the
+    parameters the loop layout's init makes, with layer l's slice of every stacked leaf."""
+    from train import model as model_lib  # pylint: disable=import-outside-toplevel
+    from benchmarks import trained  # pylint: disable=import-outside-toplevel
+    cfg = trained.config_for("tiny", batch=2)
+    shapes = {}
+    for scan in (True, False):
+      cfg.model.scan_layers = scan
+      lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
+      shapes[scan] = jax.eval_shape(lm.init_params, jax.random.key(0))
+    stacked = jax.tree.map(lambda s: jnp.arange(np.prod(s.shape), dtype=jnp.float32).reshape(
+        s.shape), shapes[True])
+    loop = scaling.loop_layout(stacked)
+    self.assertEqual(jax.tree.structure(loop), jax.tree.structure(shapes[False]))
+    for l, block in loop["blocks"].items():
+      for got, whole in zip(jax.tree.leaves(block), jax.tree.leaves(stacked["blocks"])):
+        np.testing.assert_array_equal(got, whole[l])
 
 
 class TraceBreakdownTest(absltest.TestCase):
