@@ -3,6 +3,7 @@ r"""Training throughput per mesh: the sparse and the dense model on 1 device and
     python -m benchmarks.scaling --out=scaling.json                 # all GPUs of the machine
     python -m benchmarks.scaling --meshes=1x1,2x1,1x2 --layers=4    # explicit meshes
     python -m benchmarks.scaling --options=trainer,xla              # XLA option sets compared
+    python -m benchmarks.scaling --scan_layers=false                # one block per layer
     python -m benchmarks.scaling --shape=tiny --weights=init --meshes=1x1 --iters=2   # CPU
 
 Each mesh DATAxFSDP runs the trainer's own step (`train.train_lib.Trainer`: the FFN and the
