@@ -127,10 +127,9 @@ def _params(fl):
 def loop_layout(params):
   """Parameters of the scan layout (every block leaf stacked over [L]) in the loop layout:
   params["blocks"] = {layer: that layer's block}."""
-  stacked = params["blocks"]
-  n = jax.tree.leaves(stacked)[0].shape[0]
-  return {**params, "blocks": {i: jax.tree.map(lambda a, i=i: a[i], stacked)
-                               for i in range(n)}}
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  n = jax.tree.leaves(params["blocks"])[0].shape[0]
+  return {**params, "blocks": dict(enumerate(model_lib.unstacked_blocks(params["blocks"], n)))}
 
 
 def _state(tr, params):

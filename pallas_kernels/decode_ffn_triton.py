@@ -83,8 +83,6 @@ class DecodeConfig:
   down_features, down_cols: the W_down tile of one ``down`` program.
   rows_max: calls of at most this many rows take the one-kernel ``rows`` path (0: never).
   rows_features, rows_chunk, rows_warps: its features per program, D chunk, warps.
-  rows_prefetch_down: it requests the fired W_down rows together with the W_up rows (when D
-  fits one chunk).
   rows_sum: how its per-block partials are summed: "xla" (blocks where nothing fired write
   zeros; XLA sums every block's: ~2.5 us of a batch-1 decode step's 15.5 us per layer at the
   paper shape) or "kernel" (they write nothing; a kernel of ``rows_sum_cols`` columns per
@@ -96,8 +94,8 @@ class DecodeConfig:
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9
   against 31.2. At 64 rows every union measured loses to dense (41-58 us against 38).
   The rows path's (``benchmarks.probes.decode_gate``, weights out of L2, one row, ~30
-  features firing): 8 features and 4 warps with W_down early 15.6 us per layer; 16 features
-  16.3, 32 features 20.5, 2 warps 19.1.
+  features firing): 8 features and 4 warps 15.6 us per layer (15.8 with the W_down rows
+  requested after the W_up products); 16 features 16.3, 32 features 20.5, 2 warps 19.1.
   """
   block_features: int = 16
   block_d: int = 256
@@ -109,7 +107,6 @@ class DecodeConfig:
   rows_features: int = 8
   rows_chunk: int = 2048
   rows_warps: int = 4
-  rows_prefetch_down: bool = True
   rows_sum: str = "xla"
   rows_sum_cols: int = 8
 
@@ -201,8 +198,7 @@ def _down_kernel(h_ref, wd_ref, part_ref, *, m: int, mp: int, d: int, h: int, bf
 
 
 def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, live_ref, *, m: int,
-                 d: int, h: int, bf: int, cd: int, gated: bool, prefetch_down: bool,
-                 zero_dead: bool):
+                 d: int, h: int, bf: int, cd: int, gated: bool, zero_dead: bool):
   """The whole FFN of ``bf`` features for m (few) rows: products as f32 multiply-and-sum over
   whole weight rows in registers (no MMA tile, no loop over D when D <= cd: a program's loads
   are in flight together), then the fired features' W_up and W_down rows; writes p, h, this
@@ -236,13 +232,14 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, live_ref
       out.append(accs[r] + jnp.sum(w * xr, axis=1))
     return tuple(out)
 
+  def over_chunks(body, init):
+    """body(i, carry) over the D chunks: one straight-line step when D is one chunk."""
+    return body(0, init) if chunks == 1 else lax.fori_loop(0, chunks, body, init)
+
   def products(w_ref, rows):
     """[x_r w_ref[f0:f0 + bf, :]^T in f32 for each row r], reading the weight rows `rows`."""
-    zeros = tuple(jnp.zeros((bf,), jnp.float32) for _ in range(m))
-    if chunks == 1:
-      return row_sums(tile(w_ref, rows, 0), 0, zeros)
-    return lax.fori_loop(0, chunks, lambda i, accs: row_sums(tile(w_ref, rows, i), i, accs),
-                         zeros)
+    return over_chunks(lambda i, accs: row_sums(tile(w_ref, rows, i), i, accs),
+                       tuple(jnp.zeros((bf,), jnp.float32) for _ in range(m)))
 
   pre = [v.astype(dt) for v in products(wp_ref, feat_ok)]
   p = [jnp.maximum(v, jnp.zeros_like(v)) for v in pre]
@@ -268,16 +265,13 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, live_ref
       for r in range(m):
         plt.store(part_at(r, i), jnp.zeros((1, cd), jnp.float32), mask=c_ok[None])
       return carry
-    if chunks == 1:
-      zeros(0, 0)
-    else:
-      lax.fori_loop(0, chunks, zeros, 0)
+    over_chunks(zeros, 0)
 
   @pl.when(n_live > 0)
   def _fired():
     # With D in one chunk the fired rows of W_down are loaded with W_up's (both requests in
     # flight together), before the products that need W_up's.
-    wd_early = tile(wd_ref, fired, 0) if prefetch_down and chunks == 1 else None
+    wd_early = tile(wd_ref, fired, 0) if chunks == 1 else None
     if gated:
       u = [v.astype(dt) for v in products(wu_ref, fired)]
       hk = [(p[r].astype(jnp.float32) * u[r].astype(jnp.float32)).astype(dt) for r in range(m)]
@@ -293,10 +287,7 @@ def _rows_kernel(x_ref, wp_ref, wu_ref, wd_ref, p_ref, h_ref, part_ref, live_ref
       for r in range(m):
         plt.store(part_at(r, i), jnp.sum(hf[r] * w, axis=0)[None], mask=c_ok[None])
       return carry
-    if chunks == 1:
-      down(0, 0)
-    else:
-      lax.fori_loop(0, chunks, down, 0)
+    over_chunks(down, 0)
 
 
 def _sum_kernel(live_ref, part_ref, y_ref, *, m: int, blocks: int, d: int, dc: int):
@@ -331,7 +322,7 @@ def _decode_rows(x, w_pre_t, w_up_t, w_down, *, config: DecodeConfig, interpret:
   by_xla = config.rows_sum == "xla"
   p, hid, part, live = pl.pallas_call(
       functools.partial(_rows_kernel, m=m, d=d, h=h, bf=bf, cd=cd, gated=gated,
-                        prefetch_down=config.rows_prefetch_down, zero_dead=by_xla),
+                        zero_dead=by_xla),
       out_shape=(out((m, h), x.dtype), out((m, h), x.dtype),
                  out((m * bp, d), jnp.float32), out((bp,), jnp.int32)),
       grid=(blocks,),

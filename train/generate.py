@@ -271,7 +271,7 @@ class Generator:
     sparse = tuple(l for l, name in enumerate(names) if name == "decode")
     if self._layers is None or self._layers[0] != sparse:
       def split(blocks):
-        layers = [jax.tree.map(lambda a, l=l: a[l], blocks) for l in range(len(names))]
+        layers = model_lib.unstacked_blocks(blocks, len(names))
         for l in sparse:
           f = layers[l]["ffn"]
           layers[l] = {**layers[l], "ffn": decode.DecodeWeights.of(

@@ -432,6 +432,12 @@ def stacked_blocks(params: dict, n_layers: int) -> dict:
   return jax.tree.map(lambda *a: jnp.stack(a), *[blocks[l] for l in range(n_layers)])
 
 
+def unstacked_blocks(blocks: dict, n_layers: int) -> list[dict]:
+  """Layer l's slice of every stacked block parameter (the scan layout's `params["blocks"]`),
+  for l < n_layers: the inverse of `stacked_blocks`."""
+  return [jax.tree.map(lambda a, l=l: a[l], blocks) for l in range(n_layers)]
+
+
 def with_stacked_ffn(params: dict, ffn: dict) -> dict:
   """Inverse of stacked_ffn: params with FFN weights replaced by `ffn`."""
   blocks = params["blocks"]
