@@ -322,7 +322,7 @@ def test_decode_refuses_more_rows_than_it_runs():
                               "chunked_d-kernel_sum"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", ["one_row_few_active", "ragged_d_and_h", "all_active_rows",
-                                  "most_features_dead"])
+                                  "most_features_dead", "batch_16_hot_features"])
 def test_decode_rows_kernel_matches_reference(case, gated, chunk, rows_sum):
   """The one-kernel path (whole weight rows per program, the down product fused), taken here
   for every row count, D in one chunk and in several (ragged), its partials summed by XLA
