@@ -344,3 +344,14 @@ def test_decode_rows_kernel_matches_reference(case, gated, chunk, rows_sum):
   assert _rel(hid.astype(F32), h_dense.astype(F32)) < 1e-2
   y_dense = tj.ffn(x, wg, wu, wd, implementation="dense")
   assert _rel(y, y_dense.astype(F32)) < 1e-2
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("block_features", 24, "power of two"), ("rows_chunk", 8, "power of two"),
+    ("rows_features", 1, "power of two >= 2"), ("rows_warps", 3, "num_warps"),
+    ("rows_max", 65, r"rows_max=65 must be in \[0, 64\]"),
+    ("rows_sum", "atomic", "'xla' or 'kernel'"), ("rows_sum_cols", 12, "power of two")])
+def test_decode_config_refuses_bad_values(field, value, match):
+  from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=match):
+    decode_ffn_triton.DecodeConfig(**{field: value})
