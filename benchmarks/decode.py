@@ -21,11 +21,12 @@ B x bandwidth / bytes per step (bytes at the mean position of the loop).
 `dense_bandwidth_fraction` is the dense decode's tokens/s over that bound.
 
 Exactness: the sparse decode's greedy tokens against the dense FFN's on the same prompts;
-where a row parts, the top-2 logit gap of the dense model at the first differing position
-("top2_gaps": a near-tie is rounding, a large gap a bug). `exact`: every row equal or
-parting at a gap of at most `NEAR_TIE`. With `--profile_dir`, the first batch size's row
-has each decode's per-token kernel times ("profile": span and largest kernels per token),
-and the compiled programs' HLO is written there.
+where a row parts, the top-2 gap of the logits the dense decode drew its token from at the
+first differing position ("top2_gaps": a near-tie is rounding, a large gap a different
+function). `exact`: every row equal or parting at a gap of at most `NEAR_TIE`. With
+`--profile_dir`, the first batch size's row has each decode's per-token kernel times
+("profile": span and largest kernels per token), and the compiled programs' HLO is written
+there.
 
 JSON: {"device", "peak_bandwidth_gbs", "rows": [{"shape", "batch", "prompt",
 "dense_tokens_per_s", "sparse_tokens_per_s", "ratio", "dense_bandwidth_fraction", "exact",
@@ -126,22 +127,6 @@ def _prompts(cfg, tokenizer, batch: int, length: int) -> list[list[int]]:
 NEAR_TIE = 0.125
 
 
-def _top2_gaps(lm, params, prefixes: list[list[int]]) -> list[float]:
-  """The dense model's gap between its two largest logits predicting the token after each
-  prefix (one forward over the prefixes, right-padded to one length: the model is causal)."""
-  if not prefixes:
-    return []
-  n = max(map(len, prefixes))
-  batch = np.zeros((len(prefixes), n), np.int32)
-  for r, seq in enumerate(prefixes):
-    batch[r, :len(seq)] = seq
-  logits = lm.apply(params, jnp.asarray(batch))[0]
-  last = jnp.asarray([len(seq) - 1 for seq in prefixes])
-  at = logits[jnp.arange(len(prefixes)), last].astype(jnp.float32)
-  top = jax.lax.top_k(at, 2)[0]
-  return [float(g) for g in top[:, 0] - top[:, 1]]
-
-
 def parting(a: list[int], b: list[int]) -> int | None:
   """The first position where two greedy continuations differ (one ending early, at its end
   of sequence, differs there), or None."""
@@ -162,7 +147,6 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
     params = {**params, "blocks": jax.tree.map(
         lambda a: a[jnp.arange(n) % a.shape[0]], params["blocks"])}
   mc = model_lib.ModelConfig.from_config(cfg.model)
-  lm = model_lib.LanguageModel(mc)
   weights = model_bytes(params, mc)
   rows = []
   sparse_cfg = copy.deepcopy(cfg)
@@ -216,8 +200,12 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
           "ratio": s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
           "profile": profile or None,
           "rows_parted": len(parted),
-          "top2_gaps": _top2_gaps(lm, params, [prompts[r] + out["dense"].tokens[r][:i]
-                                               for r, i in parted])})
+          "top2_gaps": []})
+      if parted:   # the dense decode's own logits at the parting tokens (an untimed run)
+        gaps = gens["dense"].generate_ids(prompts, max_new_tokens=fl.new_tokens,
+                                          sampling=greedy, stop_at_eos=False,
+                                          record_gaps=True).top2_gaps
+        row["top2_gaps"] = [gaps[r][i] for r, i in parted]
       row["exact"] = all(g <= NEAR_TIE for g in row["top2_gaps"])
       rows.append(row)
       print(f"  {shape:<5} batch {batch:>3} prompt {prompt_len:>5}: dense "

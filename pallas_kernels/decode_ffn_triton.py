@@ -32,13 +32,13 @@ For M <= ``rows_max`` (default 1: a single sequence) one kernel does all of it:
   loaded at once (D in one chunk up to ``rows_chunk``: every request of a program in flight
   together, no software pipeline, no MMA tile; the products are f32 multiply-and-sums in
   registers), then, if a feature fired, the fired rows of W_up^T and W_down (both requested
-  before either is used), and the block's partial y [M, D] in f32 (zeros where nothing
-  fired); XLA sums the partials. At batch 1, paper shape, H100, weights read from memory
-  (``benchmarks.probes.decode_gate``): 15.6 us per layer against the tiled kernels' 20.4
-  (``gate_up`` 13.8, of which the W_up pass after the gate loop is ~2.4 with the weights in
-  L2; ``down`` 5.3) and the dense FFN's 28.4. With more rows the per-row products outgrow
-  the registers (2 rows: 25-32 us against the tiled kernels' 20.7), so M > 1 takes the tiled
-  kernels.
+  before either is used), and the block's partial y [M, D] in f32 if a feature fired; a
+  second kernel sums the partials of the blocks that hold one. At batch 1, paper shape,
+  H100, weights read from memory (``benchmarks.probes.decode_gate``): 14.6 us per layer
+  against the tiled kernels' 20.5 (``gate_up`` 13.8, of which the W_up pass after the gate
+  loop is ~2.4 with the weights in L2; ``down`` 5.3) and the dense FFN's 29.4. With more
+  rows the per-row products outgrow the registers (2 rows: 25-32 us against the tiled
+  kernels' 20.7), so M > 1 takes the tiled kernels.
 
 It is the dense ReLU FFN's function (``reference.dense_ffn``): the same roundings, sums in f32
 in another order. A feature that fires in no row has its W_up^T row skipped, one whose h is
@@ -83,12 +83,13 @@ class DecodeConfig:
   down_features, down_cols: the W_down tile of one ``down`` program.
   rows_max: calls of at most this many rows take the one-kernel ``rows`` path (0: never).
   rows_features, rows_chunk, rows_warps: its features per program, D chunk, warps.
-  rows_sum: how its per-block partials are summed: "xla" (blocks where nothing fired write
-  zeros; XLA sums every block's: ~2.5 us of a batch-1 decode step's 15.5 us per layer at the
-  paper shape) or "kernel" (they write nothing; a kernel of ``rows_sum_cols`` columns per
-  program loads the partials of the blocks that fired only). "kernel" is checked in the
-  interpreter and not yet timed on a GPU (``benchmarks.probes.decode_gate`` times both), so
-  "xla" stays the default.
+  rows_sum: how its per-block partials are summed: "kernel" (blocks where nothing fired write
+  nothing; a kernel of ``rows_sum_cols`` columns per program loads the partials of the blocks
+  that fired only) or "xla" (those blocks write zeros and XLA sums every block's). H100,
+  paper shape, one row (``benchmarks.probes.decode_gate``): rows kernel 12.3 us per layer and
+  the sum kernel 2.1 (14.6 in all; 15.0 with 32 columns) against 12.8 + 2.5 with XLA's sum.
+  The gate product by XLA's GEMV instead (relu(x W_gate) written, the kernel reading it) was
+  measured slower: 6.4-8.6 us per layer for the GEMV alone, 16.3 in all.
   Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632; ``python -m
   benchmarks.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9
@@ -107,7 +108,7 @@ class DecodeConfig:
   rows_features: int = 8
   rows_chunk: int = 2048
   rows_warps: int = 4
-  rows_sum: str = "xla"
+  rows_sum: str = "kernel"
   rows_sum_cols: int = 8
 
   def __post_init__(self):

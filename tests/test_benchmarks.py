@@ -327,8 +327,8 @@ class DecodeSmokeTest(absltest.TestCase):
 
 
 class DecodePartingTest(absltest.TestCase):
-  """Where two greedy decodes part, and the dense model's top-2 gap there, for rows whose
-  continuations end at an end of sequence at different lengths (ragged)."""
+  """Where two greedy decodes part, for rows whose continuations end at an end of sequence at
+  different lengths (ragged)."""
 
   def test_parting_positions(self):
     from benchmarks import decode  # pylint: disable=import-outside-toplevel
@@ -336,20 +336,6 @@ class DecodePartingTest(absltest.TestCase):
     self.assertEqual(decode.parting([1, 2, 3], [1, 5, 3]), 1)
     self.assertEqual(decode.parting([1, 2], [1, 2, 7, 8]), 2)     # one ended at its EOS
     self.assertEqual(decode.parting([], [4]), 0)
-
-  def test_top2_gaps_of_ragged_prefixes(self):
-    from benchmarks import decode  # pylint: disable=import-outside-toplevel
-    from train import model as model_lib  # pylint: disable=import-outside-toplevel
-    from configs import tiny  # pylint: disable=import-outside-toplevel
-    mc = model_lib.ModelConfig.from_config(tiny.get_config().model)
-    lm = model_lib.LanguageModel(mc)
-    params = lm.init_params(jax.random.key(0))
-    prefixes = [[3, 4, 5], [3, 4, 5, 6, 7, 8], [9]]
-    gaps = decode._top2_gaps(lm, params, prefixes)  # pylint: disable=protected-access
-    for seq, gap in zip(prefixes, gaps):      # each as the one row of its own forward
-      alone = lm.apply(params, jnp.asarray([seq]))[0][0, -1].astype(jnp.float32)
-      top = jax.lax.top_k(alone, 2)[0]
-      self.assertAlmostEqual(gap, float(top[0] - top[1]), places=4)
 
 
 class EndToEndSmokeTest(absltest.TestCase):

@@ -77,6 +77,27 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn='sparse': no GPU"):
       generate.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)
 
+  def test_recorded_gaps_are_the_top2_gaps_of_the_full_forward(self):
+    """record_gaps: each new token's top-2 logit gap, as a full forward over its prefix gives
+    it (up to rounding); the same tokens as without; None unless asked."""
+    cfg, lm, params = _random_model(False)
+    prompts = [[2, 5, 9, 100], [2, 7]]
+    gen = generate.Generator(params, cfg)
+    greedy = generate.Sampling(temperature=0.0)
+    out = gen.generate_ids(prompts, max_new_tokens=6, sampling=greedy, stop_at_eos=False,
+                           record_gaps=True)
+    self.assertEqual(out.tokens, gen.generate_ids(prompts, max_new_tokens=6, sampling=greedy,
+                                                  stop_at_eos=False).tokens)
+    fwd = jax.jit(lambda p, t: lm.apply(p, t)[0])
+    for prompt, new, gaps in zip(prompts, out.tokens, out.top2_gaps):
+      self.assertLen(gaps, len(new))
+      seq = prompt + new
+      logits = fwd(params, jnp.asarray([seq + [0] * (16 - len(seq))]))[0].astype(jnp.float32)
+      for i, gap in enumerate(gaps):
+        top = jax.lax.top_k(logits[len(prompt) + i - 1], 2)[0]
+        self.assertAlmostEqual(gap, float(top[0] - top[1]), delta=0.05)
+    self.assertIsNone(gen.generate_ids(prompts, max_new_tokens=2).top2_gaps)
+
   def test_one_prompt_decodes_one_row_through_the_sparse_ffn(self):
     """A single prompt decodes as two equal rows (XLA keeps [2, D] projections GEMMs), but
     the decode FFN runs on one of them (its one-row kernel): the dense decode's tokens."""

@@ -123,6 +123,9 @@ class Generation:
   finished: list[bool]       # the row emitted EOS
   texts: list[str] | None    # the decoded completions (text calls)
   stats: dict                # timings, tokens/s and the FFN implementations used
+  # With record_gaps: per row, for each new token, the gap between the two largest logits it
+  # was drawn from (how near a tie the choice was).
+  top2_gaps: list[list[float]] | None = None
 
 
 def _round_up(n: int, m: int) -> int:
@@ -310,8 +313,9 @@ class Generator:
     return logits, jnp.pad(ks, pad), jnp.pad(vs, pad), active
 
   def _decode_fn(self, params, layers, logits, ck, cv, lengths, key, *, names, steps,
-                 sampling, eos_id, pad_id, stop_at_eos):
-    """(tokens [B, steps] int32 (pad_id after a row's EOS), decode steps run).
+                 sampling, eos_id, pad_id, stop_at_eos, record_gaps=False):
+    """(tokens [B, steps] int32 (pad_id after a row's EOS), decode steps run, and with
+    `record_gaps` the top-2 logit gap [B, steps] f32 each token was drawn with, else None).
 
     `layers`: the blocks' parameters one array per layer (`_layer_params`), and the KV cache
     one array per layer in the loop: each step reads every weight where it lies (XLA copies
@@ -371,8 +375,15 @@ class Generator:
       tok = sample(logits, jax.random.fold_in(key, i), sampling)
       return jnp.broadcast_to(tok[:1], tok.shape) if single else tok   # the copy follows
 
+    def top2_gap(logits):
+      top = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
+      return top[:, 0] - top[:, 1]
+
     tok = draw(logits, 0)
     out = jnp.full((logits.shape[0], steps), pad_id, jnp.int32).at[:, 0].set(tok)
+    # Only when asked: a top-k over the vocabulary per step is not free.
+    gaps = (jnp.zeros((logits.shape[0], steps), jnp.float32).at[:, 0].set(top2_gap(logits))
+            if record_gaps else None)
     done = tok == eos_id
 
     def cond(state):
@@ -381,14 +392,17 @@ class Generator:
       return going & ~jnp.all(done) if stop_at_eos else going
 
     def body(state):
-      i, tok, ck, cv, out, done = state
+      i, tok, ck, cv, out, gaps, done = state
       # Token i - 1 sits at position length + i - 1; its logits give token i.
       logits, ck, cv = forward(tok, lengths + i - 1, ck, cv)
       nxt = jnp.where(done, pad_id, draw(logits, i))
-      return (i + 1, nxt, ck, cv, out.at[:, i].set(nxt), done | (nxt == eos_id))
+      if record_gaps:
+        gaps = gaps.at[:, i].set(top2_gap(logits))
+      return (i + 1, nxt, ck, cv, out.at[:, i].set(nxt), gaps, done | (nxt == eos_id))
 
-    state = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, ck, cv, out, done))
-    return (state[4][:1] if single else state[4]), state[0] - 1
+    state = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, ck, cv, out, gaps, done))
+    one = lambda a: a[:1] if single and a is not None else a
+    return one(state[4]), state[0] - 1, one(state[5])
 
   def _compile(self, kind: str, fn, args, **static):
     key = (kind, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:])),
@@ -403,11 +417,12 @@ class Generator:
 
   def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
                    sampling: Sampling = Sampling(), seed: int = 0,
-                   stop_at_eos: bool = True) -> Generation:
+                   stop_at_eos: bool = True, record_gaps: bool = False) -> Generation:
     """Completes token-id prompts (each non-empty); see the module docstring.
 
     max_new_tokens: None fills the context after the longest prompt, at most
-    `DEFAULT_MAX_NEW_TOKENS`.
+    `DEFAULT_MAX_NEW_TOKENS`. record_gaps: also return each new token's top-2 logit gap
+    (`Generation.top2_gaps`; the decode loop then does a top-k per step, so time it without).
     """
     if not prompts:
       raise train_lib.ConfigError("no prompts")
@@ -456,9 +471,10 @@ class Generator:
     decode, decode_compile_s = self._compile(
         "decode", self._decode_fn, args,
         names=decode_names, steps=max_new_tokens, sampling=sampling,
-        eos_id=int(self.tokenizer.eos_id), pad_id=data_lib.PAD_ID, stop_at_eos=stop_at_eos)
+        eos_id=int(self.tokenizer.eos_id), pad_id=data_lib.PAD_ID, stop_at_eos=stop_at_eos,
+        record_gaps=record_gaps)
     t0 = time.perf_counter()
-    out, steps = jax.block_until_ready(decode(*args))
+    out, steps, gaps = jax.block_until_ready(decode(*args))
     decode_s = time.perf_counter() - t0
     out, steps = np.asarray(out), int(steps)
 
@@ -482,7 +498,13 @@ class Generator:
         "ffn_implementations": sorted(set(run_names) | set(decode_names)),
         "prefill_active_per_token": [float(a) for a in np.asarray(active)],
     }
-    return Generation(tokens=new_tokens, finished=finished, texts=None, stats=stats)
+    top2_gaps = None
+    if gaps is not None:
+      # a finished row's EOS token included
+      top2_gaps = [[float(g) for g in row[:len(t) + f]]
+                   for row, t, f in zip(np.asarray(gaps), new_tokens, finished)]
+    return Generation(tokens=new_tokens, finished=finished, texts=None, stats=stats,
+                      top2_gaps=top2_gaps)
 
   def __call__(self, prompts: Sequence[str], *, prefix_eos: bool = True, **kwargs) -> Generation:
     """Completes text prompts; kwargs are `generate_ids`'s."""

@@ -80,11 +80,16 @@ def main(argv):
     if m <= _ROWS_MAX.value:
       rows = dict(rows_max=_ROWS_MAX.value, rows_features=8, rows_warps=4)
       configs.append(("rows kernel, XLA sum", kernels.DecodeConfig(**rows, rows_sum="xla")))
-      for cols in (8, 16, 32):
+      for cols in (8, 32):
         configs.append((f"rows kernel, sum kernel of {cols} columns", kernels.DecodeConfig(
             **rows, rows_sum="kernel", rows_sum_cols=cols)))
-      configs.append(("rows kernel, 16 features, sum kernel of 16", kernels.DecodeConfig(
-          **{**rows, "rows_features": 16}, rows_sum="kernel", rows_sum_cols=16)))
+      for bf in (4, 16):
+        configs.append((f"rows kernel, {bf} features, sum kernel of 8", kernels.DecodeConfig(
+            **{**rows, "rows_features": bf}, rows_sum="kernel", rows_sum_cols=8)))
+      # The gate GEMV alone (XLA, W_gate^T [H, D]): where a gate computed by XLA would start.
+      gemv = jax.jit(lambda x, dws: sum(jnp.sum(jnp.maximum(jax.lax.dot_general(
+          x, w.w_pre_t, (((1,), (1,)), ((), ()))), 0).astype(jnp.float32)) for w in dws))
+      runs.append(_breakdown("XLA gate GEMV with relu alone", gemv, x, dws, layers=layers))
     for label, cfg in configs:
       try:
         f = sparse(cfg)
