@@ -219,7 +219,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       for _ in range(3):
         state, m = step(state, batch)
       jax.block_until_ready(state)
-    profile = timing.trace_breakdown(trace_dir, steps=3)
+    profile = timing.trace_breakdown(trace_dir, steps=3, top=40)
   tokens = cfg.batch_size * cfg.data.seq_len
   med = statistics.median(synced)
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in tr.mesh.devices.flat]

@@ -34,9 +34,9 @@ For M <= ``rows_max`` (default 1: a single sequence) one kernel does all of it:
   registers), then, if a feature fired, the fired rows of W_up^T and W_down (both requested
   before either is used), and the block's partial y [M, D] in f32 if a feature fired; a
   second kernel sums the partials of the blocks that hold one. At batch 1, paper shape,
-  H100, weights read from memory (``benchmarks.probes.decode_gate``): 14.6 us per layer
-  against the tiled kernels' 20.5 (``gate_up`` 13.8, of which the W_up pass after the gate
-  loop is ~2.4 with the weights in L2; ``down`` 5.3) and the dense FFN's 29.4. With more
+  H100, weights read from memory (``benchmarks.probes.decode_gate``): 13.9 us per layer
+  against the tiled kernels' 20.4 (``gate_up`` 13.8, of which the W_up pass after the gate
+  loop is ~2.4 with the weights in L2; ``down`` 5.3) and the dense FFN's 28.4. With more
   rows the per-row products outgrow the registers (2 rows: 25-32 us against the tiled
   kernels' 20.7), so M > 1 takes the tiled kernels.
 
@@ -85,18 +85,17 @@ class DecodeConfig:
   rows_features, rows_chunk, rows_warps: its features per program, D chunk, warps.
   rows_sum: how its per-block partials are summed: "kernel" (blocks where nothing fired write
   nothing; a kernel of ``rows_sum_cols`` columns per program loads the partials of the blocks
-  that fired only) or "xla" (those blocks write zeros and XLA sums every block's). H100,
-  paper shape, one row (``benchmarks.probes.decode_gate``): rows kernel 12.3 us per layer and
-  the sum kernel 2.1 (14.6 in all; 15.0 with 32 columns) against 12.8 + 2.5 with XLA's sum.
-  The gate product by XLA's GEMV instead (relu(x W_gate) written, the kernel reading it) was
-  measured slower: 6.4-8.6 us per layer for the GEMV alone, 16.3 in all.
+  that fired only) or "xla" (those blocks write zeros and XLA sums every block's).
   Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632; ``python -m
   benchmarks.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9
   against 31.2. At 64 rows every union measured loses to dense (41-58 us against 38).
-  The rows path's (``benchmarks.probes.decode_gate``, weights out of L2, one row, ~30
-  features firing): 8 features and 4 warps 15.6 us per layer (15.8 with the W_down rows
-  requested after the W_up products); 16 features 16.3, 32 features 20.5, 2 warps 19.1.
+  The rows path's (``benchmarks.probes.decode_gate``: weights out of L2, one row, ~30
+  features firing, 4 warps; us per layer, rows kernel + sum): 4 features 11.4 + 2.4 (the
+  default), 8 features 12.3 + 2.1, 16 features 15.1 + 1.9; 8 features with 32 columns per
+  sum program 12.3 + 2.5, with XLA's sum 12.9 + 2.5; 2 warps 19.1 in all; the dense FFN
+  28.4. The gate product by XLA's GEMV instead (relu(x W_gate) written, the kernel reading
+  it) measured slower: 6.4-8.6 us per layer for the GEMV alone, 16.3 in all.
   """
   block_features: int = 16
   block_d: int = 256
@@ -105,7 +104,7 @@ class DecodeConfig:
   num_warps: int = 2
   num_stages: int = 3
   rows_max: int = 1
-  rows_features: int = 8
+  rows_features: int = 4
   rows_chunk: int = 2048
   rows_warps: int = 4
   rows_sum: str = "kernel"
