@@ -61,6 +61,7 @@ def _define_flags():
   flags.DEFINE_string("sparse", "mosaic_gpu", "the sparse model's FFN implementation")
   flags.DEFINE_list("models", ["sparse", "dense"], "sparse, dense")
   flags.DEFINE_bool("remat", False, "rematerialize each block")
+  flags.DEFINE_bool("scan_unroll", False, "with --scan_layers: the scan fully unrolled")
   flags.DEFINE_bool("scan_layers", True, "the layers as a lax.scan over stacked weights (the "
                     "paper configs' layout), else one unrolled block per layer")
   flags.DEFINE_list("options", ["trainer", "no_lhs"],
@@ -94,6 +95,7 @@ def _config(fl, model: str, data: int, fsdp: int):
     cfg.model.n_layers = fl.layers
   cfg.model.remat = fl.remat
   cfg.model.scan_layers = fl.scan_layers
+  cfg.model.scan_unroll = fl.scan_unroll
   cfg.mesh.update(data=data, fsdp=fsdp)
   if model == "sparse":
     # The per-layer choice picks each layer's FFN (ffn_implementation None), as in training.
@@ -226,7 +228,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   kinds = collections.Counter(kind for kind, _ in found)
   return {
       "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
-      "scan_layers": fl.scan_layers,
+      "scan_layers": fl.scan_layers, "scan_unroll": fl.scan_unroll,
       "compiler_options": OPTION_SETS[options], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,

@@ -95,6 +95,14 @@ class ModelTest(tu.FastCompile, parameterized.TestCase):
     jax.tree.map(np.testing.assert_array_equal,
                  model_lib.stacked_ffn(p_loop, 3),
                  model_lib.stacked_ffn(p_scan, 3))
+    # The scan unrolled: the same parameters, logits and gradients.
+    unrolled = model_lib.LanguageModel(_cfg(n_layers=3, scan_layers=True, remat=remat,
+                                            scan_unroll=True))
+    lc, _ = jax.jit(unrolled.apply)(p_scan, tokens)
+    np.testing.assert_allclose(lc, lb, rtol=1e-5, atol=1e-5)
+    grad = lambda lm: jax.jit(jax.grad(lambda p: (lm.apply(p, tokens)[0] ** 2).mean()))(p_scan)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grad(scan), grad(unrolled))
 
   @parameterized.parameters(("dense", "silu"), ("dense", "relu"))
   def test_dense_baseline(self, implementation, activation):
@@ -129,6 +137,7 @@ class AttentionChoiceTest(absltest.TestCase):
     self.assertEqual(self._pick("--xla_gpu_deterministic_ops"), "xla")
     self.assertEqual(self._pick("--xla_gpu_deterministic_ops=false"), "cudnn")
     self.assertEqual(self._pick(det, scan_layers=True), "cudnn")   # one call per program
+    self.assertEqual(self._pick(det, scan_layers=True, scan_unroll=True), "xla")
     self.assertEqual(self._pick(det, attention="cudnn"), "cudnn")  # asked for by name
 
 

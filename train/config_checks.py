@@ -10,8 +10,8 @@ backend. The first problem raises a `ConfigError` naming the field
 trained with (WORKDIR/config.json) with the one a rerun asks for. Each field is
 in one of three classes:
   * free: how the run is observed or executed, not what it computes (log, eval
-    and checkpoint cadence, the FFN implementation and kernels, remat, where
-    the data lives): applied and logged;
+    and checkpoint cadence, the FFN implementation and kernels, remat, the scan
+    unrolled, where the data lives): applied and logged;
   * accepted on request: the optimisation of the remaining steps (schedule,
     optimizer, L1, number of steps, compute dtype): the checkpoints still fit,
     but the run is no longer the one that was started, so the rerun needs
@@ -80,7 +80,7 @@ _FLOAT_RANGE = {
     "layer_choice.dense_above": (0.0, math.inf, True, False),
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
-          "model.interpret", "data.use_tfds", "layer_choice.enabled",
+          "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
           "layer_choice.background")
 
 
@@ -217,8 +217,8 @@ CONFIG_FILE = "config.json"
 # Changes applied without asking (observation and execution, not the computation).
 _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
          "data.data_dir", "data.use_tfds", "data.prefetch", "data.eval_split",
-         "model.ffn_implementation", "model.attention", "model.remat", "model.interpret",
-         "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir", "profile.")
+         "model.ffn_implementation", "model.attention", "model.remat", "model.scan_unroll",
+         "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir", "profile.")
 # Changes that fit the checkpoints but change the rest of the run: need the flag.
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",

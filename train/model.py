@@ -60,13 +60,14 @@ def attention_implementation(cfg: "ModelConfig") -> str:
   """The attention kernel a config runs: cuDNN flash attention on a GPU for bf16 / f16 with
   head dims it supports (7.6x faster than XLA's at the paper shape on an H200), else XLA's.
 
-  Not under XLA's deterministic ops (`--xla_gpu_deterministic_ops`) with the loop layout: a
-  train step holding several cuDNN attention calls then stops at its first run with
-  `IndexError: raw_hash_map<>::at` (H100, jax 0.11.2; one call per program, the scan
-  layout's, runs), so "auto" takes XLA's attention there."""
+  Not under XLA's deterministic ops (`--xla_gpu_deterministic_ops`) with the loop layout (or
+  the scan unrolled): a train step holding several cuDNN attention calls then stops at its
+  first run with `IndexError: raw_hash_map<>::at` (H100, jax 0.11.2; one call per program,
+  the scan's, runs), so "auto" takes XLA's attention there."""
   if cfg.attention != "auto":
     return cfg.attention
-  if deterministic_ops() and not cfg.scan_layers and cfg.n_layers > 1:
+  several = not cfg.scan_layers or cfg.scan_unroll
+  if deterministic_ops() and several and cfg.n_layers > 1:
     return "xla"
   e = cfg.d_model // cfg.n_heads
   if (jax.default_backend() == "gpu" and cfg.dtype in ("bfloat16", "float16")
@@ -94,6 +95,10 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   scan_layers: bool = False
+  # Scan layout: the scan fully unrolled (straight-line layers over the stacked weights).
+  # Its loop's stacked residual buffers are then not written with zeros first (XLA copies one
+  # zero broadcast into each, ~4.6 ms a step at the paper shape, 4 layers, no remat).
+  scan_unroll: bool = False
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
   interpret: bool = False   # FFN kernels in the Mosaic GPU interpreter (CPU; slow)
   # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
@@ -368,7 +373,7 @@ class LanguageModel:
       if self.cfg.remat:
         layer = jax.checkpoint(layer)
       group = jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"])
-      x, stats = jax.lax.scan(layer, x, group)
+      x, stats = jax.lax.scan(layer, x, group, unroll=bool(self.cfg.scan_unroll) or 1)
       group_stats.append(stats)
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *group_stats)
     return outer, x, stats
