@@ -92,6 +92,19 @@ def _with(**overrides):
   return c
 
 
+class ConfigChangeTest(absltest.TestCase):
+
+  def test_unrolling_the_scan_is_free_changing_the_layout_is_refused(self):
+    """The unrolled scan keeps the stacked checkpoints: a free change on resume; the layer
+    layout itself is not."""
+    from train import config_checks  # pylint: disable=import-outside-toplevel
+    stored = {"model": {"scan_layers": True, "scan_unroll": False}}
+    kinds = config_checks.changes(stored, {"model": {"scan_layers": True, "scan_unroll": True}})
+    self.assertEqual(kinds["free"], [("model.scan_unroll", False, True)])
+    kinds = config_checks.changes(stored, {"model": {"scan_layers": False, "scan_unroll": False}})
+    self.assertEqual(kinds["refused"], [("model.scan_layers", True, False)])
+
+
 class ConfigCheckTest(parameterized.TestCase):
   """`check_config` (train/config_checks.py) names the field, the value and the range."""
 

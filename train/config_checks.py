@@ -218,7 +218,8 @@ CONFIG_FILE = "config.json"
 _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
          "data.data_dir", "data.use_tfds", "data.prefetch", "data.eval_split",
          "model.ffn_implementation", "model.attention", "model.remat", "model.scan_unroll",
-         "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir", "profile.")
+         "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir",
+         "profile.")
 # Changes that fit the checkpoints but change the rest of the run: need the flag.
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",
