@@ -211,6 +211,13 @@ class MeshRulesTest(absltest.TestCase):
         {"kind": "all-reduce", "bytes": 4 * 4 + 16 * 2, "between": 2},
         {"kind": "all-gather", "bytes": 16 * 16 * 2, "between": 1},
         {"kind": "reduce-scatter", "bytes": 32, "between": 0}])   # waited for at once
+    # The GPU's form: the operands' tuple, then the results; each reduced byte counted once.
+    gpu = hlo.replace("%all-reduce-start.1 = (f32[4]{0}, bf16[2,8]{1,0}) all-reduce-start",
+                      "%all-reduce-start.1 = ((f32[4]{0}, bf16[2,8]{1,0}), f32[4]{0}, "
+                      "bf16[2,8]{1,0}) all-reduce-start")
+    self.assertNotEqual(gpu, hlo)
+    self.assertEqual(sharding.collective_overlap(gpu)[0],
+                     {"kind": "all-reduce", "bytes": 4 * 4 + 16 * 2, "between": 2})
 
 
 class TwoGpuOverlapTest(absltest.TestCase):

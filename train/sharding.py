@@ -228,6 +228,9 @@ def collective_overlap(hlo_text: str) -> list[dict]:
         found = _KINDS.search(line[line.index("async-start("):])
         kind = found.group(0) if found else "async"
       result = line[line.index(" = ") + 3:line.index(m.group(2) + "(")]
+      if kind == "all-reduce" and result.startswith("(("):
+        # ((operands), results...) (the GPU's schedule in jax 0.11): the results only.
+        result = result[result.index(")") + 1:]
       sizes = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dt, 4)
                for dt, dims in _SHAPE.findall(result)]
       # An all-reduce's result lists each combined operand; another start's tuple holds its
