@@ -19,7 +19,11 @@ sequences of the shape's context per device, for two models at the paper's shape
   * dense: the same weights with a SiLU FFN on the dense implementation.
 
 A mesh of several devices is compiled with each of `--options`: "trainer" (the trainer's
-own: XLA's defaults) and XLA option sets to compare (`OPTION_SETS`).
+own: XLA's defaults) and XLA option sets to compare (`OPTION_SETS`). With `--frozen_weights`
+(the default) the steps run at learning rate 0: the same computation, but the weights stay
+those the run starts from, so every measurement (synchronized, back-to-back, each mesh) sees
+the same activity; training one batch over and over would drift it, and the sparse kernels'
+cost with it.
 Per mesh, model and option set: tokens/s of back-to-back steps, as the trainer runs them
 (it reads the device only every `log_every` steps), per device, and the scaling efficiency
 against the 1-device mesh (tokens/s over devices x the 1-device tokens/s); the same of
@@ -62,6 +66,8 @@ def _define_flags():
   flags.DEFINE_list("models", ["sparse", "dense"], "sparse, dense")
   flags.DEFINE_bool("remat", False, "rematerialize each block")
   flags.DEFINE_bool("scan_unroll", False, "with --scan_layers: the scan fully unrolled")
+  flags.DEFINE_bool("frozen_weights", True, "time the steps at learning rate 0 (unchanged "
+                    "weights: the same activity in every measurement)")
   flags.DEFINE_bool("scan_layers", True, "the layers as a lax.scan over stacked weights (the "
                     "paper configs' layout), else one unrolled block per layer")
   flags.DEFINE_list("options", ["trainer", "no_lhs"],
@@ -96,6 +102,8 @@ def _config(fl, model: str, data: int, fsdp: int):
   cfg.model.remat = fl.remat
   cfg.model.scan_layers = fl.scan_layers
   cfg.model.scan_unroll = fl.scan_unroll
+  if fl.frozen_weights:
+    cfg.learning_rate = 0.0
   cfg.mesh.update(data=data, fsdp=fsdp)
   if model == "sparse":
     # The per-layer choice picks each layer's FFN (ffn_implementation None), as in training.
@@ -229,6 +237,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   return {
       "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
       "scan_layers": fl.scan_layers, "scan_unroll": fl.scan_unroll,
+      "frozen_weights": fl.frozen_weights,
       "compiler_options": OPTION_SETS[options], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,

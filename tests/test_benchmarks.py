@@ -166,7 +166,7 @@ class ScalingSmokeTest(absltest.TestCase):
     import types  # pylint: disable=import-outside-toplevel
     fl = types.SimpleNamespace(shape="tiny", layers=2, batch_per_device=2, iters=1,
                                weights="init", remat=False, sparse="xla", scan_layers=True,
-                               scan_unroll=True)
+                               scan_unroll=True, frozen_weights=True)
     params = scaling._params(fl)  # pylint: disable=protected-access
     # The sparse model as the trainer runs it: the per-layer choice from one step's counts.
     choice = scaling._choose(fl, params)  # pylint: disable=protected-access
@@ -181,6 +181,11 @@ class ScalingSmokeTest(absltest.TestCase):
     self.assertEqual(r["collectives"], {})
     self.assertEqual(r["non_weight_collectives"], [])
     self.assertTrue(r["scan_layers"])
+    # Timed at learning rate 0 (the weights, and so the activity, do not drift), unless asked.
+    config = scaling._config  # pylint: disable=protected-access
+    self.assertEqual(config(fl, "sparse", 1, 1).learning_rate, 0.0)
+    fl.frozen_weights = False
+    self.assertGreater(config(fl, "sparse", 1, 1).learning_rate, 0.0)
 
   def test_loop_layout_of_stacked_params(self):
     """`--scan_layers=false` runs scan-layout (cached) weights in the loop layout: the
