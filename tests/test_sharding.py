@@ -6,7 +6,9 @@
   runs per device under shard_map) on meshes 1, data=4, data=2 x fsdp=2 and fsdp=4: the same
   loss curve and parameters as one device; the compiled steps gather weights only (no
   all-gather, all-to-all or all-reduce of an activation); a checkpoint written from one mesh
-  restores onto the others and continues identically.
+  restores onto the others and continues identically; with two micro-batches a step, the
+  same on meshes 1, data=4 and data=2 x fsdp=2, and data parallel reduces the gradients once
+  per step, not inside the micro-batch loop.
 The Mosaic GPU kernels themselves refuse the interpreter inside shard_map over more than one
 device (the interpreter keeps one simulated GPU memory per process); they run per device
 under shard_map on a one-device mesh in tests/test_transforms.py, and on GPUs.
@@ -87,6 +89,22 @@ _FOUR_DEVICES = textwrap.dedent("""
         from train import inference
         inf = inference.inference_params(state["params"], tr.model_cfg)
         inference_devices = sorted({len(a.sharding.device_set) for a in jax.tree.leaves(inf)})
+    # Two micro-batches a step (4 rows each): data parallel sums each device's micro-batches
+    # and reduces once per step, outside the micro-batch loop.
+    cfg.grad_accum_steps = 2
+    accum = tokens[:2].reshape(2, 2, 4, 25)
+    for data, fsdp in ((1, 1), (4, 1), (2, 2)):
+      tr = trainer(data, fsdp)
+      state, losses, hlo = steps(tr, tr.new_state(jax.random.key(0)), accum)
+      params = jax.device_get(state["params"])
+      ref = out.get("accum_1x1", {}).get("params", params)
+      out[f"accum_{data}x{fsdp}"] = {
+          "losses": losses, "params": params,
+          "param_diff": max(float(np.max(np.abs(a - b))) for a, b in
+                            zip(jax.tree.leaves(params), jax.tree.leaves(ref))),
+          "collectives": sharding.collectives(hlo),
+          "loop_collectives": sharding.loop_collectives(hlo),
+          "param_shapes": [list(p.shape) for p in jax.tree.leaves(params)]}
     for v in out.values():
       v.pop("params", None)
     out["inference_devices"] = inference_devices
@@ -293,6 +311,22 @@ class FourDevicesTest(absltest.TestCase):
     for mesh in ("4x1", "2x2", "1x4"):
       np.testing.assert_allclose(self.out[mesh]["losses"], ref, rtol=1e-5, err_msg=mesh)
       self.assertLess(self.out[mesh]["param_diff"], 1e-5, mesh)
+
+  def test_micro_batches_reduced_once_per_step(self):
+    """Two micro-batches a step: the same losses and parameters on every mesh; data parallel
+    reduces no gradient inside the micro-batch loop (it reduces the summed gradients once)."""
+    ref = self.out["accum_1x1"]["losses"]
+    for mesh in ("4x1", "2x2"):
+      r = self.out[f"accum_{mesh}"]
+      np.testing.assert_allclose(r["losses"], ref, rtol=1e-5, err_msg=mesh)
+      self.assertLess(r["param_diff"], 1e-5, mesh)
+      fsdp = int(mesh.split("x")[1])
+      self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"],
+                                                       fsdp), [], mesh)
+    # data=4: nothing inside the loop (with fsdp, GSPMD reduces over "fsdp" per micro-batch,
+    # an all-reduce on the CPU, a reduce-scatter on GPUs).
+    self.assertEqual(self.out["accum_4x1"]["loop_collectives"], [])
+    self.assertIn("all-reduce", {kind for kind, _ in self.out["accum_4x1"]["collectives"]})
 
   def test_sharded_ffn_equals_ffn(self):
     """y, every statistic and every gradient, with x split over its leading axis, over its

@@ -157,6 +157,34 @@ def collectives(hlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...
   return out
 
 
+_CALLED = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations)=\{?([^}]*?)\}?(?:,\s[a-z_]+=|$)")
+
+
+def loop_collectives(hlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+  """The collectives of `collectives(hlo_text)` that run inside a while loop's body (or in a
+  computation it calls): those a step repeats once per iteration."""
+  bodies, calls, lines, name = set(), {}, {}, None
+  for line in hlo_text.splitlines():
+    if _COMPUTATION.match(line) and not line.startswith(" "):
+      name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      calls[name], lines[name] = set(), []
+      continue
+    if name is None:
+      continue
+    lines[name].append(line)
+    bodies.update(m.lstrip("%") for m in re.findall(r"\bbody=(%?[\w.\-]+)", line))
+    for group in _CALLED.findall(line):
+      calls[name].update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
+  inside, todo = set(), list(bodies)
+  while todo:
+    c = todo.pop()
+    if c in inside or c not in calls:
+      continue
+    inside.add(c)
+    todo.extend(calls[c])
+  return collectives("\n".join(l for c in sorted(inside) for l in lines[c]))
+
+
 def _weight_shapes(param_shapes, fsdp: int = 1) -> set:
   """A parameter's shape, of a stacked one its layer slice (with and without the axis), its
   fsdp shards (one axis divided by `fsdp`: what an all-gather starts from and a
@@ -177,8 +205,9 @@ def non_weight_collectives(found, param_shapes, fsdp: int = 1
   its gradient or their fsdp shards (`fsdp`: the mesh's fsdp size): [(kind, dtype, shape)].
 
   Every all-to-all and collective-permute, and each all-gather, all-reduce or reduce-scatter
-  operand that is not shaped like a parameter; all-reduces of scalars and vectors (the
-  statistics) pass. Meaningful where no activation has a parameter's shape.
+  operand that is not shaped like a parameter; all-reduces of scalars and vectors, and of
+  integers (the statistics and counters) pass. Meaningful where no activation has a
+  parameter's shape.
   """
   weights = _weight_shapes(param_shapes, fsdp)
   bad = []
@@ -187,7 +216,8 @@ def non_weight_collectives(found, param_shapes, fsdp: int = 1
       shape = tuple(shape)
       if kind in ("all-to-all", "collective-permute"):
         bad.append((kind, dtype, shape))
-      elif not (kind == "all-reduce" and len(shape) <= 1) and shape not in weights:
+      elif not (kind == "all-reduce" and (len(shape) <= 1 or dtype[0] in "su")) and (
+          shape not in weights):
         bad.append((kind, dtype, shape))
   return bad
 

@@ -16,12 +16,26 @@ with gradients summed over the A micro-batches by `lax.scan` and divided by
 A, then one clipped AdamW update. Per-layer FFN statistics are reduced over
 the micro-batches: means for l1 / nnz_per_token, max for max_tile_nnz, sum for
 overflow_rows, any for fired.
+
+Data parallelism (a "data" mesh axis of more than one device, parameters replicated on every
+device: no fsdp) with A > 1: the micro-batch loop runs per device under `jax.shard_map`, each
+device sums its own micro-batches' gradients in f32, and one all-reduce per step (`pmean`)
+adds the devices' sums. Under plain GSPMD the FFN's and the loss's shard_map transposes (and
+the partitioner) reduce every micro-batch's gradients inside the loop, and XLA does not move
+those reductions out of the nested loops: A all-reduces of the whole gradient a step instead
+of one. With A = 1 the gradients are reduced inside the backward as they appear (bf16,
+overlapped with the rest of the backward). Meshes with fsdp stay under GSPMD: weights are
+gathered and gradients reduce-scattered (and reduced over "data") per micro-batch.
 """
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import optax
 
+from twell_jax import sharded
+from twell_jax import stats as stats_lib
 from train import losses
 from train import optim
 from train import sparsity
@@ -46,6 +60,17 @@ def make_loss_fn(lm, cfg):
   return loss_fn
 
 
+def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
+  """Per-micro-batch stats [A, L, ...] -> [L, ...], reduced over the micro-batches as the
+  step's metrics reduce them (the devices then reduce a layer's numbers, not A of them)."""
+  return stats_lib.FFNStats(
+      l1=jnp.mean(st.l1, 0),
+      nnz_per_token=jnp.mean(st.nnz_per_token, 0),
+      max_tile_nnz=jnp.max(st.max_tile_nnz, 0),
+      overflow_rows=jnp.sum(st.overflow_rows, 0),
+      feature_counts=jnp.sum(st.feature_counts, 0))
+
+
 def make_train_step(lm, tx, cfg, grad_sharding=None):
   """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics).
 
@@ -59,18 +84,51 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   constrain = ((lambda g: g) if grad_sharding is None else
                (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
 
+  def accumulate(params, tokens, l1_coeff, laid_out=constrain):
+    """(gradients summed over the micro-batches of `tokens` [A, b, T+1], the per-micro-batch
+    (loss, ce, l1, stats))."""
+
+    def micro(grad_sum, toks):
+      (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
+      grad_sum = laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads)))
+      return grad_sum, (loss, ce, l1, stats)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return jax.lax.scan(micro, zeros, tokens)
+
+  def accumulate_per_device(params, tokens, l1_coeff, axes):
+    """`accumulate` with each device of `axes` summing its own micro-batches and one
+    reduction of the sums (see the module docstring)."""
+
+    def local(params, tokens, l1_coeff):
+      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff, lambda g: g)
+      # Equal token counts per device: the mean over devices of each device's mean loss
+      # is the loss of the whole batch, and its gradient the mean of theirs.
+      mean = lambda a: lax.pmean(a, axes)
+      stats = jax.tree.map(lambda a: a[None],
+                           sharded.reduce_stats(_fold_micro_batches(stats), axes))
+      return jax.tree.map(mean, grad_sum), (mean(loss), mean(ce), mean(l1), stats)
+
+    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=(P(), P(None, axes), P()), out_specs=P(),
+                         axis_names=frozenset(axes), check_vma=False)(
+                             params, tokens, l1_coeff)
+
   def train_step(state, tokens):
     params, step = state["params"], state["step"]
     l1_coeff = l1_fn(step)
     n_micro = tokens.shape[0]
-
-    def micro(grad_sum, toks):
-      (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
-      grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, constrain(grads)))
-      return grad_sum, (loss, ce, l1, stats)
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    # Parameters replicated on every device of the mesh (a data axis, no fsdp): the step
+    # runs manual over all of its axes (partly manual regions would leave cuDNN attention's
+    # custom partitioning an abstract mesh, which it cannot lower).
+    if (n_micro > 1 and shape.get("data", 1) > 1
+        and all(n == 1 for a, n in shape.items() if a != "data")):
+      grad_sum, (loss, ce, l1, stats) = accumulate_per_device(
+          params, tokens, l1_coeff, tuple(mesh.axis_names))
+    else:
+      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff)
     grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)

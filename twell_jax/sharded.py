@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from twell_jax import api
 from twell_jax import stats as stats_lib
 
-__all__ = ["BATCH_AXES", "batch_axes", "split_axes", "gathered", "ffn"]
+__all__ = ["BATCH_AXES", "batch_axes", "split_axes", "gathered", "reduce_stats", "ffn"]
 
 # Mesh axes that split the batch (data parallel, and FSDP, whose devices also hold distinct
 # tokens); any other axis is left to GSPMD.
@@ -76,8 +76,9 @@ def gathered(w):
   return lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, P()))
 
 
-def _reduce(st: stats_lib.FFNStats, axes) -> stats_lib.FFNStats:
-  """Per-device stats -> the stats of the whole batch (equal shards of the tokens).
+def reduce_stats(st: stats_lib.FFNStats, axes) -> stats_lib.FFNStats:
+  """Per-device stats -> the stats of the whole batch (equal shards of the tokens), inside
+  `shard_map` over `axes`; any leading axes (layers, micro-batches) are kept.
 
   Only l1 is differentiable; the counters pass through `stop_gradient` first, because a custom
   VJP's integer outputs carry instantiated zero tangents and `pmax` has no JVP rule.
@@ -119,7 +120,7 @@ def ffn(x, w_gate, w_up, w_down, *, return_stats: bool = False, **kwargs):
   def local(x, *ws):
     wg, wu, wd = (None, *ws) if w_gate is None else ws
     y, st = api.ffn(x, wg, wu, wd, return_stats=True, **kwargs)
-    return y, _reduce(st, axes)
+    return y, reduce_stats(st, axes)
 
   y, st = jax.shard_map(
       local, mesh=mesh, in_specs=(P(axes),) + (P(),) * len(weights),
