@@ -4,6 +4,7 @@ r"""Training throughput per mesh: the sparse and the dense model on 1 device and
     python -m benchmarks.scaling --meshes=1x1,2x1,1x2 --layers=4    # explicit meshes
     python -m benchmarks.scaling --options=trainer,xla              # XLA option sets compared
     python -m benchmarks.scaling --scan_layers=false                # one block per layer
+    python -m benchmarks.scaling --remat --grad_accum=4             # the trainer's accumulation
     python -m benchmarks.scaling --shape=tiny --weights=init --meshes=1x1 --iters=2   # CPU
 
 Each mesh DATAxFSDP runs the trainer's own step (`train.train_lib.Trainer`: the FFN and the
@@ -57,7 +58,9 @@ def _define_flags():
   flags.DEFINE_list("meshes", None, "DATAxFSDP meshes (default: 1x1 and Nx1 for N devices)")
   flags.DEFINE_enum("shape", "paper", ["paper", "tiny"], "paper: D=2048, H=5632; tiny: CPU")
   flags.DEFINE_integer("layers", 4, "layers of the paper shape")
-  flags.DEFINE_integer("batch_per_device", 8, "sequences per device and step")
+  flags.DEFINE_integer("batch_per_device", 8, "sequences per device and micro-batch")
+  flags.DEFINE_integer("grad_accum", 1, "micro-batches per step (the paper configs: 8), their "
+                       "gradients summed on each device and reduced once per step")
   flags.DEFINE_integer("iters", 10, "timed steps per measurement")
   flags.DEFINE_enum("weights", "trained", ["trained", "init"], "paper-like trained or random")
   flags.DEFINE_integer("train_steps", 1500, "training steps of the trained weights (cached)")
@@ -91,12 +94,16 @@ OPTION_SETS = {
     "double_buffer": {"xla_gpu_enable_while_loop_double_buffering": True},
     "overlap2_db": {"xla_gpu_experimental_parallel_collective_overlap_limit": 2,
                     "xla_gpu_enable_while_loop_double_buffering": True},
+    "sol": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
+    "user_buffers": {"xla_gpu_enable_nccl_user_buffers": True},
+    "symmetric": {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True},
 }
 
 
 def _config(fl, model: str, data: int, fsdp: int):
   base = "tiny" if fl.shape == "tiny" else "paper_0p5b"
-  cfg = trained.config_for(base, batch=fl.batch_per_device * data * fsdp)
+  cfg = trained.config_for(base, batch=fl.batch_per_device * data * fsdp * fl.grad_accum)
+  cfg.grad_accum_steps = fl.grad_accum
   if fl.shape != "tiny":
     cfg.model.n_layers = fl.layers
   cfg.model.remat = fl.remat
@@ -182,7 +189,9 @@ def _batch(tr, cfg):
   packer = data_lib.PackedBatches(
       data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
       seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 7)
-  return tr.put_batch(packer.next_batch()[None].astype(np.int32), tr.batch_sharding)
+  rows = packer.next_batch().astype(np.int32)
+  return tr.put_batch(rows.reshape(cfg.grad_accum_steps, -1, rows.shape[-1]),
+                      tr.batch_sharding)
 
 
 def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
@@ -276,8 +285,8 @@ def main(argv):
           + " ".join(f"{r:.2f}" for r in choice["predicted"]) + ")", flush=True)
   results = {"device": device, "device_count": n, "jax": jax.__version__,
              "shape": fl.shape, "layers": fl.layers, "scan_layers": fl.scan_layers,
-             "batch_per_device": fl.batch_per_device,
-             "weights": fl.weights,
+             "batch_per_device": fl.batch_per_device, "grad_accum": fl.grad_accum,
+             "weights": fl.weights, "train_steps": fl.train_steps,
              "sparse_layers": None if choice is None else choice["describe"],
              "option_sets": {k: OPTION_SETS[k] for k in fl.options}, "runs": []}
   for model in fl.models:

@@ -166,7 +166,7 @@ class ScalingSmokeTest(absltest.TestCase):
     import types  # pylint: disable=import-outside-toplevel
     fl = types.SimpleNamespace(shape="tiny", layers=2, batch_per_device=2, iters=1,
                                weights="init", remat=False, sparse="xla", scan_layers=True,
-                               scan_unroll=True, frozen_weights=True)
+                               scan_unroll=True, frozen_weights=True, grad_accum=2)
     params = scaling._params(fl)  # pylint: disable=protected-access
     # The sparse model as the trainer runs it: the per-layer choice from one step's counts.
     choice = scaling._choose(fl, params)  # pylint: disable=protected-access
@@ -174,6 +174,7 @@ class ScalingSmokeTest(absltest.TestCase):
     self.assertEqual(choice["order"].shape, (2, 256))
     r = scaling.run_mesh(fl, "sparse", 1, 1, params, choice=choice)
     self.assertEqual(r["mesh"], "1x1")
+    self.assertEqual(r["tokens_per_step"], 2 * 2 * 64)  # 2 micro-batches of 2 rows of 64
     self.assertTrue(r["scan_unroll"])   # the scan unrolled (model.scan_unroll) runs too
     self.assertEqual(r["ffn_per_layer"], choice["describe"])
     self.assertEqual(r["compiler_options"], {})                 # one device: XLA's own
