@@ -51,7 +51,8 @@ STEPS, EVERY = 12, 4
 SHORT = {
     "tiny": ["--config.model.dtype=bfloat16"],
     "small": ["--config.batch_size=16", "--config.data.seq_len=512"],
-    "paper_0p5b": ["--config.batch_size=8", "--config.grad_accum_steps=1",
+    # Two micro-batches of 8 a step: the accumulation the paper configs run (8 of 32).
+    "paper_0p5b": ["--config.batch_size=16", "--config.grad_accum_steps=2",
                    "--config.data.dataset=twell_stdlib_text", "--config.data.tokenizer=byte"],
 }
 # Two checkpoints kept: the one the killed run resumes from and the last (a paper_0p5b
