@@ -14,8 +14,8 @@ sequences) and minimizes
 
 with gradients summed over the A micro-batches by `lax.scan` and divided by
 A, then one clipped AdamW update. Per-layer FFN statistics are reduced over
-the micro-batches: means for l1 / nnz_per_token, max for max_tile_nnz, sum for
-overflow_rows, any for fired.
+the micro-batches: means for l1 / nnz_per_token, max for max_tile_nnz, sums for
+overflow_rows and feature_counts (a feature fired when its count is above 0).
 
 Data parallelism (a "data" mesh axis of more than one device, parameters replicated on every
 device: no fsdp) with A > 1: the micro-batch loop runs per device under `jax.shard_map`, each
@@ -61,8 +61,7 @@ def make_loss_fn(lm, cfg):
 
 
 def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
-  """Per-micro-batch stats [A, L, ...] -> [L, ...], reduced over the micro-batches as the
-  step's metrics reduce them (the devices then reduce a layer's numbers, not A of them)."""
+  """Per-micro-batch stats [A, L, ...] -> the step's [L, ...] (see the module docstring)."""
   return stats_lib.FFNStats(
       l1=jnp.mean(st.l1, 0),
       nnz_per_token=jnp.mean(st.nnz_per_token, 0),
@@ -85,8 +84,8 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
                (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
 
   def accumulate(params, tokens, l1_coeff, laid_out=constrain):
-    """(gradients summed over the micro-batches of `tokens` [A, b, T+1], the per-micro-batch
-    (loss, ce, l1, stats))."""
+    """(gradients summed over the micro-batches of `tokens` [A, b, T+1], (loss, ce, l1)
+    averaged over them, the stats folded over them)."""
 
     def micro(grad_sum, toks):
       (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
@@ -94,7 +93,8 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
       return grad_sum, (loss, ce, l1, stats)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return jax.lax.scan(micro, zeros, tokens)
+    grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
+    return grad_sum, (jnp.mean(loss), jnp.mean(ce), jnp.mean(l1), _fold_micro_batches(stats))
 
   def accumulate_per_device(params, tokens, l1_coeff, axes):
     """`accumulate` with each device of `axes` summing its own micro-batches and one
@@ -105,9 +105,8 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
       # Equal token counts per device: the mean over devices of each device's mean loss
       # is the loss of the whole batch, and its gradient the mean of theirs.
       mean = lambda a: lax.pmean(a, axes)
-      stats = jax.tree.map(lambda a: a[None],
-                           sharded.reduce_stats(_fold_micro_batches(stats), axes))
-      return jax.tree.map(mean, grad_sum), (mean(loss), mean(ce), mean(l1), stats)
+      return jax.tree.map(mean, grad_sum), (mean(loss), mean(ce), mean(l1),
+                                            sharded.reduce_stats(stats, axes))
 
     return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
                          in_specs=(P(), P(None, axes), P()), out_specs=P(),
@@ -135,8 +134,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
     params = optax.apply_updates(params, updates)
 
     n_tokens = tokens.shape[0] * tokens.shape[1] * (tokens.shape[2] - 1)
-    fired = jnp.any(stats.fired, axis=0)  # [L, H]
-    since = sparsity.update_since(state["since"], fired, n_tokens)
+    since = sparsity.update_since(state["since"], stats.fired, n_tokens)  # fired: [L, H]
     # Measure dead features before any re-init so the log shows what was
     # found, then optionally revive them.
     dead_fraction = jnp.mean(
@@ -158,18 +156,17 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
     new_state = {**state, "params": params, "opt_state": opt_state,
                  "step": step + 1, "since": since}
     metrics = {
-        "loss": jnp.mean(loss), "cross_entropy": jnp.mean(ce),
-        "l1_term": jnp.mean(l1), "l1_coeff": l1_coeff,
+        "loss": loss, "cross_entropy": ce, "l1_term": l1, "l1_coeff": l1_coeff,
         "learning_rate": lr_fn(step), "grad_norm": grad_norm,
         "dead_reinit": n_reinit,
         # Per layer, [L]:
-        "active_per_token": jnp.mean(stats.nnz_per_token, axis=0),
-        "max_tile_nnz": jnp.max(stats.max_tile_nnz, axis=0),
-        "overflow_rows": jnp.sum(stats.overflow_rows, axis=0),
+        "active_per_token": stats.nnz_per_token,
+        "max_tile_nnz": stats.max_tile_nnz,
+        "overflow_rows": stats.overflow_rows,
         "dead_fraction": dead_fraction,
         # [L, H]: tokens of the step on which each feature fired (the per-layer choice sorts
         # the features by it; not logged).
-        "feature_counts": jnp.sum(stats.feature_counts, axis=0),
+        "feature_counts": stats.feature_counts,
     }
     return new_state, metrics
 
