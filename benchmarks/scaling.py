@@ -2,7 +2,7 @@ r"""Training throughput per mesh: the sparse and the dense model on 1 device and
 
     python -m benchmarks.scaling --out=scaling.json                 # all GPUs of the machine
     python -m benchmarks.scaling --meshes=1x1,2x1,1x2 --layers=4    # explicit meshes
-    python -m benchmarks.scaling --options=trainer,xla              # XLA option sets compared
+    python -m benchmarks.scaling --options=trainer,zero1,gspmd_reduction+priority  # compared
     python -m benchmarks.scaling --scan_layers=false                # one block per layer
     python -m benchmarks.scaling --remat --grad_accum=4             # the trainer's accumulation
     python -m benchmarks.scaling --shape=tiny --weights=init --meshes=1x1 --iters=2   # CPU
@@ -20,7 +20,10 @@ sequences of the shape's context per device, for two models at the paper's shape
   * dense: the same weights with a SiLU FFN on the dense implementation.
 
 A mesh of several devices is compiled with each of `--options`: "trainer" (the trainer's
-own: XLA's defaults) and XLA option sets to compare (`OPTION_SETS`). With `--frozen_weights`
+own config and XLA's defaults), XLA option sets to compare (`OPTION_SETS`) and trainer
+config changes (`CONFIG_SETS`: "gspmd_reduction", the gradients reduced by XLA inside the
+backward; "zero1", the optimizer's moments split over the devices), several joined by "+".
+`--one_device_on` times the 1-device mesh on each listed device. With `--frozen_weights`
 (the default) the steps run at learning rate 0: the same computation, but the weights stay
 those the run starts from, so every measurement (synchronized, back-to-back, each mesh) sees
 the same activity; training one batch over and over would drift it, and the sparse kernels'
@@ -73,12 +76,14 @@ def _define_flags():
                     "weights: the same activity in every measurement)")
   flags.DEFINE_bool("scan_layers", True, "the layers as a lax.scan over stacked weights (the "
                     "paper configs' layout), else one unrolled block per layer")
-  flags.DEFINE_list("options", ["trainer", "no_lhs"],
+  flags.DEFINE_list("options", ["trainer", "gspmd_reduction"],
                     "XLA option sets for meshes of several devices: " + ", ".join(OPTION_SETS))
   flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
   flags.DEFINE_string("profile_dir", None, "trace 3 steps of each run into this folder "
                       "(jax.profiler, with a Perfetto trace; summarized into the run's "
                       "\"profile\": benchmarks.timing.trace_breakdown)")
+  flags.DEFINE_list("one_device_on", ["0"], "device indices the 1x1 mesh runs on, one after "
+                    "the other (efficiency is against the first; each one's own is recorded)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -97,10 +102,27 @@ OPTION_SETS = {
     "sol": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
     "user_buffers": {"xla_gpu_enable_nccl_user_buffers": True},
     "symmetric": {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True},
+    # Not XLA options: the trainer's config changed (`CONFIG_SETS`).
+    "zero1": {},
+    "per_device_reduction": {},
+    "gspmd_reduction": {},
 }
+# Option sets that change the trainer's config instead: {set: {mesh config field: value}}.
+CONFIG_SETS = {"zero1": {"shard_optimizer": True},
+               "per_device_reduction": {"gradient_reduction": "per_device"},
+               "gspmd_reduction": {"gradient_reduction": "gspmd"}}
 
 
-def _config(fl, model: str, data: int, fsdp: int):
+def compiler_options(options: str) -> dict:
+  """The XLA options of `options`: one set's name or several joined by "+"."""
+  return {k: v for name in options.split("+") for k, v in OPTION_SETS[name].items()}
+
+
+def config_options(options: str) -> dict:
+  return {k: v for name in options.split("+") for k, v in CONFIG_SETS.get(name, {}).items()}
+
+
+def _config(fl, model: str, data: int, fsdp: int, options: str = "trainer"):
   base = "tiny" if fl.shape == "tiny" else "paper_0p5b"
   cfg = trained.config_for(base, batch=fl.batch_per_device * data * fsdp * fl.grad_accum)
   cfg.grad_accum_steps = fl.grad_accum
@@ -111,7 +133,7 @@ def _config(fl, model: str, data: int, fsdp: int):
   cfg.model.scan_unroll = fl.scan_unroll
   if fl.frozen_weights:
     cfg.learning_rate = 0.0
-  cfg.mesh.update(data=data, fsdp=fsdp)
+  cfg.mesh.update(data=data, fsdp=fsdp, **config_options(options))
   if model == "sparse":
     # The per-layer choice picks each layer's FFN (ffn_implementation None), as in training.
     cfg.model.update(ffn_implementation=None, ffn_activation="relu")
@@ -195,14 +217,16 @@ def _batch(tr, cfg):
 
 
 def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
-             options: str = "trainer") -> dict:
-  """One model on one mesh with one option set (`OPTION_SETS`); `choice` (from `_choose`)
-  gives the sparse model's layers and feature order."""
+             options: str = "trainer", first_device: int = 0) -> dict:
+  """One model on one mesh with one option set (`OPTION_SETS`), on the devices from
+  `first_device` on; `choice` (from `_choose`) gives the sparse model's layers and feature
+  order."""
   from train import sharding  # pylint: disable=import-outside-toplevel
   from train import train_lib  # pylint: disable=import-outside-toplevel
-  cfg = _config(fl, model, data, fsdp)
+  cfg = _config(fl, model, data, fsdp, options)
   n = data * fsdp
-  tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:n]))
+  devices = jax.devices()[first_device:first_device + n]
+  tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, devices))
   state = _state(tr, params)
   key = None
   if model == "sparse" and choice is not None:
@@ -211,7 +235,9 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   batch = _batch(tr, cfg)
   t0 = time.time()
   step = tr.jit_train_step(key).lower(state, batch).compile(
-      compiler_options=OPTION_SETS[options] or None)
+      compiler_options=compiler_options(options) or None)
+  moments = sum(any(e is not None for e in sh.spec) for sh in jax.tree.leaves(
+      tr.grad_sharding, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)))
   compile_s = time.time() - t0
   text = step.as_text()
   if getattr(fl, "dump_hlo", None):
@@ -245,9 +271,11 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   kinds = collections.Counter(kind for kind, _ in found)
   return {
       "model": model, "mesh": f"{data}x{fsdp}", "devices": n, "options": options,
+      "device_ids": [d.id for d in devices],
       "scan_layers": fl.scan_layers, "scan_unroll": fl.scan_unroll,
       "frozen_weights": fl.frozen_weights,
-      "compiler_options": OPTION_SETS[options], "tokens_per_step": tokens,
+      "compiler_options": compiler_options(options), "config_options": config_options(options),
+      "split_moments": moments, "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,
       "tokens_per_s_per_device": tokens / ms * 1e3 / n,
@@ -258,7 +286,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "collective_bytes": sum(o["bytes"] for o in overlap),
       "overlapped_bytes": sum(o["bytes"] for o in overlap if o["between"] > 0),
       "non_weight_collectives": [list(c) for c in
-                                 sharding.non_weight_collectives(found, shapes, fsdp)],
+                                 sharding.non_weight_collectives(found, shapes, fsdp, n)],
       "xla_peak_bytes_per_device": _peak_bytes(step),
       "measured_peak_bytes_per_device": peaks,
       "active_per_token": [float(a) for a in np.asarray(m["active_per_token"])],
@@ -273,7 +301,7 @@ def main(argv):
   n = jax.device_count()
   meshes = fl.meshes or (["1x1"] + ([f"{n}x1"] if n > 1 else []))
   meshes = [tuple(int(v) for v in m.split("x")) for m in meshes]
-  unknown = set(fl.options) - set(OPTION_SETS)
+  unknown = {n for o in fl.options for n in o.split("+")} - set(OPTION_SETS)
   if unknown:
     raise app.UsageError(f"--options: unknown {sorted(unknown)}; known {list(OPTION_SETS)}")
   device = jax.devices()[0].device_kind
@@ -288,12 +316,15 @@ def main(argv):
              "batch_per_device": fl.batch_per_device, "grad_accum": fl.grad_accum,
              "weights": fl.weights, "train_steps": fl.train_steps,
              "sparse_layers": None if choice is None else choice["describe"],
-             "option_sets": {k: OPTION_SETS[k] for k in fl.options}, "runs": []}
+             "option_sets": {k: compiler_options(k) for k in fl.options}, "runs": []}
   for model in fl.models:
     for data, fsdp in meshes:
-      for options in (["trainer"] if data * fsdp == 1 else fl.options):
+      runs = ([("trainer", int(i)) for i in fl.one_device_on] if data * fsdp == 1 else
+              [(options, 0) for options in fl.options])
+      for options, first in runs:
         try:
-          r = run_mesh(fl, model, data, fsdp, params, choice=choice, options=options)
+          r = run_mesh(fl, model, data, fsdp, params, choice=choice, options=options,
+                       first_device=first)
         except Exception as e:  # pylint: disable=broad-except
           # An option set that fails (to compile, or out of memory): recorded, the rest runs.
           r = {"model": model, "mesh": f"{data}x{fsdp}", "devices": data * fsdp,
@@ -308,6 +339,11 @@ def main(argv):
           for key in ("", "synced_"):
             r[f"{key}scaling_efficiency"] = (r[f"{key}tokens_per_s"]
                                              / (r["devices"] * one[f"{key}tokens_per_s"]))
+          # Against each device's own one-device run (devices of one host differ by a few %).
+          r["scaling_efficiency_by_one_device"] = {
+              str(x["device_ids"][0]): r["tokens_per_s"] / (r["devices"] * x["tokens_per_s"])
+              for x in results["runs"] if x["model"] == model and x["devices"] == 1
+              and "error" not in x}
         results["runs"].append(r)
         print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} "
               f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "

@@ -98,7 +98,14 @@ def get_config() -> ml_collections.ConfigDict:
   # -1 takes the devices the other axis leaves. Batches are split over both axes; parameters
   # and optimizer state are split over "fsdp" (fsdp=1: replicated, plain data parallelism).
   # Several hosts: fsdp = devices per host keeps the weight gathers on the fast links.
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+  # shard_optimizer: AdamW's moments split over every axis, "data" included (ZeRO stage 1:
+  # gradients reduce-scattered, each device updates 1/N, the parameters gathered back in
+  # f32): less memory per device, a slower step on 2 GPUs (docs/performance.md).
+  # gradient_reduction (data-only meshes): "per_device" runs the step per device and reduces
+  # the gradients once after the backward; "gspmd" lets XLA reduce them inside the backward
+  # as they appear; "auto" picks per_device (train/steps.py).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, shard_optimizer=False,
+                                          gradient_reduction="auto"))
 
   # Compiled programs kept across runs and resumes on a GPU (JAX's persistent compilation
   # cache; the per-layer choice's train steps take 13-36 s each to build at the paper's

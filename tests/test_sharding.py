@@ -39,8 +39,9 @@ _FOUR_DEVICES = textwrap.dedent("""
     cfg.model.ffn_implementation = "xla"
     tokens = np.random.default_rng(0).integers(3, 259, (4, 1, 8, 25)).astype(np.int32)
 
-    def trainer(data, fsdp):
-      cfg.mesh.update(data=data, fsdp=fsdp)
+    def trainer(data, fsdp, shard_optimizer=False, reduction="auto"):
+      cfg.mesh.update(data=data, fsdp=fsdp, shard_optimizer=shard_optimizer,
+                      gradient_reduction=reduction)
       return train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
 
     def steps(tr, state, batches):
@@ -53,13 +54,21 @@ _FOUR_DEVICES = textwrap.dedent("""
       return state, losses, step.as_text()
 
     out, saved, wd = {}, None, tempfile.mkdtemp()
-    for data, fsdp in ((1, 1), (4, 1), (2, 2), (1, 4)):
-      tr = trainer(data, fsdp)
+    import optax
+    # Optimizer moments split over the devices (mesh.shard_optimizer), then data parallel
+    # with them replicated, reduced under GSPMD and per device (mesh.gradient_reduction).
+    runs = ((1, 1, 1, "auto", ""), (4, 1, 1, "auto", ""), (2, 2, 1, "auto", ""),
+            (1, 4, 1, "auto", ""), (4, 1, 0, "gspmd", "_replicated_moments"),
+            (4, 1, 0, "per_device", "_per_device"))
+    for data, fsdp, zero, reduction, suffix in runs:
+      tr = trainer(data, fsdp, bool(zero), reduction)
       state, losses, hlo = steps(tr, tr.new_state(jax.random.key(0)), tokens[:3])
       params = jax.device_get(state["params"])
       ref = out.get("1x1", {}).get("params", params)
       w_up = state["params"]["blocks"][0]["ffn"]["w_up"]
-      out[f"{data}x{fsdp}"] = {
+      mu = optax.tree_utils.tree_get(state["opt_state"], "mu")["blocks"][0]["ffn"]["w_up"]
+      out[f"{data}x{fsdp}{suffix}"] = {
+          "moment_shard": list(mu.addressable_shards[0].data.shape),
           "losses": losses, "params": params,
           "param_diff": max(float(np.max(np.abs(a - b))) for a, b in
                             zip(jax.tree.leaves(params), jax.tree.leaves(ref))),
@@ -67,7 +76,7 @@ _FOUR_DEVICES = textwrap.dedent("""
           "collectives": sharding.collectives(hlo),
           "param_shapes": [list(p.shape) for p in jax.tree.leaves(params)],
       }
-      if (data, fsdp) == (4, 1):  # a checkpoint of step 3 on this mesh
+      if (data, fsdp, zero) == (4, 1, 1):  # a checkpoint of step 3 on this mesh
         mngr = checkpointing.make_manager(wd)
         checkpointing.save(mngr, 3, state, {"processes": []}, {"step": 3}, force=True)
         mngr.wait_until_finished()
@@ -239,9 +248,10 @@ class MeshRulesTest(absltest.TestCase):
 
 
 class TwoGpuOverlapTest(absltest.TestCase):
-  """On two GPUs, the trainer's data-parallel step overlaps its gradient reductions with the
-  backward (XLA's latency-hiding scheduler, on by default): most of the bytes the
-  asynchronous all-reduces move have compute scheduled between their start and their done."""
+  """On two GPUs, the data-parallel step under GSPMD (`mesh.gradient_reduction="gspmd"`)
+  overlaps its gradient reductions with the backward (XLA's latency-hiding scheduler, on by
+  default): most of the bytes the asynchronous reductions move have compute scheduled between
+  their start and their done."""
 
   @pytest.mark.gpu
   def test_gradient_reductions_overlap_the_backward(self):
@@ -255,13 +265,18 @@ class TwoGpuOverlapTest(absltest.TestCase):
     cfg.data.seq_len = 128
     cfg.model.update(d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=4,
                      ffn_implementation="dense")
-    cfg.mesh.update(data=2, fsdp=1)
+    # XLA reducing the gradients inside the backward (the default reduces them per device
+    # after it).
+    cfg.mesh.update(data=2, fsdp=1, gradient_reduction="gspmd")
     tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
     state = tr.abstract_state()
     batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
                                  sharding=tr.batch_sharding)
     hlo = tr.jit_train_step().lower(state, batch).compile().as_text()
-    found = [o for o in sharding.collective_overlap(hlo) if o["kind"] == "all-reduce"]
+    # Reduce-scatters with the optimizer's moments split (mesh.shard_optimizer), all-reduces
+    # without.
+    found = [o for o in sharding.collective_overlap(hlo)
+             if o["kind"] in ("all-reduce", "reduce-scatter")]
     self.assertNotEmpty(found)
     total = sum(o["bytes"] for o in found)
     hidden = sum(o["bytes"] for o in found if o["between"] > 0)
@@ -284,7 +299,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     # reducing them, which would hide the table's shape.
     cfg.model.update(d_model=1024, n_heads=8, n_kv_heads=4, d_ff=1024, n_layers=2,
                      vocab_size=32768, ffn_implementation="dense", dtype="bfloat16")
-    cfg.mesh.update(data=2, fsdp=1)
+    cfg.mesh.update(data=2, fsdp=1, gradient_reduction="gspmd")
     tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
     batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
                                  sharding=tr.batch_sharding)
@@ -293,7 +308,8 @@ class TwoGpuOverlapTest(absltest.TestCase):
     # One set of dtypes per all-reduce that moves the table (an async start lists its
     # operand and its result).
     reduced = [{dt for dt, shape in shapes if shape == table}
-               for kind, shapes in sharding.collectives(hlo) if kind == "all-reduce"]
+               for kind, shapes in sharding.collectives(hlo)
+               if kind in ("all-reduce", "reduce-scatter")]
     reduced = [dts for dts in reduced if dts]
     self.assertEqual(reduced, [{"bf16"}, {"bf16"}])
 
@@ -308,7 +324,7 @@ class FourDevicesTest(absltest.TestCase):
   def test_same_loss_curve_and_parameters_on_every_mesh(self):
     ref = self.out["1x1"]["losses"]
     self.assertLess(ref[-1], ref[0])
-    for mesh in ("4x1", "2x2", "1x4"):
+    for mesh in ("4x1", "2x2", "1x4", "4x1_replicated_moments", "4x1_per_device"):
       np.testing.assert_allclose(self.out[mesh]["losses"], ref, rtol=1e-5, err_msg=mesh)
       self.assertLess(self.out[mesh]["param_diff"], 1e-5, mesh)
 
@@ -322,7 +338,7 @@ class FourDevicesTest(absltest.TestCase):
       self.assertLess(r["param_diff"], 1e-5, mesh)
       fsdp = int(mesh.split("x")[1])
       self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"],
-                                                       fsdp), [], mesh)
+                                                       fsdp, devices=4), [], mesh)
     # data=4: nothing inside the loop (with fsdp, GSPMD reduces over "fsdp" per micro-batch,
     # an all-reduce on the CPU, a reduce-scatter on GPUs).
     self.assertEqual(self.out["accum_4x1"]["loop_collectives"], [])
@@ -340,18 +356,29 @@ class FourDevicesTest(absltest.TestCase):
     self.assertEqual(self.out["2x2"]["w_up_shard"], [32, 128])
     self.assertEqual(self.out["1x4"]["w_up_shard"], [32, 64])
 
-  def test_no_activation_moves_between_devices(self):
+  def test_optimizer_moments_split_over_every_axis(self):
+    """ZeRO stage 1: AdamW's moments split over all 4 devices whatever the mesh, and
+    following the parameters with mesh.shard_optimizer=False."""
     for mesh in ("4x1", "2x2", "1x4"):
+      self.assertEqual(self.out[mesh]["moment_shard"], [32, 64], mesh)
+    self.assertEqual(self.out["4x1_replicated_moments"]["moment_shard"], [32, 256])
+    self.assertEqual(self.out["1x1"]["moment_shard"], [32, 256])
+
+  def test_no_activation_moves_between_devices(self):
+    for mesh in ("4x1", "2x2", "1x4", "4x1_replicated_moments", "4x1_per_device"):
       r = self.out[mesh]
       kinds = {kind for kind, _ in r["collectives"]}
-      self.assertIn("all-reduce", kinds, mesh)                  # the gradients
+      self.assertTrue(kinds & {"all-reduce", "reduce-scatter"}, mesh)   # the gradients
       # The activations ([8, 24, D], [192, D], [192, H], ...) match no parameter's shape.
-      self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"]),
-                       [], mesh)
-    gathers = [ops for kind, ops in self.out["2x2"]["collectives"] if kind == "all-gather"]
-    self.assertNotEmpty(gathers)                                # FSDP: weights are gathered
-    self.assertEmpty([ops for kind, ops in self.out["4x1"]["collectives"]
-                      if kind == "all-gather"])                 # data parallel: nothing
+      fsdp = int(mesh.split("x")[1][0])
+      self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"],
+                                                       fsdp, devices=4), [], mesh)
+    gathers = lambda mesh: [ops for kind, ops in self.out[mesh]["collectives"]
+                            if kind == "all-gather"]
+    self.assertNotEmpty(gathers("2x2"))          # FSDP: weights are gathered
+    self.assertNotEmpty(gathers("4x1"))          # ZeRO-1: the updated slices gathered back
+    self.assertEmpty(gathers("4x1_replicated_moments"))   # data parallel: nothing
+    self.assertEmpty(gathers("4x1_per_device"))
 
   def test_checkpoint_restores_onto_other_meshes(self):
     for mesh in ("2x2", "1x1"):

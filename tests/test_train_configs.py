@@ -131,6 +131,8 @@ class ConfigCheckTest(parameterized.TestCase):
       ("l1_normalization", dict(l1_normalization="mean"), r"config\.l1_normalization='mean'"),
       ("implementation", dict(model__ffn_implementation="cuda"),
        r"config\.model\.ffn_implementation='cuda': must be one of"),
+      ("gradient_reduction", dict(mesh__gradient_reduction="nccl"),
+       r"config\.mesh\.gradient_reduction='nccl': must be one of"),
       ("layer_choice_bounds", dict(layer_choice__sparse_below=50.0,
                                    layer_choice__dense_above=10.0),
        r"config\.layer_choice\.dense_above=10\.0 must be >= "

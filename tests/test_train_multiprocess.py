@@ -3,7 +3,8 @@
 The processes are joined through the trainer's own flags (`python -m train.main
 --coordinator_address=... --num_processes=2 --process_id=I`, gloo collectives).
 The first run uses a data=2 x fsdp=2 mesh over the four devices (parameters and
-optimizer state split over fsdp); the rerun resumes on fsdp=4, restoring the
+optimizer state split over fsdp); the rerun resumes on data=4 (each process runs the step
+per device and reduces the gradients across processes), restoring the
 sharded checkpoint onto another mesh. Each process reads its own share of the
 documents; the checkpoint must hold both data positions and the rerun must
 resume each process from its own.
@@ -62,11 +63,12 @@ class MultiProcessTest(absltest.TestCase):
       states = json.load(f)["processes"]
     self.assertLen(states, 2)
     self.assertNotEqual(states[0], states[1])  # disjoint document shares
-    # Resumes from step 3 on another mesh, one step more (a change the flag accepts).
-    logs = self._run_pair(wd, 4, 1, 4, "--accept_config_change")
+    # Resumes from step 3 on another mesh, one step more (a change the flag accepts): data=4,
+    # where the step runs per device and reduces the gradients across the processes.
+    logs = self._run_pair(wd, 4, 4, 1, "--accept_config_change")
     for log in logs:
       self.assertIn("Resumed from checkpoint step 3", log)
-      self.assertIn("mesh {'data': 1, 'fsdp': 4}", log)
+      self.assertIn("mesh {'data': 4, 'fsdp': 1}", log)
     with open(os.path.join(wd, "metrics.jsonl")) as f:
       steps = [json.loads(line)["step"] for line in f]
     self.assertEqual(steps[-1], 4)

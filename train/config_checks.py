@@ -81,12 +81,13 @@ _FLOAT_RANGE = {
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
-          "layer_choice.background")
+          "layer_choice.background", "mesh.shard_optimizer")
 
 
 def _choices() -> dict[str, tuple]:
   from twell_jax import api  # pylint: disable=g-import-not-at-top
   from twell_jax import dense  # pylint: disable=g-import-not-at-top
+  from train import steps  # pylint: disable=g-import-not-at-top
   return {
       "l1_normalization": ("per_token_sum", "per_element_mean"),
       "model.ffn_activation": tuple(dense.ACTIVATIONS),
@@ -96,6 +97,7 @@ def _choices() -> dict[str, tuple]:
       "model.attention": model_lib.ATTENTION_IMPLEMENTATIONS,
       "data.tokenizer": ("byte", "sentencepiece"),
       "layer_choice.sparse": ("auto", *api.IMPLEMENTATIONS),
+      "mesh.gradient_reduction": steps.GRADIENT_REDUCTIONS,
   }
 
 

@@ -12,11 +12,15 @@ batch axes only (`twell_jax.sharded`) and leaves other axes to GSPMD.
   stacked layer axis of the scan layout is never split), and replicated over "data". Vectors
   (the RMSNorm scales) and arrays with no such axis are replicated. With fsdp = 1 every
   parameter is replicated: plain data parallelism.
-- Optimizer state follows the parameters (AdamW's moments have their shapes); its counters,
-  the step, the RNG and the dead-feature counters are replicated.
-- Gradients are constrained to the parameters' sharding inside the step: each device sums
-  and updates only its slice (XLA can turn the reduction and the slice into a
-  reduce-scatter).
+- Optimizer state (AdamW's moments, which have the parameters' shapes) is split over every
+  mesh axis of more than one device, "data" included, along the largest axis that the
+  product of their sizes divides (`mesh.shard_optimizer`, off by default; ZeRO stage 1): each
+  device keeps and updates 1/N of the moments, and the step gathers the updated parameters
+  back onto every device that holds them (f32). Off, the moments follow the parameters. The
+  optimizer's counters, the step, the RNG and the dead-feature counters are replicated.
+- Gradients are constrained to the moments' sharding inside the step: each device sums
+  and updates only its slice (XLA turns the reduction and the slice into a reduce-scatter,
+  half the bytes of an all-reduce).
 
 Each process feeds the rows of the devices it owns (`jax.make_array_from_process_local_data`);
 the mesh lists devices in process order, so a process's rows are one contiguous block of the
@@ -93,14 +97,50 @@ def param_shardings(params: Any, mesh: jax.sharding.Mesh, *, scan_layers: bool) 
   return jax.tree_util.tree_map_with_path(one, params)
 
 
+def moment_shardings(params: Any, mesh: jax.sharding.Mesh, *, scan_layers: bool,
+                     shard_optimizer: bool = False) -> Any:
+  """NamedShardings (a params-shaped tree) of the optimizer's moments and of the gradients
+  inside the step: split over every mesh axis of more than one device (see the module
+  docstring), or the parameters' own with `shard_optimizer=False`. An array with no axis
+  that the devices divide keeps its parameter's sharding."""
+  axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+  n = math.prod(mesh.shape[a] for a in axes)
+  params_sh = param_shardings(params, mesh, scan_layers=scan_layers)
+  if not shard_optimizer or n == 1:
+    return params_sh
+
+  # "fsdp" first: a moment's slice lies inside its parameter's fsdp slice (no permutes).
+  name = axes[0] if len(axes) == 1 else tuple(sorted(axes, key=lambda a: a != "fsdp"))
+
+  def one(path, p, param_sharding):
+    stacked = scan_layers and getattr(path[0], "key", None) == "blocks"
+    spec = tuple(param_sharding.spec)
+    split = [d for d, e in enumerate(spec) if e is not None]
+    if split:   # split over fsdp already: the same axis, if the devices divide it
+      if p.shape[split[0]] % n:
+        return param_sharding
+    else:
+      spec = tuple(param_spec(tuple(p.shape), n, stacked=stacked))
+      split = [d for d, e in enumerate(spec) if e is not None]
+      if not split:
+        return param_sharding
+    return NamedSharding(mesh, P(*(name if d == split[0] else None
+                                   for d in range(len(p.shape)))))
+
+  return jax.tree_util.tree_map_with_path(one, params, params_sh)
+
+
 def state_shardings(state: Any, tx: optax.GradientTransformation,
-                    mesh: jax.sharding.Mesh, *, scan_layers: bool) -> Any:
+                    mesh: jax.sharding.Mesh, *, scan_layers: bool,
+                    shard_optimizer: bool = False) -> Any:
   """NamedShardings for the train state {params, opt_state, step, rng, since}."""
   replicated = NamedSharding(mesh, P())
   params = param_shardings(state["params"], mesh, scan_layers=scan_layers)
+  moments = moment_shardings(state["params"], mesh, scan_layers=scan_layers,
+                             shard_optimizer=shard_optimizer)
   is_leaf = lambda x: isinstance(x, NamedSharding)
   opt = optax.tree_utils.tree_map_params(
-      tx, lambda _, s: s, state["opt_state"], params,
+      tx, lambda _, s: s, state["opt_state"], moments,
       transform_non_params=lambda _: replicated, is_leaf=is_leaf)
   out = {k: jax.tree.map(lambda _: replicated, v) for k, v in state.items()}
   return {**out, "params": params, "opt_state": opt}
@@ -130,12 +170,18 @@ def traced_in(mesh: jax.sharding.Mesh, fn):
   return wrapped
 
 
-def describe(mesh: jax.sharding.Mesh, shardings: Any) -> str:
-  """One line: mesh sizes and how many parameter arrays are split over fsdp."""
-  leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-  split = sum(any(e is not None for e in s.spec) for s in leaves)
-  return (f"mesh {dict(mesh.shape)} over {mesh.size} devices of {jax.process_count()} "
-          f"processes; {split} of {len(leaves)} arrays split over fsdp")
+def describe(mesh: jax.sharding.Mesh, shardings: Any, moments: Any = None) -> str:
+  """One line: mesh sizes and how many parameter arrays (and, given their shardings, AdamW
+  moments) are split."""
+  is_leaf = lambda x: isinstance(x, NamedSharding)
+  n_split = lambda tree: sum(any(e is not None for e in s.spec)
+                             for s in jax.tree.leaves(tree, is_leaf=is_leaf))
+  leaves = jax.tree.leaves(shardings, is_leaf=is_leaf)
+  line = (f"mesh {dict(mesh.shape)} over {mesh.size} devices of {jax.process_count()} "
+          f"processes; {n_split(shardings)} of {len(leaves)} parameter arrays split over fsdp")
+  if moments is not None:
+    line += f", {n_split(moments)} of their optimizer moments split over the mesh"
+  return line
 
 
 _COLLECTIVE = re.compile(
@@ -185,31 +231,32 @@ def loop_collectives(hlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int
   return collectives("\n".join(l for c in sorted(inside) for l in lines[c]))
 
 
-def _weight_shapes(param_shapes, fsdp: int = 1) -> set:
+def _weight_shapes(param_shapes, fsdp: int = 1, devices: int = 1) -> set:
   """A parameter's shape, of a stacked one its layer slice (with and without the axis), its
-  fsdp shards (one axis divided by `fsdp`: what an all-gather starts from and a
-  reduce-scatter ends with), and the transposes of the matrices (XLA may reduce a gradient in
-  the transposed layout)."""
+  shards (one axis divided by `fsdp`, the parameters' split, or by `devices`, the optimizer
+  moments' and gradients' split: what an all-gather starts from and a reduce-scatter ends
+  with), and the transposes of the matrices (XLA may reduce a gradient in the transposed
+  layout)."""
   shapes = set()
   for s in map(tuple, param_shapes):
     shapes |= {s, s[1:], (1,) + s[1:]}
-  if fsdp > 1:
-    shapes |= {s[:i] + (s[i] // fsdp,) + s[i + 1:] for s in list(shapes)
-               for i in range(len(s)) if s[i] % fsdp == 0}
+  shapes |= {s[:i] + (s[i] // n,) + s[i + 1:] for s in list(shapes) for n in {fsdp, devices}
+             if n > 1 for i in range(len(s)) if s[i] % n == 0}
   return shapes | {s[::-1] for s in shapes if len(s) == 2}
 
 
-def non_weight_collectives(found, param_shapes, fsdp: int = 1
+def non_weight_collectives(found, param_shapes, fsdp: int = 1, devices: int = 1
                            ) -> list[tuple[str, str, tuple[int, ...]]]:
   """The collectives of `found` (from `collectives`) that move something other than a weight,
-  its gradient or their fsdp shards (`fsdp`: the mesh's fsdp size): [(kind, dtype, shape)].
+  its gradient or their shards (`fsdp`: the mesh's fsdp size; `devices`: its device count,
+  over which the optimizer moments and the gradients are split): [(kind, dtype, shape)].
 
   Every all-to-all and collective-permute, and each all-gather, all-reduce or reduce-scatter
   operand that is not shaped like a parameter; all-reduces of scalars and vectors, and of
   integers (the statistics and counters) pass. Meaningful where no activation has a
   parameter's shape.
   """
-  weights = _weight_shapes(param_shapes, fsdp)
+  weights = _weight_shapes(param_shapes, fsdp, devices)
   bad = []
   for kind, operands in found:
     for dtype, shape in operands:

@@ -17,16 +17,26 @@ A, then one clipped AdamW update. Per-layer FFN statistics are reduced over
 the micro-batches: means for l1 / nnz_per_token, max for max_tile_nnz, sums for
 overflow_rows and feature_counts (a feature fired when its count is above 0).
 
+Gradients are laid out like the optimizer's moments (`grad_sharding`; with
+`mesh.shard_optimizer` split over every mesh axis: reduce-scattered, each device updates its
+slice of the parameters, which XLA gathers back for the replicated parameters).
+
 Data parallelism (a "data" mesh axis of more than one device, parameters replicated on every
-device: no fsdp) with A > 1: the micro-batch loop runs per device under `jax.shard_map`, each
-device sums its own micro-batches' gradients in f32, and one all-reduce per step (`pmean`)
-adds the devices' sums. Under plain GSPMD the FFN's and the loss's shard_map transposes (and
-the partitioner) reduce every micro-batch's gradients inside the loop, and XLA does not move
-those reductions out of the nested loops: A all-reduces of the whole gradient a step instead
-of one. With A = 1 the gradients are reduced inside the backward as they appear (bf16,
-overlapped with the rest of the backward). Meshes with fsdp stay under GSPMD: weights are
-gathered and gradients reduce-scattered (and reduced over "data") per micro-batch.
+device: no fsdp; `mesh.gradient_reduction` "auto" or "per_device"): the step runs per device
+under `jax.shard_map` and one reduction per step adds the devices' gradients after the
+backward (`psum_scatter` onto the moments' slices, `pmean` where they are replicated): with
+A = 1 each matrix's gradient in the compute dtype (bf16, as XLA reduces it), with A > 1 each
+device's f32 sum of its micro-batches. Under GSPMD (`gradient_reduction="gspmd"`, and every
+mesh with fsdp) the FFN's and the loss's shard_map transposes reduce each gradient inside the
+backward as it appears: with A = 1 each reduction stalls the matrix product it is scheduled
+against (2 GPUs, paper shape: per-GPU efficiency 0.932 against 0.953 per device,
+docs/performance.md); with A > 1 every micro-batch's gradients are reduced inside the loop
+(XLA does not move those reductions out of the nested loops: A all-reduces of the whole
+gradient a step instead of one). Meshes with fsdp gather weights and reduce-scatter
+gradients per micro-batch by design.
 """
+
+import math
 
 import jax
 from jax import lax
@@ -39,6 +49,10 @@ from twell_jax import stats as stats_lib
 from train import losses
 from train import optim
 from train import sparsity
+
+
+# `mesh.gradient_reduction` (see the module docstring).
+GRADIENT_REDUCTIONS = ("auto", "per_device", "gspmd")
 
 
 def _flat(h, tokens):
@@ -73,9 +87,9 @@ def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
 def make_train_step(lm, tx, cfg, grad_sharding=None):
   """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics).
 
-  `grad_sharding` (a tree of shardings like the params) lays out each micro-batch's
-  gradients and their sum like the parameters (FSDP: each device keeps and sums only its
-  slice, and XLA can reduce the gradients with reduce-scatters).
+  `grad_sharding` (a tree of shardings like the params: the optimizer moments') lays out
+  each micro-batch's gradients and their sum (FSDP or ZeRO-1: each device keeps and sums only
+  its slice, and XLA reduces the gradients with reduce-scatters).
   """
   loss_fn = make_loss_fn(lm, cfg)
   lr_fn, l1_fn = optim.lr_schedule(cfg), optim.l1_schedule(cfg)
@@ -99,19 +113,50 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   def accumulate_per_device(params, tokens, l1_coeff, axes):
     """`accumulate` with each device of `axes` summing its own micro-batches and one
     reduction of the sums (see the module docstring)."""
+    specs = (jax.tree.map(lambda _: P(), params) if grad_sharding is None else
+             jax.tree.map(lambda s: s.spec, grad_sharding,
+                          is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)))
+    n_dev = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+    # One micro-batch: each matrix's gradient is a compute-dtype (bf16) product converted to
+    # f32; it is reduced in the compute dtype, half the bytes (as XLA reduces it in the
+    # GSPMD step). Sums of several micro-batches are reduced in f32.
+    low = jnp.dtype(lm.cfg.dtype) if tokens.shape[0] == 1 else None
+
+    def reduce(g, spec):
+      """The mean over the devices of `g`, onto this device's slice of `spec`."""
+      dtype = g.dtype
+      if low is not None and g.ndim >= 2 and jnp.dtype(low).itemsize < dtype.itemsize:
+        g = g.astype(low)
+      dims = [d for d, e in enumerate(spec) if e is not None]
+      if not dims:
+        return lax.pmean(g, axes).astype(dtype)
+      return (lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
+              / n_dev).astype(dtype)
 
     def local(params, tokens, l1_coeff):
       grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff, lambda g: g)
       # Equal token counts per device: the mean over devices of each device's mean loss
       # is the loss of the whole batch, and its gradient the mean of theirs.
       mean = lambda a: lax.pmean(a, axes)
-      return jax.tree.map(mean, grad_sum), (mean(loss), mean(ce), mean(l1),
-                                            sharded.reduce_stats(stats, axes))
+      return jax.tree.map(reduce, grad_sum, specs), (mean(loss), mean(ce), mean(l1),
+                                                     sharded.reduce_stats(stats, axes))
 
     return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=(P(), P(None, axes), P()), out_specs=P(),
+                         in_specs=(P(), P(None, axes), P()), out_specs=(specs, P()),
                          axis_names=frozenset(axes), check_vma=False)(
                              params, tokens, l1_coeff)
+
+  mode = (cfg.get("mesh") or {}).get("gradient_reduction", "auto")
+  if mode not in GRADIENT_REDUCTIONS:
+    raise ValueError(f"mesh.gradient_reduction must be one of {GRADIENT_REDUCTIONS}; "
+                     f"got {mode!r}")
+
+  def per_device(shape):
+    """Whether the step runs per device with one reduction (see the module docstring)."""
+    data_only = (shape.get("data", 1) > 1
+                 and all(n == 1 for a, n in shape.items() if a != "data"))
+    return data_only and mode != "gspmd"
 
   def train_step(state, tokens):
     params, step = state["params"], state["step"]
@@ -122,8 +167,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
     # Parameters replicated on every device of the mesh (a data axis, no fsdp): the step
     # runs manual over all of its axes (partly manual regions would leave cuDNN attention's
     # custom partitioning an abstract mesh, which it cannot lower).
-    if (n_micro > 1 and shape.get("data", 1) > 1
-        and all(n == 1 for a, n in shape.items() if a != "data")):
+    if per_device(shape):
       grad_sum, (loss, ce, l1, stats) = accumulate_per_device(
           params, tokens, l1_coeff, tuple(mesh.axis_names))
     else:

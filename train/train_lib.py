@@ -79,9 +79,15 @@ class Trainer:
     self.replicated = NamedSharding(self.mesh, P())
     self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
     self.eval_sharding = sharding_lib.eval_sharding(self.mesh)
+    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    shard_optimizer = bool((cfg.get("mesh") or {}).get("shard_optimizer", False))
     self.state_sharding = sharding_lib.state_shardings(
-        jax.eval_shape(self.init_state, jax.random.key(0)), self.tx, self.mesh,
-        scan_layers=self.model_cfg.scan_layers)
+        shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
+        shard_optimizer=shard_optimizer)
+    # The gradients inside the step are laid out like the optimizer's moments.
+    self.grad_sharding = sharding_lib.moment_shardings(
+        shapes["params"], self.mesh, scan_layers=self.model_cfg.scan_layers,
+        shard_optimizer=shard_optimizer)
 
   def init_state(self, key):
     params = self.lm.init_params(key)
@@ -110,7 +116,7 @@ class Trainer:
           self.model_cfg, ffn_layer_implementations=tuple(names),
           ffn_layer_hot_features=tuple(hot)))
     step = steps_lib.make_train_step(lm, self.tx, self.cfg,
-                                     grad_sharding=self.state_sharding["params"])
+                                     grad_sharding=self.grad_sharding)
     return jax.jit(sharding_lib.traced_in(self.mesh, step),
                    in_shardings=(self.state_sharding, self.batch_sharding),
                    out_shardings=(self.state_sharding, self.replicated),
@@ -377,7 +383,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   changed = config_checks.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
   for path, old, new in changed["free"] + changed["acceptable"]:
     logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
-  logging.info("%s", sharding_lib.describe(tr.mesh, tr.state_sharding["params"]))
+  logging.info("%s", sharding_lib.describe(tr.mesh, tr.state_sharding["params"],
+                                           tr.grad_sharding))
 
   mngr, restored = checkpointing.restore_latest(
       workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
