@@ -104,12 +104,10 @@ OPTION_SETS = {
     "symmetric": {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True},
     # Not XLA options: the trainer's config changed (`CONFIG_SETS`).
     "zero1": {},
-    "per_device_reduction": {},
     "gspmd_reduction": {},
 }
 # Option sets that change the trainer's config instead: {set: {mesh config field: value}}.
 CONFIG_SETS = {"zero1": {"shard_optimizer": True},
-               "per_device_reduction": {"gradient_reduction": "per_device"},
                "gspmd_reduction": {"gradient_reduction": "gspmd"}}
 
 
@@ -236,8 +234,6 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   t0 = time.time()
   step = tr.jit_train_step(key).lower(state, batch).compile(
       compiler_options=compiler_options(options) or None)
-  moments = sum(any(e is not None for e in sh.spec) for sh in jax.tree.leaves(
-      tr.grad_sharding, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)))
   compile_s = time.time() - t0
   text = step.as_text()
   if getattr(fl, "dump_hlo", None):
@@ -275,7 +271,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "scan_layers": fl.scan_layers, "scan_unroll": fl.scan_unroll,
       "frozen_weights": fl.frozen_weights,
       "compiler_options": compiler_options(options), "config_options": config_options(options),
-      "split_moments": moments, "tokens_per_step": tokens,
+      "split_moments": sharding.split_count(tr.grad_sharding)[0], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,
       "tokens_per_s_per_device": tokens / ms * 1e3 / n,

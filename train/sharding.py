@@ -86,13 +86,18 @@ def param_spec(shape: tuple[int, ...], fsdp: int, *, stacked: bool = False) -> P
   return P(*(("fsdp" if i == best else None) for i in range(len(shape))))
 
 
+def _stacked(path, scan_layers: bool) -> bool:
+  """Whether the params leaf at `path` is stacked over the layers (the scan layout)."""
+  return scan_layers and getattr(path[0], "key", None) == "blocks"
+
+
 def param_shardings(params: Any, mesh: jax.sharding.Mesh, *, scan_layers: bool) -> Any:
   """NamedShardings for a params tree (arrays or ShapeDtypeStructs)."""
   fsdp = mesh.shape.get("fsdp", 1)
 
   def one(path, p):
-    stacked = scan_layers and getattr(path[0], "key", None) == "blocks"
-    return NamedSharding(mesh, param_spec(tuple(p.shape), fsdp, stacked=stacked))
+    return NamedSharding(mesh, param_spec(tuple(p.shape), fsdp,
+                                          stacked=_stacked(path, scan_layers)))
 
   return jax.tree_util.tree_map_with_path(one, params)
 
@@ -113,14 +118,13 @@ def moment_shardings(params: Any, mesh: jax.sharding.Mesh, *, scan_layers: bool,
   name = axes[0] if len(axes) == 1 else tuple(sorted(axes, key=lambda a: a != "fsdp"))
 
   def one(path, p, param_sharding):
-    stacked = scan_layers and getattr(path[0], "key", None) == "blocks"
     spec = tuple(param_sharding.spec)
     split = [d for d, e in enumerate(spec) if e is not None]
     if split:   # split over fsdp already: the same axis, if the devices divide it
       if p.shape[split[0]] % n:
         return param_sharding
     else:
-      spec = tuple(param_spec(tuple(p.shape), n, stacked=stacked))
+      spec = tuple(param_spec(tuple(p.shape), n, stacked=_stacked(path, scan_layers)))
       split = [d for d, e in enumerate(spec) if e is not None]
       if not split:
         return param_sharding
@@ -131,13 +135,13 @@ def moment_shardings(params: Any, mesh: jax.sharding.Mesh, *, scan_layers: bool,
 
 
 def state_shardings(state: Any, tx: optax.GradientTransformation,
-                    mesh: jax.sharding.Mesh, *, scan_layers: bool,
-                    shard_optimizer: bool = False) -> Any:
-  """NamedShardings for the train state {params, opt_state, step, rng, since}."""
+                    mesh: jax.sharding.Mesh, *, scan_layers: bool, moments: Any = None) -> Any:
+  """NamedShardings for the train state {params, opt_state, step, rng, since}; `moments`
+  (from `moment_shardings`) lays out the optimizer's moments, by default like the
+  parameters."""
   replicated = NamedSharding(mesh, P())
   params = param_shardings(state["params"], mesh, scan_layers=scan_layers)
-  moments = moment_shardings(state["params"], mesh, scan_layers=scan_layers,
-                             shard_optimizer=shard_optimizer)
+  moments = params if moments is None else moments
   is_leaf = lambda x: isinstance(x, NamedSharding)
   opt = optax.tree_utils.tree_map_params(
       tx, lambda _, s: s, state["opt_state"], moments,
@@ -170,17 +174,20 @@ def traced_in(mesh: jax.sharding.Mesh, fn):
   return wrapped
 
 
+def split_count(shardings: Any) -> tuple[int, int]:
+  """(how many of a tree's NamedShardings split their array, how many there are)."""
+  leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  return sum(any(e is not None for e in s.spec) for s in leaves), len(leaves)
+
+
 def describe(mesh: jax.sharding.Mesh, shardings: Any, moments: Any = None) -> str:
   """One line: mesh sizes and how many parameter arrays (and, given their shardings, AdamW
   moments) are split."""
-  is_leaf = lambda x: isinstance(x, NamedSharding)
-  n_split = lambda tree: sum(any(e is not None for e in s.spec)
-                             for s in jax.tree.leaves(tree, is_leaf=is_leaf))
-  leaves = jax.tree.leaves(shardings, is_leaf=is_leaf)
+  split, total = split_count(shardings)
   line = (f"mesh {dict(mesh.shape)} over {mesh.size} devices of {jax.process_count()} "
-          f"processes; {n_split(shardings)} of {len(leaves)} parameter arrays split over fsdp")
+          f"processes; {split} of {total} parameter arrays split over fsdp")
   if moments is not None:
-    line += f", {n_split(moments)} of their optimizer moments split over the mesh"
+    line += f", {split_count(moments)[0]} of their optimizer moments split over the mesh"
   return line
 
 

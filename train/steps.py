@@ -126,7 +126,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
     def reduce(g, spec):
       """The mean over the devices of `g`, onto this device's slice of `spec`."""
       dtype = g.dtype
-      if low is not None and g.ndim >= 2 and jnp.dtype(low).itemsize < dtype.itemsize:
+      if low is not None and g.ndim >= 2 and low.itemsize < dtype.itemsize:
         g = g.astype(low)
       dims = [d for d, e in enumerate(spec) if e is not None]
       if not dims:

@@ -80,14 +80,13 @@ class Trainer:
     self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
     self.eval_sharding = sharding_lib.eval_sharding(self.mesh)
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
-    shard_optimizer = bool((cfg.get("mesh") or {}).get("shard_optimizer", False))
-    self.state_sharding = sharding_lib.state_shardings(
-        shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
-        shard_optimizer=shard_optimizer)
-    # The gradients inside the step are laid out like the optimizer's moments.
+    # The optimizer's moments, and the gradients inside the step, share one layout.
     self.grad_sharding = sharding_lib.moment_shardings(
         shapes["params"], self.mesh, scan_layers=self.model_cfg.scan_layers,
-        shard_optimizer=shard_optimizer)
+        shard_optimizer=bool((cfg.get("mesh") or {}).get("shard_optimizer", False)))
+    self.state_sharding = sharding_lib.state_shardings(
+        shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
+        moments=self.grad_sharding)
 
   def init_state(self, key):
     params = self.lm.init_params(key)
