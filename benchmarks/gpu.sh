@@ -12,11 +12,14 @@
 #   sweep     benchmarks.sweep ($SWEEP, default train)
 #   captured  benchmarks.captured (trains the paper shape, captures activations, times kernels)
 #   e2e       benchmarks.e2e (whole-model training and inference, sparse vs dense)
+#   whole_run benchmarks.whole_run: whole training commands from random initialisation, dense
+#             SiLU and sparse twice, concurrently one GPU each where there are several
+#             ($WHOLE_RUN_FLAGS)
+#   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
+#             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS)
 #   tests     the GPU tests (pytest -m gpu)
 #   registers ptxas register / spill report of every kernel
 #   l2        the L2 row-gather ceiling probe
-#   build     benchmarks.probes.background_build (a train step's build time, alone and beside
-#             training)
 #   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained weights)
 #   generate  trains the paper's 0.5B shape for $GEN_STEPS steps (offline corpus, byte tokenizer)
 #             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
@@ -42,10 +45,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SPECS=${SPECS:-paper_16k,paper_16k_heavy,paper_16k_skew,paper_16k_extreme}
 FWD_BWD_SPECS=${FWD_BWD_SPECS:-$SPECS}
 # Wheels for what the image lacks (ml_collections), if carried in .whl.
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/ml_collections ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    --target /tmp/site .whl/*.whl
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
   | tee "$OUT/gpu.txt"
 quiet() { grep -v '^\s*File\|^\s\s\s\s[a-z_]\|xla_bridge\|^{'; }
@@ -81,9 +85,17 @@ for part in "${parts[@]}"; do
         | grep -E "Compiling entry|Used [0-9]+ registers" \
         | sed -E 's/.*entry function .([a-z_0-9]+).*/\1/; s/ptxas info *: //' | paste - - \
         | sort | uniq -c | tee "$OUT/registers.txt" ;;
-    build)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_BUILD:-560} python3 -m benchmarks.probes.background_build \
-        ${BUILD_FLAGS} 2>&1 | tee "$OUT/build.log" | quiet | tail -30 ;;
+    whole_run)
+      timeout ${T_WHOLE:-590} python3 -m benchmarks.whole_run --out="$OUT/whole_run.json" \
+        --plot="$OUT/whole_run.png" --workdir=/tmp/twell_whole_run \
+        $([ $(nvidia-smi -L | wc -l) -gt 1 ] && echo --parallel) ${WHOLE_RUN_FLAGS} 2>&1 \
+        | tee /tmp/twell_whole_run.log | grep -E "^  |^wall|rror"
+      cp /tmp/twell_whole_run.log /tmp/twell_whole_run/whole_run.log
+      tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;
+    activity_sweep)
+      timeout ${T_ACTIVITY:-590} python3 -m benchmarks.activity_sweep \
+        --out="$OUT/activity_sweep.json" ${SWEEP_FLAGS} 2>&1 | tee "$OUT/activity_sweep.log" \
+        | grep -E "^  |^skew|^[a-z_]+ +[0-9]|rror" ;;
     l2)
       timeout 200 python3 -m benchmarks.probes.l2_rows --out="$OUT/l2_rows.json" 2>&1 | quiet | tail -20 ;;
     profile)

@@ -45,15 +45,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 from absl import app
 from absl import flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
+from benchmarks import cli_run
 
 
 def _define_flags():
@@ -72,8 +68,8 @@ def _define_flags():
   flags.DEFINE_integer("seq_len", None, "context (default: the config's)")
   flags.DEFINE_integer("eval_points", 10, "held-out evaluations per run")
   flags.DEFINE_integer("eval_batches", 16, "batches per held-out evaluation")
-  flags.DEFINE_string("dataset", "twell_python_source_site", "offline corpus")
-  flags.DEFINE_string("tokenizer", DEFAULT_TOKENIZER, "SentencePiece model path without "
+  flags.DEFINE_string("dataset", cli_run.DEFAULT_DATASET, "offline corpus")
+  flags.DEFINE_string("tokenizer", cli_run.DEFAULT_TOKENIZER, "SentencePiece model path without "
                       ".model (trained offline if missing), or 'byte'")
   flags.DEFINE_list("runs", None, "only these run names (default: all)")
   flags.DEFINE_integer("timeout", 3600, "seconds per run")
@@ -110,15 +106,6 @@ def run_specs(fl) -> list[dict]:
   return specs
 
 
-def _data_flags(fl, tokenizer: dict | None) -> list[str]:
-  out = [f"--config.data.dataset={fl.dataset}", "--config.data.use_tfds=False"]
-  if tokenizer is None:
-    return out + ["--config.data.tokenizer=byte"]
-  return out + ["--config.data.tokenizer=sentencepiece",
-                f"--config.data.spm_model={tokenizer['model']}",
-                f"--config.model.vocab_size={tokenizer['options']['vocab_size']}"]
-
-
 def _schedule_flags(shape: str, steps: int) -> list[str]:
   """Warm-up over the first tenth of each run's own steps; the paper shapes at
   `benchmarks.trained.SHORT_RUN`'s batch and rate (their configs are for 50k-step runs)."""
@@ -133,19 +120,13 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
   """One `train.main` command; its measurements (module docstring)."""
   from train import metrics  # pylint: disable=import-outside-toplevel
   workdir = os.path.join(fl.workdir, spec["name"].replace("/", "_") + tag)
-  if os.path.exists(workdir):
-    import shutil  # pylint: disable=import-outside-toplevel
-    shutil.rmtree(workdir)
   config = f"configs/{spec['shape']}.py" + (f":{spec['variant']}" if spec["variant"] else "")
   every = max(1, steps // fl.eval_points)
-  cmd = [sys.executable, "-m", "train.main", f"--config={config}", f"--workdir={workdir}",
-         f"--config.num_train_steps={steps}", f"--config.eval_every={every}",
-         f"--config.eval_batches={fl.eval_batches}", f"--config.log_every={every}",
-         "--config.checkpoint_every=0", *_schedule_flags(spec["shape"], steps), *data_flags,
-         # Every run compiles from nothing, as a first run on a machine does: a cache
-         # shared between runs would hand its compiles to the runs after the first.
-         f"--config.compilation_cache_dir={os.path.join(workdir, 'jax_cache')}",
-         *spec["flags"]]
+  cmd = cli_run.command(workdir, config, [
+      f"--config.num_train_steps={steps}", f"--config.eval_every={every}",
+      f"--config.eval_batches={fl.eval_batches}", f"--config.log_every={every}",
+      "--config.checkpoint_every=0", *_schedule_flags(spec["shape"], steps), *data_flags,
+      *spec["flags"]])
   profile = fl.profile_steps if not tag and steps > fl.profile_steps + 10 else 0
   if profile:   # away from the evaluations (every `every` steps) and the last step
     cmd += [f"--config.profile.first_step={steps - profile - 5}",
@@ -154,16 +135,8 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
     cmd.append(f"--config.batch_size={fl.batch_size}")
   if fl.seq_len:
     cmd.append(f"--config.data.seq_len={fl.seq_len}")
-  t0 = time.time()
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=fl.timeout,
-                        env={**os.environ, "PYTHONPATH": ROOT + os.pathsep
-                             + os.environ.get("PYTHONPATH", "")}, check=False)
-  wall = time.time() - t0
-  with open(workdir + ".log", "w") as f:
-    f.write(proc.stderr)
-  if proc.returncode:
-    raise RuntimeError(f"{spec['name']}: train.main exited {proc.returncode}:\n"
-                       + proc.stderr[-3000:])
+  proc, t0 = cli_run.start(cmd, workdir + ".log")
+  wall = cli_run.finish(proc, t0, fl.timeout, spec["name"])
   rows = metrics.read_jsonl(workdir)
   evals = [r for r in rows if "eval/loss" in r]
   train_rows = [r for r in rows if "loss" in r and "eval/loss" not in r]
@@ -291,14 +264,10 @@ def main(argv):
     return
   results["corpus"] = {**text_corpus.fingerprint(fl.dataset, "train"),
                        "validation": text_corpus.fingerprint(fl.dataset, "validation")}
-  tokenizer = None
-  if fl.tokenizer != "byte":
-    from train.corpus import build_tokenizer  # pylint: disable=import-outside-toplevel
-    print(f"tokenizer: {fl.tokenizer}.model (trained on {fl.dataset} if missing)", flush=True)
-    tokenizer = build_tokenizer.build(fl.tokenizer, dataset=fl.dataset)
+  tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
   results["tokenizer"] = tokenizer or {"model": "byte"}
-  results["device"] = _device_name()
-  data_flags = _data_flags(fl, tokenizer)
+  results["device"] = cli_run.device_name()
+  data_flags = cli_run.data_flags(fl.dataset, tokenizer)
 
   def save():
     summarize(results, fl.best_shape or fl.sweep_shape)
@@ -334,18 +303,6 @@ def main(argv):
       print(f"  plot: {path}")
   if results.get("best"):
     print(f"best: {json.dumps(results['best'])}")
-
-
-def _device_name() -> str:
-  """The GPU's name from nvidia-smi ("cpu" without one): this process never starts JAX on
-  the device, which the runs it starts need whole."""
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-  except (OSError, subprocess.SubprocessError):
-    return "cpu"
-  names = out.strip().splitlines()
-  return names[0] if names else "cpu"
 
 
 if __name__ == "__main__":

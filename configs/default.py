@@ -70,19 +70,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.dead_reinit = False
   c.dead_reinit_every = 1000
 
-  # Per-layer FFN choice (train/layer_choice.py): with ffn_implementation=None, each layer
-  # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
-  # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
-  # every `every` steps. The new step compiles in the background (background=False: in the
-  # loop, so the switch lands on the decision step, for reproducible runs). Checkpoints keep
-  # the choice in use.
+  # Per-layer hot features (train/layer_choice.py): with ffn_implementation=None, every layer
+  # runs the sparse implementation with a run-time number K of its features (the most popular,
+  # kept sorted first) computed as dense GEMMs; every `every` steps each layer's K is set to
+  # the one that minimizes its predicted FFN time, from all of them (the dense FFN's work, at
+  # random initialisation) down to a few hundred (trained). One compiled step serves every
+  # choice: a change lands on the next step, the same in every run. Checkpoints keep the
+  # choice in use.
   c.layer_choice = ml_collections.ConfigDict(dict(
       enabled=True,
-      sparse="auto",          # the sparse layers' implementation; auto: what None resolves to
+      sparse="auto",          # the layers' implementation; auto: what None resolves to
       every=20,
-      sparse_below=0.9,       # predicted FFN time over dense (train/layer_choice.py)
-      dense_above=1.0,
-      background=True,
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):

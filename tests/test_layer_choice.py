@@ -1,85 +1,85 @@
-"""Tests for the per-layer FFN choice: the hysteresis, the background-compiled steps and the
-trainer switching layers to the sparse implementation (and resuming with the choice)."""
+"""Tests for the per-layer hot features: the choice from the feature counts, and the trainer
+changing them at run time (deterministically, resuming with the choice)."""
 
 import json
 import os
-import threading
-import time
+import re
 
 from absl.testing import absltest
 import numpy as np
 
 import train_test_util as tu
+from twell_jax import features
 from train import layer_choice
 from train import train_lib
 
 
 class LayerChoiceTest(absltest.TestCase):
 
-  def test_hysteresis(self):
-    c = layer_choice.LayerChoice(3, 1000, sparse="xla", sparse_below=0.8, dense_above=0.95)
-    self.assertEqual(c.describe(), "D D D")            # dense from the start
-    self.assertTrue(c.update([0.79, 0.8, 1.2]))
-    self.assertEqual(c.implementations, ("xla", "dense", "dense"))
-    # Between the thresholds nothing moves, either way.
-    self.assertFalse(c.update([0.9, 0.9, 0.9]))
-    self.assertEqual(c.describe(), "S D D")
-    self.assertTrue(c.update([0.96, 0.5, 0.5]))
-    self.assertEqual(c.describe(), "D S S")
-    self.assertEqual(c.describe((("xla", "xla", "dense"), (512, 0, 0))), "S512 S D")
+  def test_starts_at_all_features_hot_and_describes(self):
+    c = layer_choice.LayerChoice(3, 1000)
+    self.assertEqual(c.menu, features.hot_choices(1000))
+    self.assertEqual(c.hot_features, (1024,) * 3)      # all of H (padded): the dense work
+    self.assertEqual(c.describe(), "D D D")
+    self.assertEqual(c.sparse_layers, 0)
+    self.assertEqual(c.describe([0, 512, 1024]), "S S512 D")
+    # Off-menu counts run the next entry up, past the menu its largest.
+    self.assertEqual(layer_choice.LayerChoice(2, 1000, hot=[300, 5000]).hot, [512, 1024])
 
   def test_bad_settings_and_shapes(self):
-    with self.assertRaisesRegex(ValueError, "sparse_below"):
-      layer_choice.LayerChoice(2, 64, sparse_below=0.6, dense_above=0.5)
     with self.assertRaisesRegex(ValueError, "d_ff"):
       layer_choice.LayerChoice(2, 0)
     c = layer_choice.LayerChoice(2, 64)
-    with self.assertRaisesRegex(ValueError, "3 layers' activity for 2 layers"):
-      c.update([1.0, 2.0, 3.0])
+    with self.assertRaisesRegex(ValueError, "for 2 layers"):
+      c.update_from_counts(np.zeros((3, 64)), 100)
     with self.assertRaisesRegex(ValueError, "32 features for d_ff=64"):
       c.update_from_counts(np.zeros((2, 32)), 100)
 
   def test_cost_model_reproduces_its_benchmark_points(self):
-    """The training model against the H100 kernel benchmark it is fitted to (module
-    docstring): within 0.05 at each point."""
+    """The static-K training model against the H100 kernel benchmark it is fitted to (module
+    docstring): within 0.05 at each point; the run-time K's hot column costs a third more."""
     h = 5632
-    cost = layer_choice.TRAINING_COST
+    cost = layer_choice.STATIC_TRAINING_COST
     for k, tail, measured in ((1024, 0, 0.528), (2048, 0, 0.752), (3328, 0, 0.977),
                               (0, 30.6, 0.729)):
       self.assertAlmostEqual(float(cost.ratio(h, k, tail)), measured, delta=0.05)
     # A hot column is worth more than a gathered entry of 1% of the tokens in training.
     self.assertGreater(cost.break_even, 0.01)
+    self.assertAlmostEqual(layer_choice.TRAINING_COST.hot, cost.hot * 4 / 3)
 
   def test_inference_threshold_is_below_the_training_one(self):
     # The inference forward saves no backward: it wins at fewer active features only.
     # d_ff 5632, no hot features: inference is predicted below 0.9 up to 32 active per token,
     # training up to 43.
     active = [10.0, 30.0, 40.0, 50.0]
-    infer = layer_choice.LayerChoice.for_inference(active, 5632, sparse="xla")
-    self.assertEqual(infer.describe(), "S S D D")
-    train = layer_choice.LayerChoice(4, 5632, sparse="xla")
-    train.update(train.cost.ratio(5632, 0, active))
-    self.assertEqual(train.describe(), "S S S D")
+    infer = layer_choice.inference_implementations(active, 5632, sparse="xla")
+    self.assertEqual(infer, ("xla", "xla", "dense", "dense"))
+    self.assertEqual(layer_choice.describe_implementations(infer, [256, 0, 0, 0]),
+                     "S256 S D D")
+    train = layer_choice.STATIC_TRAINING_COST.ratio(5632, 0, active)
+    self.assertEqual(list(train < 0.9), [True, True, True, False])
+    # A shape where the kernels measured slower than dense: every layer dense.
+    self.assertEqual(layer_choice.inference_implementations([0.5], 2816, d_model=768,
+                                                            tokens=8192), ("dense",))
 
-  def test_a_layer_with_most_features_hot_stays_dense(self):
-    """5120 of 5632 features on 3% of the tokens each: the best K is 5120, predicted at 1.33
-    of dense (the sparse kernels would run 91% of the dense GEMMs plus their own work): the
-    layer stays dense."""
+  def test_a_layer_with_most_features_active_runs_them_densely(self):
+    """5120 of 5632 features on 3% of the tokens each: gathering them costs more than dense
+    columns, so all 5120 run hot (a menu entry), predicted above the dense FFN's time."""
     tokens, h = 10_000, 5632
     counts = np.zeros((1, h), np.int64)
     counts[0, :5120] = 300
-    c = layer_choice.LayerChoice(1, h, sparse="xla")
+    c = layer_choice.LayerChoice(1, h)
+    c.hot = [0]
     c.update_from_counts(counts, tokens)
     self.assertEqual(c.hot, [5120])
     self.assertGreater(c.predicted[0], 1.0)
-    self.assertEqual(c.describe(), "D")
+    self.assertEqual(c.describe(), "S5120")
 
   def test_counts_choose_hot_features_and_sort_them_first(self):
     """A layer of 105 active per token, 100 of them on 300 features that fire on a third of
-    the tokens, is sparse with 512 hot features; a uniform layer of 30 is sparse without;
-    one of 200 uniform (every feature above the break-even rate) is dense. The order puts
-    the hottest features first. K moves only when the new one improves the prediction by
-    more than HOT_CHANGE_GAIN."""
+    the tokens, runs 512 hot; a uniform layer of 30 runs none; one of 200 uniform (every
+    feature above the break-even rate) runs all. The order puts the hottest features first.
+    K moves only when the new one improves the prediction by more than HOT_CHANGE_GAIN."""
     rng = np.random.default_rng(0)
     tokens, h = 10_000, 5632
     skewed = np.zeros(h, np.int64)
@@ -87,216 +87,45 @@ class LayerChoiceTest(absltest.TestCase):
     skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
     skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
     counts = np.stack([skewed, np.full(h, 30 * tokens // h), np.full(h, 200 * tokens // h)])
-    c = layer_choice.LayerChoice(3, h, sparse="xla")
+    c = layer_choice.LayerChoice(3, h)
     changed, order = c.update_from_counts(counts, tokens)
     self.assertTrue(changed)
-    self.assertEqual(c.key, (("xla", "xla", "dense"), (512, 0, 0)))
+    self.assertEqual(c.hot_features, (512, 0, h))
     self.assertEqual(c.describe(), "S512 S D")
+    self.assertEqual(c.sparse_layers, 2)
     self.assertEqual(set(order[0, :300]), set(hot_ids))
     np.testing.assert_array_equal(np.diff(counts[0][order[0]]) <= 0, True)
-    # 280 hot features would fit in 512 too; 600 need 768, which improves the prediction by
-    # about 0.3 (88 features on a third of the tokens leave the tail).
     self.assertFalse(c.update_from_counts(counts, tokens)[0])
+    # 600 hot features need 768, which improves the prediction by about 0.3 (300 features
+    # on a third of the tokens leave the gathers).
     more = counts.copy()
     more[0, order[0, 300:600]] = tokens // 3
     self.assertTrue(c.update_from_counts(more, tokens)[0])
     self.assertEqual(c.hot[0], 768)
 
+  def test_long_columns_run_hot(self):
+    """1.5 active per token, one feature on almost every token: gathering is predicted cheap,
+    but that feature's column would outlast the backward's column kernels: K = 256."""
+    tokens, h = 16384, 5632
+    counts = np.zeros((1, h), np.int64)
+    counts[0, 0] = tokens - 10
+    counts[0, 1:400] = tokens // 2 // 400
+    c = layer_choice.LayerChoice(1, h)
+    c.update_from_counts(counts, tokens)
+    self.assertEqual(c.hot, [256])
 
-class BackgroundStepsTest(absltest.TestCase):
-
-  def _wait(self, steps):
-    deadline = time.time() + 10
-    while (handed := steps.ready()) is None and time.time() < deadline:
-      time.sleep(0.01)
-    return handed
-
-  def test_request_hands_over_when_built_and_keeps_executables(self):
-    gate, built = threading.Event(), []
-
-    def build(names, autotune):
-      gate.wait(10)
-      built.append(names)
-      return f"step{names}"
-
-    steps = layer_choice.BackgroundSteps(build)
-    try:
-      steps.request(("a",))
-      self.assertIsNone(steps.ready())                  # still compiling: keep going
-      gate.set()
-      self.assertEqual(self._wait(steps), (("a",), "step('a',)"))
-      self.assertIsNone(steps.ready())                  # handed over once
-      steps.request(("a",))                             # built before: no second build
-      self.assertEqual(steps.ready(), (("a",), "step('a',)"))
-      self.assertEqual(built, [("a",)])
-    finally:
-      steps.close()
-
-  def test_a_failed_build_is_reported_and_training_goes_on(self):
-    def build(names, autotune):
-      if names == ("bad",):
-        raise RuntimeError("lowering failed")
-      return f"step{names}"
-
-    steps = layer_choice.BackgroundSteps(build)
-    try:
-      with self.assertLogs(level="ERROR") as logs:
-        steps.request(("bad",))
-        for _ in range(200):
-          if steps.failures:
-            break
-          time.sleep(0.01)
-      self.assertIn("lowering failed", "\n".join(r.getMessage() for r in logs.records))
-      self.assertEqual([n for n, _ in steps.failures], [("bad",)])
-      self.assertIsNone(steps.ready())
-      steps.request(("good",))
-      self.assertEqual(self._wait(steps), (("good",), "step('good',)"))
-    finally:
-      steps.close()
-
-  def test_newer_requests_supersede_queued_ones(self):
-    gate, built = threading.Event(), []
-
-    def build(names, autotune):
-      gate.wait(10)
-      built.append(names)
-      return names[0]
-
-    steps = layer_choice.BackgroundSteps(build)
-    try:
-      steps.request(("a",))          # starts building
-      time.sleep(0.1)
-      steps.request(("b",))          # queued ...
-      steps.request(("c",))          # ... and replaced before it starts
-      gate.set()
-      # "a" (in flight) is handed over when built, then "c"; "b" is never built.
-      first = self._wait(steps)
-      if first == (("a",), "a"):
-        first = self._wait(steps)
-      self.assertEqual(first, (("c",), "c"))
-      self.assertEqual(built, [("a",), ("c",)])
-    finally:
-      steps.close()
-
-  def test_queued_build_that_would_end_after_the_deadline_is_not_started(self):
-    gate, built = threading.Event(), []
-
-    def build(names, autotune):
-      if names == ("b",):
-        gate.wait(10)   # a slow build: the run's end comes while it runs
-      built.append(names)
-      return names[0]
-
-    steps = layer_choice.BackgroundSteps(build)
-    try:
-      steps.request(("a",))
-      self.assertEqual(self._wait(steps), (("a",), "a"))
-      steps.request(("b",))
-      time.sleep(0.1)
-      # Queued behind "b", due to end 0.5 s from now.
-      steps.request(("c",), deadline=time.monotonic() + 0.5)
-      time.sleep(0.6)
-      gate.set()
-      self.assertEqual(self._wait(steps), (("b",), "b"))
-      time.sleep(0.2)
-      self.assertEqual(built, [("a",), ("b",)])       # "c" would have ended too late
-      self.assertIsNone(steps.ready())
-    finally:
-      steps.close()
-
-  def test_foreground_builds_in_request(self):
-    tuned = []
-    steps = layer_choice.BackgroundSteps(
-        lambda names, autotune: tuned.append(autotune) or names[0], background=False,
-        quick_first=True)
-    steps.request(("b",))
-    self.assertEqual(steps.ready(), (("b",), "b"))
-    self.assertEqual(tuned, [True])                   # nothing to hurry: one tuned build
-    steps.close()
-
-  def test_no_background_build_that_cannot_land_before_the_end(self):
-    no_landing = train_lib._no_landing  # pylint: disable=protected-access
-    steps = layer_choice.BackgroundSteps(lambda names, autotune: names, background=True)
-    self.assertIsNone(no_landing(steps, 5.0))            # no build timed yet
-    steps.get_now(("dense",))
-    steps.last_build_s = 30.0
-    self.assertIsNone(no_landing(steps, 31.0))
-    self.assertIn("29 s of training left", no_landing(steps, 29.0))   # the run ends first
-    steps.close()
-    inline = layer_choice.BackgroundSteps(lambda names, autotune: names, background=False)
-    inline.last_build_s = 30.0
-    self.assertIsNone(no_landing(inline, 1.0))           # built in the loop: always lands
-    inline.close()
-
-  def test_a_switch_is_built_only_when_it_pays_for_its_build(self):
-    no_payback = train_lib._no_payback  # pylint: disable=protected-access
-    h, tokens = 1024, 4096
-    choice = layer_choice.LayerChoice(2, h)
-    counts = np.zeros((2, h))
-    counts[:, :8] = tokens // 8                  # 1 active feature per token, all hot-ish
-    dense_key = choice.key
-    choice.update_from_counts(counts, tokens)
-    self.assertEqual(choice.implementations, ("mosaic_gpu",) * 2)
-    steps = layer_choice.BackgroundSteps(lambda names, autotune: names, background=True)
-    steps.last_build_s = 20.0
-    saves = lambda left: no_payback(steps, choice, dense_key, counts, tokens, 0.1, left, 0.5)
-    # Both layers at ~0.4 of the dense FFN: ~0.03 s saved per 0.1 s step; the build costs
-    # BUILD_SLOWDOWN x 20 s = 8 s of the loop's time.
-    self.assertIsNone(saves(1000))
-    self.assertIn("less than the 8.0 s", saves(100))
-    steps.close()
-    inline = layer_choice.BackgroundSteps(lambda names, autotune: names, background=False)
-    inline.last_build_s = 20.0
-    self.assertIsNone(no_payback(inline, choice, dense_key, counts, tokens, 0.1, 1, 0.5))
-    inline.close()
-
-  def test_ffn_share_of_the_paper_shape(self):
-    share = layer_choice.ffn_flop_share(2048, 5632, 8, 32000, 2048, 32, 32)
-    self.assertAlmostEqual(share, 0.54, delta=0.01)
-
-  def test_quick_build_first_then_the_tuned_one_as_an_upgrade(self):
-    gate, quick_gate, built = threading.Event(), threading.Event(), []
-    quick_gate.set()
-
-    def build(names, autotune):
-      (gate if autotune else quick_gate).wait(10)
-      built.append((names, autotune))
-      return f"{names[0]}-{'tuned' if autotune else 'quick'}"
-
-    steps = layer_choice.BackgroundSteps(build, quick_first=True)
-    try:
-      steps.request(("a",))
-      self.assertEqual(self._wait(steps), (("a",), "a-quick"))
-      self.assertIsNone(steps.ready())                   # the tuned build still runs
-      gate.set()
-      self.assertEqual(self._wait(steps), (("a",), "a-tuned"))
-      steps.request(("a",))                              # kept, tuned: nothing to build
-      self.assertEqual(steps.ready(), (("a",), "a-tuned"))
-      self.assertEqual(built, [(("a",), False), (("a",), True)])
-      gate.clear()
-      steps.request(("b",))
-      self.assertEqual(self._wait(steps), (("b",), "b-quick"))
-      steps.request(("c",))                              # while b's tuned build waits
-      gate.set()
-      deadline = time.time() + 10
-      while len(built) < 6 and time.time() < deadline:
-        time.sleep(0.01)
-      # b's tuned build was under way when c came (it is kept); c's quick, then tuned.
-      self.assertEqual(built[2:], [(("b",), False), (("b",), True), (("c",), False),
-                                   (("c",), True)])
-      self.assertEqual(self._wait(steps), (("c",), "c-tuned"))
-      # A request that comes while another's quick build runs: that one is not tuned.
-      quick_gate.clear()
-      steps.request(("d",))
-      time.sleep(0.05)
-      steps.request(("e",))
-      quick_gate.set()
-      deadline = time.time() + 10
-      while len(built) < 9 and time.time() < deadline:
-        time.sleep(0.01)
-      self.assertEqual(built[6:], [(("d",), False), (("e",), False), (("e",), True)])
-    finally:
-      steps.close()
+  def test_nearly_equal_choices_do_not_flap(self):
+    """768 features on a third of the tokens and 256 at the break-even rate: K = 768 and 1024
+    predict the same, and neither moves to the other (a gain under HOT_CHANGE_GAIN)."""
+    tokens, h = 10_000, 5632
+    c = layer_choice.LayerChoice(1, h)
+    counts = np.zeros((1, h), np.int64)
+    counts[0, :768] = tokens // 3
+    counts[0, 768:1024] = round(tokens * c.cost.break_even)
+    for k in (768, 1024):
+      c.hot = [k]
+      self.assertFalse(c.update_from_counts(counts, tokens)[0])
+      self.assertEqual(c.hot, [k])
 
 
 class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
@@ -305,26 +134,56 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     with open(os.path.join(wd, "metrics.jsonl")) as f:
       return [r for r in map(json.loads, f) if "sparse_layers" in r]
 
-  def test_layers_switch_to_sparse_and_resume_with_the_choice(self):
+  def _decisions(self, logs):
+    """[(step, choice)] of the trainer's 'hot features per layer -> ...' lines."""
+    out = []
+    for line in logs.output:
+      m = re.search(r"step (\d+): hot features per layer -> ([SD0-9 ]+?) \(", line)
+      if m:
+        out.append((int(m.group(1)), m.group(2)))
+    return out
+
+  def test_same_seed_same_decisions_landing_on_the_next_step(self):
+    """Two runs with one seed make the same decisions on the same steps, and each lands on
+    the step after its decision (the logged hot features of step n + 1 are the choice made
+    at step n): no build, no thread decides when. The micro model starts at half its
+    features active, all hot; L1 brings activity down and the layers' K follow it."""
+    cfg = tu.micro_config(num_train_steps=12, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
+                          learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2})
+    runs = []
+    for _ in range(2):
+      wd = self.create_tempdir().full_path
+      with self.assertLogs(level="INFO") as logs:
+        train_lib.train_and_evaluate(cfg, wd)
+      rows = {r["step"]: [int(r[f"hot_features/layer_{l}"]) for l in range(cfg.model.n_layers)]
+              for r in self._rows(wd)}
+      runs.append((self._decisions(logs), rows))
+    (decisions, rows), (decisions2, rows2) = runs
+    self.assertEqual(decisions, decisions2)
+    self.assertEqual(rows, rows2)
+    self.assertNotEmpty(decisions)
+    self.assertEqual(rows[1], [1024] * cfg.model.n_layers)    # all hot from initialisation
+    for step, choice in decisions:
+      if step + 1 in rows:
+        self.assertEqual(layer_choice.LayerChoice(cfg.model.n_layers, 1024).describe(
+            rows[step + 1]), choice)
+    self.assertTrue(any(k < 1024 for k in rows[max(rows)]))   # some layer gathers by the end
+
+  def test_choice_resumes_from_the_checkpoint(self):
     wd = self.create_tempdir().full_path
-    # Every layer fires on far fewer than 1e9 features per token: all switch at the first
-    # decision (after step 1); the foreground build lands the switch on that step. (From
-    # initialisation every feature of the micro model fires on about half of the tokens, so
-    # all would be hot, which makes a layer dense; without hot features here, the test is of
-    # the switch itself.)
+    # Every K predicted alike but K = 0 cheapest: the first decision (after step 1) sets all
+    # layers to gather everything.
     self.enter_context(absltest.mock.patch.object(
-        layer_choice.features_lib, "hot_feature_count", lambda *a, **k: 0))
+        layer_choice.LayerChoice, "predict",
+        lambda self, hot, tail: np.asarray(hot, np.float64) * 1e-3))
     cfg = tu.micro_config(num_train_steps=4, log_every=1, checkpoint_every=2,
-                          **{"layer_choice.sparse": "xla", "layer_choice.sparse_below": 1e9,
-                             "layer_choice.dense_above": 1e9,
-                             "layer_choice.background": False})
-    with self.assertLogs(level="INFO") as logs:
-      train_lib.train_and_evaluate(cfg, wd)
+                          **{"layer_choice.sparse": "xla"})
+    train_lib.train_and_evaluate(cfg, wd)
     n = cfg.model.n_layers
     self.assertEqual([r["sparse_layers"] for r in self._rows(wd)], [0, n, n, n])
-    self.assertTrue(any("ffn " + " ".join(["S"] * n) in line for line in logs.output)
-                    or any("ffn S" in line for line in logs.output))
-    self.assertIn("hot_features/layer_0", self._rows(wd)[-1])
+    self.assertEqual(self._rows(wd)[-1]["hot_features/layer_0"], 0)
     # Resumed: the checkpoint's choice runs from the first step on.
     cfg.num_train_steps = 5
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
@@ -339,9 +198,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     import jax  # pylint: disable=g-import-not-at-top
     from train import checkpointing  # pylint: disable=g-import-not-at-top
     cfg = tu.micro_config(num_train_steps=6, checkpoint_every=2, keep_checkpoints=3,
-                          **{"layer_choice.sparse": "xla", "layer_choice.every": 4,
-                             "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
-                             "layer_choice.background": False})
+                          **{"layer_choice.sparse": "xla", "layer_choice.every": 4})
     ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
     train_lib.train_and_evaluate(cfg, ref)
     train_lib.train_and_evaluate(cfg, run)

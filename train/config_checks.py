@@ -76,12 +76,10 @@ _FLOAT_RANGE = {
     "model.rope_theta": (0.0, math.inf, False, False),
     "model.norm_eps": (0.0, math.inf, False, False),
     "model.init_std": (0.0, math.inf, False, False),
-    "layer_choice.sparse_below": (0.0, math.inf, True, False),
-    "layer_choice.dense_above": (0.0, math.inf, True, False),
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
-          "layer_choice.background", "mesh.shard_optimizer")
+          "mesh.shard_optimizer")
 
 
 def _choices() -> dict[str, tuple]:
@@ -143,10 +141,6 @@ def _check_consistency(cfg, n_devices: int, n_processes: int):
   if cfg.batch_size % n_processes:
     raise ConfigError(f"config.batch_size={cfg.batch_size} must be divisible by the "
                       f"{n_processes} processes")
-  lc = cfg.get("layer_choice")
-  if lc is not None and lc.dense_above < lc.sparse_below:
-    raise ConfigError(f"config.layer_choice.dense_above={lc.dense_above} must be >= "
-                      f"config.layer_choice.sparse_below={lc.sparse_below}")
   if cfg.data.tokenizer == "sentencepiece" and not (cfg.data.spm_model
                                                    and os.path.isfile(cfg.data.spm_model)):
     raise ConfigError(f"config.data.spm_model={cfg.data.spm_model!r}: "

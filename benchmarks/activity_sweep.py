@@ -1,0 +1,206 @@
+r"""The sparse FFN at moderate activity, on the activity of a run from random initialisation.
+
+    python -m benchmarks.activity_sweep --out=activity_sweep.json   # on a Hopper GPU
+    python -m benchmarks.activity_sweep --smoke --out=/tmp/a.json   # CPU smoke mode
+
+1. Trains the paper 0.5B shape from random initialisation through the trainer
+   (`train.train_lib.train_and_evaluate`, per-layer hot features on; the setting of
+   `benchmarks.whole_run`: Python-source corpus, 32k tokenizer, 8 x 2048 tokens a step, L1
+   3e-5) and, at each of `--capture_steps` (decision steps of the per-layer choice), captures
+   every layer's FFN input on a held-out batch and its weights (a trainer hook).
+2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the hot
+   features the trainer runs it with, and the layer's forward + backward on the kernels at that
+   run-time K (`twell_jax.ffn` with an int32 hot_features, the trainer's program) against the
+   dense FFN, on the captured input.
+3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
+   the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
+   `--actives` active features per token; per point the K the per-layer choice picks
+   (`train.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward against
+   dense.
+Times: medians of synchronized calls (`benchmarks.timing.wall_ms`), the loss
+sum(y * ct) + 2e-5 * l1 of `benchmarks.kernels`. JSON (`--out`): {"device", "captures":
+[{"step", "layers": [...]}], "sweep": [{"skew", "active", "hot_features", "ratio", ...}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import captured
+from benchmarks import kernels
+from benchmarks import timing
+from benchmarks import trained
+import twell_jax as tj
+from twell_jax import features as tj_features
+from twell_jax import testing
+
+F32 = jnp.float32
+
+
+def _define_flags():
+  flags.DEFINE_string("out", None, "results JSON")
+  flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, byte tokenizer, xla")
+  flags.DEFINE_integer("steps", 2500, "training steps of the run (its schedule's length)")
+  flags.DEFINE_list("capture_steps", ["100", "200", "300", "500", "1000", "1500", "2500"],
+                    "steps whose activity is captured (multiples of layer_choice.every)")
+  flags.DEFINE_list("actives", ["50", "100", "200", "400", "800"],
+                    "active features per token of the sweep")
+  flags.DEFINE_string("early", "300:4", "step:layer whose skew is the early steps'")
+  flags.DEFINE_string("tokenizer", "python32k", "python32k or byte (benchmarks.trained)")
+  flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the run")
+  flags.DEFINE_integer("iters", 10, "timed calls per measurement")
+  flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation")
+
+
+def _loss(impl: str):
+  """loss(x, wg, wu, wd, ct, hot) of `benchmarks.kernels.loss_fn`, K a run-time int32."""
+  def loss(x, wg, wu, wd, ct, hot):
+    y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, hot_features=hot)
+    return jnp.sum(y.astype(F32) * ct) + kernels.LAMBDA * st.l1
+  return loss
+
+
+_GRADS: dict = {}
+
+
+def _grad(impl: str):
+  """One jitted forward + backward per implementation (every K and layer share it)."""
+  if impl not in _GRADS:
+    _GRADS[impl] = jax.jit(jax.grad(_loss(impl), argnums=(0, 1, 2, 3)))
+  return _GRADS[impl]
+
+
+def time_call(x, wg, wu, wd, hot: int, impl: str, iters: int) -> dict:
+  """Forward + backward of `impl` at run-time K `hot` and of the dense FFN on these inputs:
+  ms each, their ratio, and the rows that left the sparse kernels."""
+  ct = jax.random.normal(jax.random.key(1), x.shape, F32)
+  k = jnp.int32(hot)
+  dense = min(timing.wall_ms(_grad("dense"), x, wg, wu, wd, ct, k, iters=iters)
+              for _ in range(2))   # data-independent: the smaller of two medians
+  sparse = timing.wall_ms(_grad(impl), x, wg, wu, wd, ct, k, iters=iters)
+  _, st = jax.jit(lambda *a: tj.ffn(*a, implementation=impl, return_stats=True,
+                                    hot_features=k))(x, wg, wu, wd)
+  return {"hot_features": hot, "dense_ms": dense, "sparse_ms": sparse,
+          "ratio": sparse / dense, "overflow_rows": int(st.overflow_rows)}
+
+
+def _rows_over(active: np.ndarray, hot: int, width: int = 128) -> int:
+  """Rows with more than `width` actives outside the first `hot` features."""
+  return int(np.sum(active[:, hot:].sum(axis=1) > width))
+
+
+class Capture:
+  """A trainer hook: at the capture steps, every layer's activity and kernel times."""
+
+  def __init__(self, cfg, steps, impl: str, iters: int):
+    self.cfg, self.steps, self.impl, self.iters = cfg, set(steps), impl, iters
+    self.results, self.fits = [], {}
+
+  def __call__(self, tr, step: int, state, hot) -> None:
+    if step not in self.steps:
+      return
+    t0 = time.time()
+    dense_cfg = self.cfg.copy_and_resolve_references()
+    dense_cfg.model.ffn_implementation = "dense"
+    xs, ws = captured.capture(dense_cfg, state["params"])
+    layers = []
+    for l in range(xs.shape[0]):
+      x, wg, wu, wd = xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l]
+      active = np.asarray(captured._fires(x, wg))   # pylint: disable=protected-access
+      st = testing.activity_stats(active)
+      k = int(hot[l]) if hot is not None else 0
+      row = {"layer": l, "captured": st, "rows_over_width": _rows_over(active, k),
+             **time_call(x, wg, wu, wd, k, self.impl, self.iters)}
+      self.fits[(step, l)] = captured.fit_generator(st, x.shape[0], wu.shape[1])
+      layers.append(row)
+      print(f"  step {step} layer {l}: active {st['active_per_token']:.1f} rows p50/p99/max "
+            f"{st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']} K {k} rows over W "
+            f"{row['rows_over_width']}: fwd+bwd {row['ratio']:.3f} ({row['sparse_ms']:.2f} / "
+            f"{row['dense_ms']:.2f} ms)", flush=True)
+    self.results.append({"step": step, "seconds": round(time.time() - t0, 1),
+                         "layers": layers})
+
+
+def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: int) -> dict:
+  """The fitted skew at `active` features per token: the per-layer choice's K on it, and
+  forward + backward against dense."""
+  from train import layer_choice  # pylint: disable=import-outside-toplevel
+  m, d, h = shape
+  scale = active / max(fit["active_fraction"] * h, 1e-9)
+  args = dict(fit, active_fraction=min(1.0, fit["active_fraction"] * scale))
+  x, wg, wu, wd = testing.ffn_inputs(jax.random.key(3), m, d, h, **args)
+  fires = captured._fires(x, wg)   # pylint: disable=protected-access
+  counts = jnp.sum(fires, axis=0, dtype=jnp.int32)
+  wg, wu, wd, order = tj_features.sort_features(wg, wu, wd, counts)
+  active_mask = np.asarray(jnp.take(fires, order, axis=1))
+  choice = layer_choice.LayerChoice(1, h)
+  choice.update_from_counts(np.asarray(counts)[None], m)
+  k = choice.hot[0]
+  st = testing.activity_stats(active_mask)
+  out = {"skew": skew, "active": float(active), "generated": st,
+         "rows_over_width": _rows_over(active_mask, k), "predicted": choice.predicted[0],
+         **time_call(x, wg, wu, wd, k, impl, iters)}
+  print(f"  {skew} at {active:g}: measured {st['active_per_token']:.1f} active, rows "
+        f"p50/p99/max {st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']}, K {k} "
+        f"(predicted {out['predicted']:.2f}), rows over W {out['rows_over_width']}: fwd+bwd "
+        f"{out['ratio']:.3f}", flush=True)
+  return out
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  from train import train_lib  # pylint: disable=import-outside-toplevel
+  shape_name = "tiny" if fl.smoke else "paper_0p5b"
+  impl = "xla" if fl.smoke else fl.impl
+  cfg = trained.config_for(shape_name, tokenizer="byte" if fl.smoke else fl.tokenizer)
+  steps = [int(s) for s in fl.capture_steps]
+  cfg.update(num_train_steps=max(fl.steps, *steps), log_every=50, l1_coeff=fl.l1)
+  cfg.model.ffn_implementation = None
+  if fl.smoke:
+    cfg.update(num_train_steps=max(steps), log_every=2)
+    cfg.layer_choice.update(sparse="xla", every=2)
+  device = jax.devices()[0].device_kind
+  print("device:", device, flush=True)
+  hook = Capture(cfg, steps, impl, fl.iters)
+  t0 = time.time()
+  with tempfile.TemporaryDirectory() as wd:
+    train_lib.train_and_evaluate(cfg, wd, hooks=[hook])
+  results = {"device": device, "jax": jax.__version__, "steps": max(steps),
+             "run_s": round(time.time() - t0, 1), "l1": fl.l1, "captures": hook.results}
+  early_step, early_layer = (int(v) for v in fl.early.split(":"))
+  last = max(step for step, _ in hook.fits)
+  n_layers = max(l for _, l in hook.fits) + 1
+  skews = {"early": hook.fits.get((early_step, early_layer)),
+           "last_layer": hook.fits[(last, n_layers - 1)]}
+  mc = cfg.model
+  shape = (cfg.batch_size * cfg.data.seq_len, mc.d_model, mc.d_ff)
+  results["skews"] = {name: {"fit": fit, "from": (f"step {early_step} layer {early_layer}"
+                                                  if name == "early" else
+                                                  f"step {last} layer {n_layers - 1}")}
+                      for name, fit in skews.items() if fit is not None}
+  results["sweep"] = [sweep_point(name, fit, float(a), shape, impl, fl.iters)
+                      for name, fit in skews.items() if fit is not None for a in fl.actives]
+  if fl.out:
+    os.makedirs(os.path.dirname(os.path.abspath(fl.out)), exist_ok=True)
+    with open(fl.out, "w") as f:
+      json.dump(results, f, indent=1)
+  print(f"\n{'skew':<11}{'active':>8}{'K':>6}{'rows>W':>8}{'ratio':>8}")
+  for p in results["sweep"]:
+    print(f"{p['skew']:<11}{p['active']:>8.0f}{p['hot_features']:>6}"
+          f"{p['rows_over_width']:>8}{p['ratio']:>8.3f}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  jax.config.config_with_absl()
+  app.run(main)

@@ -1,0 +1,104 @@
+"""Training runs as a user types them: `python -m train.main` commands, timed whole.
+
+Shared by the benchmarks that measure what a user gets from a run (`benchmarks.quality`,
+`benchmarks.whole_run`): the offline corpus and tokenizer flags, one command with its own
+workdir and an empty compilation cache (a first run on a machine), its wall-clock from start
+to exit, and the device's name without starting JAX in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
+DEFAULT_DATASET = "twell_python_source_site"
+
+
+def tokenizer_record(path: str, dataset: str) -> dict | None:
+  """The SentencePiece model at `path`.model, trained offline on `dataset` if missing
+  (`train.corpus.build_tokenizer`); None for "byte"."""
+  if path == "byte":
+    return None
+  from train.corpus import build_tokenizer  # pylint: disable=import-outside-toplevel
+  print(f"tokenizer: {path}.model (trained on {dataset} if missing)", flush=True)
+  return build_tokenizer.build(path, dataset=dataset)
+
+
+def data_flags(dataset: str, tokenizer: dict | None) -> list[str]:
+  """`train.main` flags reading the offline `dataset` with `tokenizer` (None: bytes)."""
+  out = [f"--config.data.dataset={dataset}", "--config.data.use_tfds=False"]
+  if tokenizer is None:
+    return out + ["--config.data.tokenizer=byte"]
+  return out + ["--config.data.tokenizer=sentencepiece",
+                f"--config.data.spm_model={tokenizer['model']}",
+                f"--config.model.vocab_size={tokenizer['options']['vocab_size']}"]
+
+
+def command(workdir: str, config: str, flags: list[str]) -> list[str]:
+  """The `train.main` command of a run in `workdir` (emptied first) whose compiled programs
+  go to an empty cache of its own: a cache shared between runs would hand the first run's
+  compiles to the others."""
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  return [sys.executable, "-m", "train.main", f"--config={config}", f"--workdir={workdir}",
+          f"--config.compilation_cache_dir={os.path.join(workdir, 'jax_cache')}", *flags]
+
+
+def environment(**extra: str) -> dict:
+  return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+          **extra}
+
+
+def start(cmd: list[str], log_path: str, **env: str) -> tuple[subprocess.Popen, float]:
+  """Starts `cmd` from the repository root with its output to `log_path`: (process, start
+  time). Wait with `finish`."""
+  log = open(log_path, "w")   # pylint: disable=consider-using-with  # closed by finish
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          env=environment(**env))
+  proc.log = log
+  return proc, time.time()
+
+
+def finish(proc: subprocess.Popen, t0: float, timeout: float, name: str) -> float:
+  """Waits for a `start`ed command; its wall-clock seconds. RuntimeError with the end of its
+  log if it failed or ran past `timeout` seconds (then killed)."""
+  try:
+    proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+  wall = time.time() - t0
+  proc.log.close()
+  if proc.returncode:
+    with open(proc.log.name) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f"{name}: train.main exited {proc.returncode} after {wall:.0f} s:\n"
+                       + tail)
+  return wall
+
+
+def run(cmd: list[str], log_path: str, timeout: float, name: str, **env: str) -> float:
+  """`start` then `finish`: the command's wall-clock seconds."""
+  proc, t0 = start(cmd, log_path, **env)
+  return finish(proc, t0, timeout, name)
+
+
+def device_name() -> str:
+  """The first GPU's name from nvidia-smi ("cpu" without one): this process never starts JAX
+  on the device, which the runs it starts need whole."""
+  names = gpu_names()
+  return names[0] if names else "cpu"
+
+
+def gpu_names() -> list[str]:
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return out.strip().splitlines()

@@ -1,0 +1,222 @@
+r"""The user's measure: whole training runs from random initialisation, sparse against dense SiLU.
+
+    python -m benchmarks.whole_run --out=whole_run.json --plot=whole_run.png   # GPU(s)
+    python -m benchmarks.whole_run --smoke --out=/tmp/w.json                   # CPU, a minute
+
+Every run is the command a user types (`python -m train.main`, its own workdir and an empty
+compilation cache, as a first run on a machine), from the config's seed on the same token
+stream: the offline corpus of Python sources with a 32k SentencePiece tokenizer trained on it
+offline (`benchmarks.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
+(`benchmarks.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
+trainer defaults otherwise (held-out evaluations every `--eval_every` steps, checkpoints every
+`--checkpoint_every`). Runs (`--runs`):
+
+  dense_silu   the baseline: dense SiLU-gated FFN, no L1 (`configs/paper_0p5b.py:dense`)
+  sparse       ReLU + L1 `--l1` with the default FFN choice (each layer's hot features
+               chosen at run time, `train.layer_choice`); named twice, it runs twice, to show
+               the spread and that one seed gives one sequence of decisions
+
+With `--parallel` the runs start together, one GPU each (each process sees only its GPU;
+the runs share the host's CPUs); otherwise one after the other on the first GPU.
+
+Per run: the command's wall-clock (start-up, compiles, evaluations, checkpoints included), the
+time to its first step, held-out cross-entropy at every evaluation, and at every logged step
+tokens/s, active features per token and rows that left the sparse kernels per layer, the
+number of layers gathering features and their hot features; the per-layer decisions and the
+steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "runs": [{"name",
+"wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
+"sparse_layers", "hot_features"}], "decisions": [[step, choice]], ...}], "wall_ratios" (dense
+SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
+"same_decisions"}. The plot: each sparse run's tokens/s over dense SiLU's at every logged step,
+and the first sparse run's activity per layer, against steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from absl import app
+from absl import flags
+
+from benchmarks import cli_run
+
+_DECISION = re.compile(r"step (\d+): hot features per layer -> ([SD0-9 ]+?) \(predicted")
+
+
+def _define_flags():
+  flags.DEFINE_string("out", None, "results JSON")
+  flags.DEFINE_string("plot", None, "PNG of the per-step ratio and the activity")
+  flags.DEFINE_string("workdir", "/tmp/twell_whole_run", "where the runs' workdirs go")
+  flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, byte tokenizer, a few steps")
+  flags.DEFINE_string("shape", "paper_0p5b", "config (configs/<shape>.py)")
+  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order")
+  flags.DEFINE_integer("steps", 2500, "training steps of every run")
+  flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the sparse runs")
+  flags.DEFINE_integer("warmup_steps", 100, "learning-rate warm-up")
+  flags.DEFINE_integer("log_every", 50, "logging interval (each point of the curves)")
+  flags.DEFINE_integer("eval_every", 500, "held-out evaluation interval")
+  flags.DEFINE_integer("eval_batches", 16, "batches per held-out evaluation")
+  flags.DEFINE_integer("checkpoint_every", 1000, "checkpoint interval (0: none)")
+  flags.DEFINE_string("dataset", cli_run.DEFAULT_DATASET, "offline corpus")
+  flags.DEFINE_string("tokenizer", cli_run.DEFAULT_TOKENIZER, "SentencePiece model path "
+                      "without .model (trained offline if missing), or 'byte'")
+  flags.DEFINE_bool("parallel", False, "start the runs together, one GPU each")
+  flags.DEFINE_list("gpus", [], "with --parallel, the GPUs to use (default: all)")
+  flags.DEFINE_list("extra_flags", [], "more train.main flags for every run")
+  flags.DEFINE_integer("timeout", 3000, "seconds per run")
+
+
+def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[str], str]:
+  """(the `train.main` command of run `name` (the `index`-th), its workdir)."""
+  from benchmarks import trained  # pylint: disable=import-outside-toplevel
+  workdir = os.path.join(fl.workdir, f"{index}_{name}")
+  dense = name == "dense_silu"
+  config = f"configs/{fl.shape}.py" + (":dense" if dense else "")
+  schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
+              else [f"--config.warmup_steps={fl.warmup_steps}"])
+  model = [] if dense else ["--config.model.ffn_activation=relu", f"--config.l1_coeff={fl.l1}"]
+  cmd = cli_run.command(workdir, config, [
+      f"--config.num_train_steps={fl.steps}", f"--config.log_every={fl.log_every}",
+      f"--config.eval_every={fl.eval_every}", f"--config.eval_batches={fl.eval_batches}",
+      f"--config.checkpoint_every={fl.checkpoint_every}", "--config.keep_checkpoints=1",
+      *schedule, *data_flags, *model, *fl.extra_flags])
+  return cmd, workdir
+
+
+def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
+  """A finished run's measurements (module docstring) from its metrics and log."""
+  from train import metrics  # pylint: disable=import-outside-toplevel
+  rows = metrics.read_jsonl(workdir)
+  train_rows = [r for r in rows if "tokens_per_s" in r]
+  layers = sorted(int(k.rsplit("_", 1)[1]) for k in train_rows[-1]
+                  if k.startswith("active_per_token/"))
+  per_layer = lambda r, key: [r.get(f"{key}/layer_{l}") for l in layers]
+  points = [{"step": r["step"], "seconds": r["wall_time"] - t0,
+             "tokens_per_s": r["tokens_per_s"],
+             "active_per_token": per_layer(r, "active_per_token"),
+             "overflow_rows": [int(v) for v in per_layer(r, "overflow_rows")],
+             "sparse_layers": int(r.get("sparse_layers", 0)),
+             "hot_features": [int(v) for v in per_layer(r, "hot_features")]
+                             if "hot_features/layer_0" in r else None}
+            for r in train_rows]
+  with open(workdir + ".log") as f:
+    decisions = [[int(m.group(1)), m.group(2)] for m in _DECISION.finditer(f.read())]
+  evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"]}
+           for r in rows if "eval/loss" in r]
+  return {"name": name, "wall_s": wall_s,
+          "first_step_s": train_rows[0]["wall_time"] - t0,
+          "eval_ce": evals[-1]["ce"] if evals else None, "evals": evals, "points": points,
+          "decisions": decisions,
+          "peak_memory_gib": max((r["peak_memory_gib"] for r in rows if "peak_memory_gib" in r),
+                                 default=None)}
+
+
+def summarize(results: dict) -> None:
+  """The ratios to dense SiLU (module docstring)."""
+  runs = results["runs"]
+  base = next((r for r in runs if r["name"] == "dense_silu"), None)
+  sparse = [r for r in runs if r["name"] != "dense_silu"]
+  if base is None or not sparse:
+    return
+  dense_tps = {p["step"]: p["tokens_per_s"] for p in base["points"]}
+  for r in sparse:
+    r["wall_ratio"] = base["wall_s"] / r["wall_s"]
+    if r["eval_ce"] is not None and base["eval_ce"]:
+      r["ce_ratio"] = r["eval_ce"] / base["eval_ce"]
+    # The first logged step holds each command's start-up and compiles: left out.
+    r["step_ratios"] = [[p["step"], p["tokens_per_s"] / dense_tps[p["step"]]]
+                        for p in r["points"][1:] if p["step"] in dense_tps]
+  results["wall_ratios"] = [r["wall_ratio"] for r in sparse]
+  results["ce_ratios"] = [r.get("ce_ratio") for r in sparse]
+  results["ce_ratio"] = max((c for c in results["ce_ratios"] if c is not None), default=None)
+  results["same_decisions"] = all(r["decisions"] == sparse[0]["decisions"] for r in sparse)
+
+
+def plot(results: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  sparse = [r for r in results["runs"] if r["name"] != "dense_silu"]
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+  for i, r in enumerate(sparse):
+    if r.get("step_ratios"):
+      steps, ratios = zip(*r["step_ratios"])
+      top.plot(steps, ratios, marker="o", markersize=2,
+               label=f"{r['name']} {i + 1}: whole run {r.get('wall_ratio', 0):.3f}x")
+  top.axhline(1.0, color="gray", linewidth=0.8)
+  top.set_ylabel("tokens/s over dense SiLU's")
+  top.set_title(f"{results.get('device', '')}: per step, from random initialisation")
+  top.legend(fontsize=8)
+  if sparse:
+    pts = sparse[0]["points"]
+    for l in range(len(pts[-1]["active_per_token"])):
+      bottom.plot([p["step"] for p in pts], [p["active_per_token"][l] for p in pts],
+                  label=f"layer {l}")
+  bottom.set_yscale("log")
+  bottom.set_xlabel("step")
+  bottom.set_ylabel("active features per token")
+  bottom.legend(fontsize=7, ncol=4)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  if fl.smoke:
+    fl.shape, fl.dataset, fl.tokenizer = "tiny", "twell_stdlib_text", "byte"
+    fl.steps, fl.log_every, fl.eval_every, fl.eval_batches = 6, 2, 6, 2
+    fl.checkpoint_every, fl.warmup_steps = 3, 2
+    # On the CPU the default FFN is dense; the portable sparse one makes the decisions.
+    fl.extra_flags = [*fl.extra_flags, "--config.layer_choice.sparse=xla",
+                      "--config.layer_choice.every=2"]
+  os.makedirs(fl.workdir, exist_ok=True)
+  tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
+  data_flags = cli_run.data_flags(fl.dataset, tokenizer)
+  gpus = cli_run.gpu_names()
+  results = {"device": gpus[0] if gpus else "cpu", "steps": fl.steps, "shape": fl.shape,
+             "l1": fl.l1, "parallel": fl.parallel, "tokenizer": (tokenizer or {}).get("model"),
+             "runs": []}
+  started = []
+  for i, name in enumerate(fl.runs):
+    cmd, workdir = run_command(fl, name, i, data_flags)
+    ids = fl.gpus or [str(g) for g in range(len(gpus))]
+    env = {"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} if fl.parallel and gpus else {}
+    print(f"  {name} ({i}): {' '.join(cmd[3:])}", flush=True)
+    started.append((name, workdir, env, *cli_run.start(cmd, workdir + ".log", **env)))
+    if not fl.parallel:
+      _finish(fl, results, *started.pop())
+  for item in started:
+    _finish(fl, results, *item)
+  from train import config_checks  # pylint: disable=import-outside-toplevel
+  cfg = config_checks.read_workdir_config(os.path.join(fl.workdir, f"0_{fl.runs[0]}"))
+  results["tokens_per_step"] = cfg["batch_size"] * cfg["data"]["seq_len"]
+  summarize(results)
+  if fl.out:
+    with open(fl.out, "w") as f:
+      json.dump(results, f, indent=1)
+  if fl.plot:
+    plot(results, fl.plot)
+  for r in results["runs"]:
+    print(f"  {r['name']:<12} wall {r['wall_s']:7.1f} s (first step {r['first_step_s']:.1f} s)"
+          f"  held-out CE {r['eval_ce']}  whole-run ratio {r.get('wall_ratio', 1.0):.3f}"
+          f"  {len(r['decisions'])} decisions", flush=True)
+  print(f"wall ratios {results.get('wall_ratios')}  CE ratio {results.get('ce_ratio')}  "
+        f"same decisions {results.get('same_decisions')}")
+
+
+def _finish(fl, results: dict, name: str, workdir: str, env: dict, proc, t0: float) -> None:
+  wall = cli_run.finish(proc, t0, fl.timeout, name)
+  run = read_run(name, workdir, wall, t0)
+  run["gpu"] = env.get("CUDA_VISIBLE_DEVICES")
+  results["runs"].append(run)
+  print(f"  {name}: {wall:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
