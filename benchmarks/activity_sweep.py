@@ -98,6 +98,22 @@ def _rows_over(active: np.ndarray, hot: int, width: int = 128) -> int:
   return int(np.sum(active[:, hot:].sum(axis=1) > width))
 
 
+def _heavy_by_hot(active: np.ndarray) -> np.ndarray:
+  """`FFNStats.heavy_rows_by_hot` of an activity mask [M, H] (features in their order)."""
+  from twell_jax import stats  # pylint: disable=import-outside-toplevel
+  return np.asarray(stats.tile_stats(jnp.asarray(active))[3])
+
+
+def _choice(active: np.ndarray, hot_now: int | None = None):
+  """The per-layer choice for one layer of this activity [M, H] (its features sorted):
+  (K, predicted ratio, active features per token outside the K hot ones)."""
+  from train import layer_choice  # pylint: disable=import-outside-toplevel
+  m, h = active.shape
+  choice = layer_choice.LayerChoice(1, h, hot=None if hot_now is None else [hot_now])
+  choice.update_from_counts(active.sum(axis=0)[None], m, _heavy_by_hot(active)[None])
+  return choice.hot[0], choice.predicted[0], choice.tail[0]
+
+
 class Capture:
   """A trainer hook: at the capture steps, every layer's activity and kernel times."""
 
@@ -118,7 +134,10 @@ class Capture:
       active = np.asarray(captured._fires(x, wg))   # pylint: disable=protected-access
       st = testing.activity_stats(active)
       k = int(hot[l]) if hot is not None else 0
+      # What a decision on this batch alone gives, beside the trainer's K (from its step).
+      fresh_k, predicted, tail = _choice(active, k)
       row = {"layer": l, "captured": st, "rows_over_width": _rows_over(active, k),
+             "decision_hot_features": fresh_k, "predicted": predicted, "tail_per_token": tail,
              **time_call(x, wg, wu, wd, k, self.impl, self.iters)}
       self.fits[(step, l)] = captured.fit_generator(st, x.shape[0], wu.shape[1])
       layers.append(row)
@@ -133,7 +152,6 @@ class Capture:
 def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: int) -> dict:
   """The fitted skew at `active` features per token: the per-layer choice's K on it, and
   forward + backward against dense."""
-  from train import layer_choice  # pylint: disable=import-outside-toplevel
   m, d, h = shape
   scale = active / max(fit["active_fraction"] * h, 1e-9)
   args = dict(fit, active_fraction=min(1.0, fit["active_fraction"] * scale))
@@ -142,13 +160,11 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
   counts = jnp.sum(fires, axis=0, dtype=jnp.int32)
   wg, wu, wd, order = tj_features.sort_features(wg, wu, wd, counts)
   active_mask = np.asarray(jnp.take(fires, order, axis=1))
-  choice = layer_choice.LayerChoice(1, h)
-  choice.update_from_counts(np.asarray(counts)[None], m)
-  k = choice.hot[0]
+  k, predicted, tail = _choice(active_mask)
   st = testing.activity_stats(active_mask)
   out = {"skew": skew, "active": float(active), "generated": st,
-         "rows_over_width": _rows_over(active_mask, k), "predicted": choice.predicted[0],
-         **time_call(x, wg, wu, wd, k, impl, iters)}
+         "rows_over_width": _rows_over(active_mask, k), "predicted": predicted,
+         "tail_per_token": tail, **time_call(x, wg, wu, wd, k, impl, iters)}
   print(f"  {skew} at {active:g}: measured {st['active_per_token']:.1f} active, rows "
         f"p50/p99/max {st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']}, K {k} "
         f"(predicted {out['predicted']:.2f}), rows over W {out['rows_over_width']}: fwd+bwd "

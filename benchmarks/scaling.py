@@ -199,7 +199,8 @@ def _choose(fl, params):
   batch = _batch(tr, cfg)
   _, m = tr.jit_train_step(runtime_hot=True)(state, batch, jnp.asarray(choice.hot, jnp.int32))
   tokens = cfg.batch_size * cfg.data.seq_len
-  _, order = choice.update_from_counts(jax.device_get(m["feature_counts"]), tokens)
+  counts, heavy = jax.device_get((m["feature_counts"], m["heavy_rows_by_hot"]))
+  _, order = choice.update_from_counts(counts, tokens, heavy)
   return {"hot": choice.hot, "order": order,
           "describe": choice.describe(), "predicted": [float(r) for r in choice.predicted]}
 

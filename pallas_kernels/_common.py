@@ -40,6 +40,21 @@ def tile_max(active):
   return jnp.max(jnp.sum(active.reshape(m, -1, TILE_N), axis=-1, dtype=jnp.int32))
 
 
+def heavy_rows_by_tile(tile_counts, width: int, slots: int = TILE_N // 8, heavy=None):
+  """[T] int32 from each row's active count per 256-column tile (``tile_counts`` [T, M]):
+  entry t counts the rows whose actives in tiles t, t + 1, ... exceed ``width``, or that hold
+  more than ``slots`` in one of those tiles: the rows that the sparse training kernels send to
+  their dense tail when the first 256 t features run as dense GEMMs (hot features). ``heavy``
+  [M] bool: rows counted at every t (known heavy from tiles not given)."""
+  flip = lambda a: jnp.flip(a, axis=0)
+  past = flip(jnp.cumsum(flip(tile_counts), axis=0, dtype=jnp.int32))
+  over = flip(lax.cummax(flip((tile_counts > slots).astype(jnp.int32)), axis=0)) > 0
+  rows = (past > width) | over
+  if heavy is not None:
+    rows = rows | heavy[None, :]
+  return jnp.sum(rows, axis=1, dtype=jnp.int32)
+
+
 def first_true(mask, size: int, fill: int):
   """Indices of the first ``size`` True entries of the 1-D ``mask`` (int32), ``fill`` after
   them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
@@ -85,7 +100,7 @@ def zeros_varying_like(shape, dtype, *like):
   like = [a for a in like if a is not None]
   if not like:
     return jnp.zeros(shape, dtype)
-  return sum(jnp.zeros_like(a, shape=shape, dtype=dtype) for a in like)
+  return sum(jnp.zeros_like(a, shape=shape, dtype=dtype) for a in like).astype(dtype)
 
 
 def vary_together(*arrays):

@@ -249,7 +249,12 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
 
   cnt_valid = jnp.where(valid_row[None, :], cnt, 0)                    # [T, M]
   hot_valid = hot_active & valid_row[:, None]
+  hot_tiles = jnp.sum(hot_valid.reshape(mp, k_hot // common.TILE_N, common.TILE_N), axis=2,
+                      dtype=jnp.int32).T                                  # [K / 256, M]
   stats = {
+      "heavy_rows_by_hot": common.heavy_rows_by_tile(
+          jnp.concatenate([hot_tiles, cnt_valid]), config.max_row_entries, slots)[
+              :-(-h // common.TILE_N)],
       "l1": jnp.sum(l1_rows) / m,
       "nnz_per_token": (jnp.sum(cnt_valid) + jnp.sum(hot_valid)).astype(jnp.float32) / m,
       "max_tile_nnz": jnp.maximum(jnp.max(cnt_valid, initial=0), common.tile_max(hot_valid)),

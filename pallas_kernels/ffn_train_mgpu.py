@@ -147,6 +147,17 @@ class HybridConfig:
     return tuple(sorted({min(k, self.hp) for k in self.hot_choices}))
 
   @property
+  def dense_choice(self) -> bool:
+    """Whether the menu's last entry is all of H: then it runs the dense FFN itself (its
+    backward recomputes the hidden activations from x), not the sparse kernels."""
+    return self.runtime_hot and self.hot_menu[-1] >= self.hp
+
+  @property
+  def sparse_menu(self) -> tuple[int, ...]:
+    """The menu entries that run the sparse kernels."""
+    return self.hot_menu[:-1] if self.dense_choice else self.hot_menu
+
+  @property
   def n_tiles(self) -> int:
     """256-column tiles of the packed (cold) features."""
     return (self.hp - self.k_hot) // common.TILE_N
@@ -164,7 +175,7 @@ class HybridConfig:
 
 def hot_branch(cfg: HybridConfig, hot):
   """The index into ``cfg.hot_menu`` of the smallest entry >= ``hot`` (a device int scalar;
-  the last entry, all of H, when none is): computing more features densely is exact."""
+  the last entry when none is): computing more features densely is exact."""
   menu = jnp.asarray(cfg.hot_menu, jnp.int32)
   index = jnp.sum(menu < jnp.asarray(hot, jnp.int32), dtype=jnp.int32)
   return jnp.minimum(index, len(cfg.hot_menu) - 1)
@@ -255,7 +266,51 @@ def _hot_forward(cfg: HybridConfig, k: int, xp, wg, wu, wd, rows):
 
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, hot=None, *, interpret=False):
   """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows.
-  ``hot``: the run-time K (a device int scalar) of a config with ``hot_choices``."""
+  ``hot``: the run-time K (a device int scalar) of a config with ``hot_choices``; K at the
+  menu's all-of-H entry (``dense_choice``) runs the dense FFN instead of the kernels, one
+  more ``lax.switch`` whose dense branch saves no activations (the backward recomputes
+  them) and gives the sparse residuals as zeros."""
+  if not cfg.runtime_hot:
+    return _sparse_forward(cfg, x, w_gate, w_up, w_down, None, interpret)
+  branch = hot_branch(cfg, hot)
+
+  def sparse(x, w_gate, w_up, w_down):
+    (y, st), res = _sparse_forward(cfg, x, w_gate, w_up, w_down, branch, interpret)
+    return y, st, res[4:-1]      # the residuals between the operands and the branch
+
+  if not cfg.dense_choice:
+    y, st, rest = sparse(x, w_gate, w_up, w_down)
+  else:
+    shapes = jax.eval_shape(sparse, x, w_gate, w_up, w_down)[2]
+
+    def dense(x, w_gate, w_up, w_down):
+      y, st = _dense_forward(cfg, x, w_gate, w_up, w_down)
+      zeros = lambda a: common.zeros_varying_like(a.shape, a.dtype, x, w_up)
+      return y, st, jax.tree.map(zeros, shapes)
+
+    is_dense = (branch == len(cfg.hot_menu) - 1).astype(jnp.int32)
+    y, st, rest = lax.switch(is_dense, [sparse, dense], x, w_gate, w_up, w_down)
+  return (y, st), (x, w_gate, w_up, w_down, *rest, branch)
+
+
+def _dense_forward(cfg: HybridConfig, x, w_gate, w_up, w_down):
+  """(y, stats dict) of the dense FFN (``reference.dense_ffn``), the kernels' statistics
+  from its activity pattern."""
+  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
+  tiles = common.pad_to(active, (cfg.m, cfg.hp)).reshape(cfg.m, -1, common.TILE_N)
+  tile_counts = jnp.sum(tiles, axis=2, dtype=jnp.int32).T                # [T, M]
+  zero_i = common.zeros_varying_like((), jnp.int32, x, w_up)
+  return y, {"l1": jnp.sum(jnp.abs(h.astype(_F32))) / cfg.m,
+             "nnz_per_token": jnp.sum(tile_counts, dtype=_F32) / cfg.m,
+             "max_tile_nnz": jnp.max(tile_counts), "overflow_rows": zero_i,
+             "feature_counts": jnp.sum(active, axis=0, dtype=jnp.int32),
+             "heavy_rows_by_hot": common.heavy_rows_by_tile(tile_counts, cfg.ell_width,
+                                                            cfg.gate.slots)}
+
+
+def _sparse_forward(cfg: HybridConfig, x, w_gate, w_up, w_down, branch, interpret):
+  """``forward`` on the kernels: static K (``branch`` None), or the run-time menu entry
+  ``branch`` (of ``cfg.sparse_menu``)."""
   m, dt = cfg.m, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
@@ -266,12 +321,15 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, hot=None, *, interpret=F
                                              interpret=interpret)
   else:
     words = counts = None
-  branch = None
-  if cfg.runtime_hot:
+  valid_row = jnp.arange(cfg.mp) < m
+  if branch is not None:
     # Every tile is packed; the hot ones leave the ELL rows (their features run densely).
-    branch = hot_branch(cfg, hot)
-    k_run = jnp.asarray(cfg.hot_menu, jnp.int32)[branch]
+    menu = cfg.sparse_menu
+    branch = jnp.minimum(branch, len(menu) - 1)
+    k_run = jnp.asarray(menu, jnp.int32)[branch]
     tile_start = jnp.arange(cfg.n_tiles, dtype=jnp.int32)[:, None] * common.TILE_N
+    heavy_by_hot = common.heavy_rows_by_tile(jnp.where(valid_row[None, :], counts, 0),
+                                             cfg.ell_width, cfg.gate.slots)
     counts = jnp.where(tile_start < k_run, 0, counts)
   entries, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   # The backward's kernels take columns and values apart: one more pass (0.016 ms at the
@@ -290,7 +348,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, hot=None, *, interpret=F
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
   # synchronization per conditional). Run-time hot features add one: the menu's branch.
-  if cfg.runtime_hot:
+  if branch is not None:
     def menu_entry(kb):
       def f(xp, wg, wu, wd, rows):
         y_hot, l1_hot, counts_hot, hot_top, _, _ = _hot_forward(cfg, kb, xp, wg, wu, wd, rows)
@@ -299,13 +357,20 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, hot=None, *, interpret=F
         return y_hot, l1_hot, counts_hot, hot_top
       return f
     y_hot, l1_hot, counts_hot, hot_top = lax.switch(
-        branch, [menu_entry(kb) for kb in cfg.hot_menu], xp, wg, wu, wd, ~heavy)
+        branch, [menu_entry(kb) for kb in menu], xp, wg, wu, wd, ~heavy)
     # The backward recomputes p and u of the hot features from x on these rows.
-    hot_res = (branch, ~heavy)
+    hot_res = (~heavy,)
   else:
     y_hot, l1_hot, counts_hot, hot_top, p_hot, u_hot = _hot_forward(cfg, k, xp, wg, wu, wd,
                                                                     ~heavy)
     hot_res = (p_hot, u_hot)
+    hot_tiles = (jnp.zeros((0, cfg.mp), jnp.int32) if p_hot is None else jnp.sum(
+        (p_hot > 0).reshape(cfg.mp, -1, common.TILE_N), axis=2, dtype=jnp.int32).T)
+    # The ELL rows' hot tiles and every row's cold ones: a row that is heavy on its cold
+    # tiles alone is heavy at every smaller K too.
+    heavy_by_hot = common.heavy_rows_by_tile(
+        jnp.concatenate([hot_tiles, jnp.where(valid_row[None, :], cnt, 0)]), cfg.ell_width,
+        cfg.gate.slots)
   feature_counts = col_count + counts_hot
   y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, entries, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
@@ -356,9 +421,10 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, hot=None, *, interpret=F
   nnz = jnp.sum(feature_counts, dtype=_F32) / m
   max_tile = jnp.maximum(jnp.maximum(jnp.max(cnt, initial=0), hot_top), tile_top)
   stats = {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
-           "overflow_rows": heavy_rows, "feature_counts": feature_counts}
+           "overflow_rows": heavy_rows, "feature_counts": feature_counts,
+           "heavy_rows_by_hot": heavy_by_hot[:-(-cfg.h // common.TILE_N)]}
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-               hot_res, nonfinite)
+               hot_res, nonfinite, branch)
   return (y, stats), residuals
 
 
@@ -393,11 +459,22 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   ``cotangents`` = (dy, stats cotangent): the statistics other than l1 have no gradient.
   The sparse kernels run unconditionally; then one ``lax.switch`` adds the tail bucket's
   products or, when the forward exceeded the tail capacity, replaces everything by the dense
-  VJP (see ``forward`` for why there is one conditional per direction).
+  VJP (see ``forward`` for why there is one conditional per direction). A forward that ran
+  the dense FFN (``dense_choice``) takes the dense VJP, with no sparse kernel.
   """
+  if not cfg.dense_choice:
+    return _sparse_backward(cfg, residuals, cotangents, interpret)
+  is_dense = (residuals[-1] == len(cfg.hot_menu) - 1).astype(jnp.int32)
+  dy, dl1 = cotangents[0], cotangents[1]["l1"]
+  return lax.switch(is_dense, [
+      lambda: _sparse_backward(cfg, residuals, cotangents, interpret),
+      lambda: _dense_backward(residuals, dy, dl1)])
+
+
+def _sparse_backward(cfg: HybridConfig, residuals, cotangents, interpret):
   dy, dl1 = cotangents[0], cotangents[1]["l1"]
   (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-   hot_res, nonfinite) = residuals
+   hot_res, nonfinite, branch) = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -439,8 +516,9 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
                                             interpret=interpret)
   # The gather kernels leave the hot features' weight-gradient rows zero (no ELL entry names
   # a hot feature): the hot backward sets them.
-  if cfg.runtime_hot:
-    branch, rows = hot_res
+  if branch is not None:
+    (rows,) = hot_res
+    menu = cfg.sparse_menu
 
     def menu_entry(kb):
       def f(dwg_t, dwu_t, dwd):
@@ -449,8 +527,8 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
         _, p_hot, u_hot, _ = reference.dense_ffn_columns(xp, wg, wu, wd, kb, rows)
         return _hot_backward_into(xp, dyp, wg, wu, wd, c, kb, p_hot, u_hot, dwg_t, dwu_t, dwd)
       return f
-    dx_hot, dwg_t, dwu_t, dwd = lax.switch(branch, [menu_entry(kb) for kb in cfg.hot_menu],
-                                           dwg_t, dwu_t, dwd)
+    dx_hot, dwg_t, dwu_t, dwd = lax.switch(jnp.minimum(branch, len(menu) - 1),
+                                           [menu_entry(kb) for kb in menu], dwg_t, dwu_t, dwd)
   elif cfg.k_hot:
     dx_hot, dwg_t, dwu_t, dwd = _hot_backward_into(xp, dyp, wg, wu, wd, c, cfg.k_hot,
                                                    *hot_res, dwg_t, dwu_t, dwd)

@@ -62,18 +62,38 @@ class LayerChoiceTest(absltest.TestCase):
     self.assertEqual(layer_choice.inference_implementations([0.5], 2816, d_model=768,
                                                             tokens=8192), ("dense",))
 
-  def test_a_layer_with_most_features_active_runs_them_densely(self):
-    """5120 of 5632 features on 3% of the tokens each: gathering them costs more than dense
-    columns, so all 5120 run hot (a menu entry), predicted above the dense FFN's time."""
+  def test_a_layer_with_most_features_active_runs_the_dense_ffn(self):
+    """5120 of 5632 features on 3% of the tokens each: gathering them or computing them as
+    hot columns beside the kernels costs more than the dense FFN (the menu's last entry)."""
     tokens, h = 10_000, 5632
     counts = np.zeros((1, h), np.int64)
     counts[0, :5120] = 300
     c = layer_choice.LayerChoice(1, h)
     c.hot = [0]
     c.update_from_counts(counts, tokens)
-    self.assertEqual(c.hot, [5120])
-    self.assertGreater(c.predicted[0], 1.0)
-    self.assertEqual(c.describe(), "S5120")
+    self.assertEqual(c.hot, [h])
+    self.assertEqual(c.predicted[0], layer_choice.DENSE_RATIO)
+    self.assertEqual(c.describe(), "D")
+
+  def test_rows_over_the_ell_width_weigh_in(self):
+    """60 active per token on a few hundred hot features, K = 512 predicted cheapest; with a
+    tenth of the rows over the ELL width at K <= 512 the tail pays for them (K = 768, where
+    they fit); with a fifth over at every K of the sparse menu (beyond the tail's R = M / 8),
+    the dense FFN."""
+    tokens, h = 16384, 5632
+    counts = np.zeros((1, h), np.int64)
+    counts[0, :400] = tokens // 8
+    counts[0, 400:2400] = tokens // 200
+    c = layer_choice.LayerChoice(1, h)
+    c.update_from_counts(counts, tokens)
+    self.assertEqual(c.hot, [512])
+    heavy = np.zeros((1, 22))
+    heavy[0, :3] = tokens // 10
+    c.update_from_counts(counts, tokens, heavy)
+    self.assertEqual(c.hot, [768])
+    heavy[0, :13] = tokens // 5
+    c.update_from_counts(counts, tokens, heavy)
+    self.assertEqual(c.describe(), "D")
 
   def test_counts_choose_hot_features_and_sort_them_first(self):
     """A layer of 105 active per token, 100 of them on 300 features that fire on a third of
@@ -147,7 +167,14 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     """Two runs with one seed make the same decisions on the same steps, and each lands on
     the step after its decision (the logged hot features of step n + 1 are the choice made
     at step n): no build, no thread decides when. The micro model starts at half its
-    features active, all hot; L1 brings activity down and the layers' K follow it."""
+    features active, on the dense FFN; L1 brings activity down and the layers' K follow it
+    (a cost model that goes sparse at micro scale: the real one, scaled to d_model 32, never
+    would)."""
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "predict",
+        lambda self, hot, tail, heavy=0.0: np.where(
+            np.asarray(hot) >= self.all_hot, 1.0,
+            0.2 + np.asarray(hot) / self.d_ff + 8 * np.asarray(tail) / self.d_ff)))
     cfg = tu.micro_config(num_train_steps=12, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
                           learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
@@ -177,7 +204,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     # layers to gather everything.
     self.enter_context(absltest.mock.patch.object(
         layer_choice.LayerChoice, "predict",
-        lambda self, hot, tail: np.asarray(hot, np.float64) * 1e-3))
+        lambda self, hot, tail, heavy=0.0: np.asarray(hot, np.float64) * 1e-3))
     cfg = tu.micro_config(num_train_steps=4, log_every=1, checkpoint_every=2,
                           **{"layer_choice.sparse": "xla"})
     train_lib.train_and_evaluate(cfg, wd)

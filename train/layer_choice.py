@@ -80,10 +80,23 @@ class CostModel:
 STATIC_TRAINING_COST = CostModel(fixed=0.33, hot=1.10, tail=0.74)   # forward + backward
 INFERENCE_COST = CostModel(fixed=0.50, hot=0.64, tail=0.70)         # forward
 # A run-time K's hot column: the static one's, plus the gate product computed again and the
-# hot gate / up values recomputed in the backward (3 of a dense column's 9 products).
+# hot gate / up values recomputed in the backward (3 of a dense column's 9 products). Its
+# fixed part: the static one's plus what layers captured from a run from initialisation
+# measured above it at K = 256 and a few entries per token (0.58 against 0.42 predicted,
+# H200, `benchmarks.activity_sweep`): the gate packing every tile, the menu's conditionals,
+# the weight gradients passed through them.
 RUNTIME_HOT = 1.0 + 3.0 / 9.0
-TRAINING_COST = dataclasses.replace(STATIC_TRAINING_COST,
+TRAINING_COST = dataclasses.replace(STATIC_TRAINING_COST, fixed=0.45,
                                     hot=STATIC_TRAINING_COST.hot * RUNTIME_HOT)
+# The menu's last entry, all of H, runs the dense FFN, its backward recomputing the hidden
+# activations from x: 11 of a dense FFN's 9 products.
+DENSE_RATIO = 11.0 / 9.0
+# Rows on the kernels' dense tail cost what the dense FFN does on them, and a little more
+# (gathered and scattered rows). The tail holds R = M / 8 rows in buckets of R/16, R/4 and R
+# (`pallas_kernels.ffn_train_mgpu.tail_buckets`); more heavy rows than R take the dense FFN
+# after the kernels (never chosen).
+TAIL_ROW_COST = 1.2
+TAIL_BUCKETS = (0.0, 1 / 128, 1 / 32, 1 / 8)
 # Threshold on the predicted ratio of a forward-only layer (`inference_implementations`).
 INFERENCE_SPARSE_BELOW = 0.9
 # A layer's K changes when the new one improves its predicted ratio by more than this.
@@ -128,27 +141,43 @@ class LayerChoice:
     """The menu entry the kernels run for K = k: the smallest one >= k, else the largest."""
     return next((m for m in self.menu if m >= int(k)), self.all_hot)
 
-  def predict(self, hot_features, tail_per_token):
-    """The predicted ratio to the dense FFN of a layer at this choice's shape."""
-    return self.cost.ratio(self.d_ff, hot_features, tail_per_token) * self.shape_scale
+  def predict(self, hot_features, tail_per_token, heavy_fraction=0.0):
+    """The predicted ratio to the dense FFN of a layer at this choice's shape: K hot features,
+    the active features per token outside them, and the fraction of the rows over the ELL
+    width there (`FFNStats.heavy_rows_by_hot`); the menu's last entry, all of H, is the dense
+    FFN (`DENSE_RATIO`)."""
+    hot = np.asarray(hot_features)
+    heavy = np.asarray(heavy_fraction, np.float64)
+    buckets = np.asarray(TAIL_BUCKETS)
+    bucket = buckets[np.minimum(np.searchsorted(buckets, heavy), len(buckets) - 1)]
+    sparse = (self.cost.ratio(self.d_ff, hot, tail_per_token) * self.shape_scale
+              + TAIL_ROW_COST * bucket)
+    sparse = np.where(heavy > buckets[-1], np.inf, sparse)
+    return np.where(hot >= self.all_hot, DENSE_RATIO, sparse)
 
-  def update_from_counts(self, feature_counts, tokens: int):
+  def update_from_counts(self, feature_counts, tokens: int, heavy_rows_by_hot=None):
     """One decision from each layer's feature counts [L, H] over `tokens` tokens
-    (`FFNStats.feature_counts`). Returns (changed, popularity order [L, H]: the permutation
-    that sorts each layer's features hottest first, which the caller applies to the
-    parameters before the next step)."""
+    (`FFNStats.feature_counts`) and rows over the ELL width by K ([L, ceil(H / 256)],
+    `FFNStats.heavy_rows_by_hot`; None: none). Returns (changed, popularity order [L, H]:
+    the permutation that sorts each layer's features hottest first, which the caller
+    applies to the parameters before the next step)."""
     counts = np.asarray(feature_counts)
     if counts.ndim != 2 or counts.shape[0] != self.n_layers:
       raise ValueError(f"got counts of shape {counts.shape} for {self.n_layers} layers")
     if counts.shape[-1] != self.d_ff:
       raise ValueError(f"got counts of {counts.shape[-1]} features for d_ff={self.d_ff}")
     menu = np.asarray(self.menu)
+    tiles = -(-self.d_ff // features_lib.TILE_N)
+    if heavy_rows_by_hot is None:
+      heavy_rows_by_hot = np.zeros((self.n_layers, tiles))
+    heavy_rows_by_hot = np.asarray(heavy_rows_by_hot, np.float64)
     hot, tails, ratios = [], [], []
-    for k_now, c in zip(self.hot, counts):
+    for k_now, c, heavy in zip(self.hot, counts, heavy_rows_by_hot):
       rates = np.sort(c.astype(np.float64))[::-1] / tokens
       tail_of = np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])   # [k]: sum(rates[k:])
       tail = tail_of[np.minimum(menu, self.d_ff)]
-      pred = self.predict(menu, tail)
+      over = np.concatenate([heavy, [0.0]])[np.minimum(menu // features_lib.TILE_N, tiles)]
+      pred = self.predict(menu, tail, over / tokens)
       # The backward's column kernels want every long column hot (`features.long_columns`).
       pred = np.where(menu >= features_lib.long_columns(c, tokens), pred, np.inf)
       best = int(np.argmin(pred))

@@ -81,7 +81,8 @@ def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
       nnz_per_token=jnp.mean(st.nnz_per_token, 0),
       max_tile_nnz=jnp.max(st.max_tile_nnz, 0),
       overflow_rows=jnp.sum(st.overflow_rows, 0),
-      feature_counts=jnp.sum(st.feature_counts, 0))
+      feature_counts=jnp.sum(st.feature_counts, 0),
+      heavy_rows_by_hot=jnp.sum(st.heavy_rows_by_hot, 0))
 
 
 def make_train_step(lm, tx, cfg, grad_sharding=None):
@@ -213,6 +214,9 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
         # [L, H]: tokens of the step on which each feature fired (the per-layer choice sorts
         # the features by it; not logged).
         "feature_counts": stats.feature_counts,
+        # [L, ceil(H / 256)]: rows over the ELL width by number of hot features (the
+        # per-layer choice weighs them; not logged).
+        "heavy_rows_by_hot": stats.heavy_rows_by_hot,
     }
     return new_state, metrics
 
@@ -220,10 +224,10 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
 
 
 def make_eval_step(lm):
-  """eval_step(params, tokens [b, T+1], ffn_hot=None) -> sums to accumulate over batches."""
+  """eval_step(params, tokens [b, T+1]) -> sums to accumulate over batches."""
 
-  def eval_step(params, tokens, ffn_hot=None):
-    h, stats = lm.hidden(params, tokens[:, :-1], ffn_hot)
+  def eval_step(params, tokens):
+    h, stats = lm.hidden(params, tokens[:, :-1])
     x, targets = _flat(h, tokens)
     ce = losses.per_token_cross_entropy(x, params["embed"], targets)
     return {

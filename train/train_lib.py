@@ -163,22 +163,21 @@ class Trainer:
         num_batches=cfg.eval_batches, shard_index=jax.process_index(),
         shard_count=jax.process_count())
 
-  def evaluate(self, params, batches, ffn_hot=None) -> dict:
-    """Held-out loss, perplexity and per-layer sparsity over `batches`; `ffn_hot`: the
-    per-layer choice's hot features (int32 [L]) when the layers run it."""
-    runtime = ffn_hot is not None
-    if getattr(self, "_eval_runtime", None) is not runtime:  # compile once per Trainer
+  def evaluate(self, params, batches, dense_ffn: bool = False) -> dict:
+    """Held-out loss, perplexity and per-layer sparsity over `batches`. `dense_ffn`: on the
+    dense FFN (the same function; what the trainer does when the per-layer choice runs, whose
+    train step holds every choice: its forward alone would be a second such compile)."""
+    if getattr(self, "_eval_dense", None) is not dense_ffn:  # compile once per Trainer
       lm = self.lm
-      if runtime:
-        lm = model_lib.LanguageModel(dataclasses.replace(
-            self.model_cfg, ffn_layer_implementations=(
-                self.sparse_implementation(),) * self.model_cfg.n_layers))
+      if dense_ffn:
+        lm = model_lib.LanguageModel(dataclasses.replace(self.model_cfg,
+                                                         ffn_implementation="dense"))
       self._eval_step = jax.jit(sharding_lib.traced_in(self.mesh, steps_lib.make_eval_step(lm)))
-      self._eval_runtime = runtime
+      self._eval_dense = dense_ffn
     eval_step = self._eval_step
     tot = None
     for b in batches:
-      out = eval_step(params, self.put_batch(b, self.eval_sharding), ffn_hot)
+      out = eval_step(params, self.put_batch(b, self.eval_sharding))
       out = jax.device_get(out)
       if tot is None:
         tot = {k: np.array(v, np.float64) for k, v in out.items()}
@@ -428,8 +427,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         # and the order that puts each layer's hottest features first, applied to the state
         # at once. Decisions fall on the same steps in a resumed run as in an uninterrupted
         # one (the choice in use is restored from the checkpoint), so both reorder alike.
-        changed, order = choice.update_from_counts(jax.device_get(m["feature_counts"]),
-                                                    tokens_per_step)
+        counts, heavy = jax.device_get((m["feature_counts"], m["heavy_rows_by_hot"]))
+        changed, order = choice.update_from_counts(counts, tokens_per_step, heavy)
         state = tr.sort_features(state, order)
         if changed:
           hot_dev = jax.device_put(np.asarray(choice.hot, np.int32), tr.replicated)
@@ -439,7 +438,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         hook(tr, done, state, None if choice is None else choice.hot_features)
       if (done % cfg.log_every == 0 or done == cfg.num_train_steps
           or done == start + 1):  # The first step shows the starting point.
-        m = {k: v for k, v in jax.device_get(m).items() if k != "feature_counts"}
+        m = {k: v for k, v in jax.device_get(m).items()
+             if k not in ("feature_counts", "heavy_rows_by_hot")}
         if not np.isfinite(m["loss"]):
           raise FloatingPointError(f"non-finite loss {m['loss']} at step "
                                    f"{done}")
@@ -460,7 +460,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
         t_eval = time.time()
-        ev = tr.evaluate(state["params"], eval_data, hot_dev)
+        ev = tr.evaluate(state["params"], eval_data, dense_ffn=choice is not None)
         logging.info("eval step %d: %s", done, json.dumps(ev))
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))

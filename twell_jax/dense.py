@@ -19,18 +19,19 @@ __all__ = ["ACTIVATIONS", "dense_ffn", "activity_mask", "reference_ffn"]
 ACTIVATIONS = reference.ACTIVATIONS
 
 
-def dense_ffn(x, w_gate: Optional[jax.Array], w_up, w_down, activation: str = "relu"):
+def dense_ffn(x, w_gate: Optional[jax.Array], w_up, w_down, activation: str = "relu",
+              ell_width: int = stats_lib.DEFAULT_ELL_WIDTH):
   """Dense FFN on x [M, D]: h = act(x Wg) * (x Wu) (or act(x Wu)); y = h Wd.
 
   Plain x.dtype products (f32 accumulation inside each GEMM), as a bf16 model
   is written, so the backward's GEMMs are x.dtype GEMMs too. (Asking for f32
   outputs and casting makes the cotangents f32 and the backward GEMMs f32 x
   bf16: 2.2x slower forward + backward on an H100 at the paper's shape.)
-  Returns (y, FFNStats).
+  Returns (y, FFNStats); `ell_width` is the ELL width its `heavy_rows_by_hot` counts against.
   """
   y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down, activation)
   l1 = jnp.sum(jnp.abs(h.astype(jnp.float32))) / x.shape[0]
-  return y, stats_lib.stats_from_mask(active, l1)
+  return y, stats_lib.stats_from_mask(active, l1, ell_width=ell_width)
 
 
 def activity_mask(x, w_gate: Optional[jax.Array], w_up, activation: str = "relu"):

@@ -111,17 +111,25 @@ def long_columns(feature_counts, tokens: int, parallel_columns: int = PARALLEL_C
   return int(np.sum(rates > 2 * np.sum(rates) / min(parallel_columns, rates.shape[0])))
 
 
+# The largest share of the features the default menu runs hot on the sparse kernels: past
+# it the hot GEMMs and the kernels' fixed costs exceed the dense FFN's
+# (`train.layer_choice.TRAINING_COST`).
+HOT_MENU_SHARE = 0.6
+
+
 def hot_choices(d_ff: int) -> tuple[int, ...]:
   """The default menu of run-time hot-feature counts for `d_ff` hidden features (what
   `ffn(..., hot_features=<an int32 array>)` compiles one branch each for): every 256-column
-  tile up to 8 tiles, then 10, 12, 16, 20, 24, 32, 40, 48, 64, ... tiles, and all of them (the
-  dense FFN's work). A count between two entries runs the larger one: 0-256 columns of
-  rounding at small K, where real layers settle, and at most a fifth more columns above."""
+  tile up to 8 tiles, then 10, 12, 16, 20, 24, 32, 40, 48, 64, ... tiles up to
+  `HOT_MENU_SHARE` of them, and all of them, which the kernels run as the dense FFN. A count
+  between two entries runs the larger one: 0-256 columns of rounding at small K, where real
+  layers settle, at most a fifth more columns above."""
   tiles = -(-d_ff // TILE_N)
-  menu = list(range(min(tiles, 8) + 1))
+  top = HOT_MENU_SHARE * tiles
+  menu = list(range(min(tiles, 8, int(top)) + 1))
   scale = 1
-  while menu[-1] < tiles:
-    menu += [t * scale for t in (10, 12, 16) if menu[-1] < t * scale < tiles] or [tiles]
+  while 10 * scale <= top:
+    menu += [t * scale for t in (10, 12, 16) if t * scale <= top]
     scale *= 2
   if menu[-1] != tiles:
     menu.append(tiles)

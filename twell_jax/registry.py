@@ -64,7 +64,7 @@ class Dense:
 
   def run(self, call: Call, x, w_gate, w_up, w_down, hot=None):
     del hot
-    return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation)
+    return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation, call.ell_width)
 
 
 class Xla:

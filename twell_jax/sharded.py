@@ -90,7 +90,8 @@ def reduce_stats(st: stats_lib.FFNStats, axes) -> stats_lib.FFNStats:
       nnz_per_token=lax.pmean(count(st.nnz_per_token), axes),
       max_tile_nnz=lax.pmax(count(st.max_tile_nnz), axes),
       overflow_rows=lax.psum(count(st.overflow_rows), axes),
-      feature_counts=lax.psum(count(st.feature_counts), axes))
+      feature_counts=lax.psum(count(st.feature_counts), axes),
+      heavy_rows_by_hot=lax.psum(count(st.heavy_rows_by_hot), axes))
 
 
 def ffn(x, w_gate, w_up, w_down, *, return_stats: bool = False, **kwargs):

@@ -182,8 +182,8 @@ def _forward(cfg, x, w_gate, w_up, w_down):
     return y, l1, jax.tree.map(zeros, res_shapes)
 
   y, l1, (p, u, pt, ut) = jax.lax.cond(exceeded, dense, sparse, None)
-  nnz, max_tile, counts = stats_lib.tile_stats(active)
-  outputs = (y.astype(dt), l1, nnz, max_tile, heavy_rows, counts)
+  nnz, max_tile, counts, heavy_by_hot = stats_lib.tile_stats(active, cfg.ell_width)
+  outputs = (y.astype(dt), l1, nnz, max_tile, heavy_rows, counts, heavy_by_hot)
   residuals = (x, w_gate, w_up, w_down, cols, p, u, tail_index, pt, ut, exceeded)
   return outputs, residuals
 
@@ -265,6 +265,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, ell_width: int = 128, tail_rows=None)
   m, d = x.shape
   cfg = make_config(m, d, w_up.shape[1], ell_width, tail_rows)
   operands = common.vary_together(x, w_gate, w_up, w_down)   # see its docstring (shard_map)
-  y, l1, nnz, max_tile, overflow, counts = _sparse_ffn(cfg, *operands)
+  y, l1, nnz, max_tile, overflow, counts, heavy_by_hot = _sparse_ffn(cfg, *operands)
   return y, stats_lib.FFNStats(l1=l1, nnz_per_token=nnz, max_tile_nnz=max_tile,
-                               overflow_rows=overflow, feature_counts=counts)
+                               overflow_rows=overflow, feature_counts=counts,
+                               heavy_rows_by_hot=heavy_by_hot)

@@ -7,10 +7,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common as common
+
 __all__ = ["FFNStats", "TILE_N", "tile_stats", "stats_from_mask", "empty_stats"]
 
 # Tile width used for the `max_tile_nnz` statistic (the TwELL tile of the paper).
 TILE_N = 256
+# `twell_jax.ffn`'s default ELL width (`heavy_rows_by_hot` counts rows over it).
+DEFAULT_ELL_WIDTH = 128
 
 
 @jax.tree_util.register_dataclass
@@ -31,6 +35,11 @@ class FFNStats:
       width for "xla", 0 for "dense").
     feature_counts: int32 [H]: tokens of the call on which feature j was active
       (its popularity: `twell_jax.sort_features` orders features by it).
+    heavy_rows_by_hot: int32 [ceil(H / 256)]: entry t counts the rows with more than the
+      call's `ell_width` active features past the first 256 t (or more than 32 in one
+      256-column tile there): with the features in their current order, the rows that the
+      sparse training kernels would compute on their dense tail with K = 256 t hot features
+      (what the trainer's per-layer choice weighs; `train.layer_choice`).
     fired (property): bool [H], feature_counts > 0 (for dead-neuron tracking).
   """
 
@@ -39,36 +48,41 @@ class FFNStats:
   max_tile_nnz: jax.Array
   overflow_rows: jax.Array
   feature_counts: jax.Array
+  heavy_rows_by_hot: jax.Array
 
   @property
   def fired(self) -> jax.Array:
     return self.feature_counts > 0
 
 
-def tile_stats(active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(nnz_per_token, max_tile_nnz, feature_counts) from a boolean activity mask [M, H]."""
+def tile_stats(active: jax.Array, ell_width: int = DEFAULT_ELL_WIDTH):
+  """(nnz_per_token, max_tile_nnz, feature_counts, heavy_rows_by_hot) from a boolean activity
+  mask [M, H] (`FFNStats`; `ell_width`: the call's)."""
   m, h = active.shape
   pad = (-h) % TILE_N
   tiles = jnp.pad(active, ((0, 0), (0, pad))).reshape(m, -1, TILE_N)
   tile_nnz = jnp.sum(tiles, axis=-1, dtype=jnp.int32)
   nnz_per_token = jnp.sum(tile_nnz, dtype=jnp.float32) / m
-  return nnz_per_token, jnp.max(tile_nnz), jnp.sum(active, axis=0, dtype=jnp.int32)
+  return (nnz_per_token, jnp.max(tile_nnz), jnp.sum(active, axis=0, dtype=jnp.int32),
+          common.heavy_rows_by_tile(tile_nnz.T, ell_width))
 
 
-def stats_from_mask(active: jax.Array, l1, overflow_rows=None) -> FFNStats:
+def stats_from_mask(active: jax.Array, l1, overflow_rows=None,
+                    ell_width: int = DEFAULT_ELL_WIDTH) -> FFNStats:
   """FFNStats of a call whose activity mask [M, H] is known (dense paths)."""
-  nnz, max_tile, counts = tile_stats(active)
+  nnz, max_tile, counts, heavy = tile_stats(active, ell_width)
   if overflow_rows is None:
     overflow_rows = jnp.zeros((), jnp.int32)
   return FFNStats(l1=l1, nnz_per_token=nnz, max_tile_nnz=max_tile,
-                  overflow_rows=overflow_rows, feature_counts=counts)
+                  overflow_rows=overflow_rows, feature_counts=counts, heavy_rows_by_hot=heavy)
 
 
 def empty_stats(h: int) -> FFNStats:
   """FFNStats of a call with no tokens."""
   zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
   return FFNStats(l1=zero_f, nnz_per_token=zero_f, max_tile_nnz=zero_i,
-                  overflow_rows=zero_i, feature_counts=jnp.zeros((h,), jnp.int32))
+                  overflow_rows=zero_i, feature_counts=jnp.zeros((h,), jnp.int32),
+                  heavy_rows_by_hot=jnp.zeros((-(-h // TILE_N),), jnp.int32))
 
 
 def from_dict(d: dict) -> FFNStats:
