@@ -54,25 +54,41 @@ def environment(**extra: str) -> dict:
           **extra}
 
 
-def start(cmd: list[str], log_path: str, **env: str) -> tuple[subprocess.Popen, float]:
-  """Starts `cmd` from the repository root with its output to `log_path`: (process, start
-  time). Wait with `finish`."""
+def start(cmd: list[str], log_path: str, root: str = ROOT,
+          **env: str) -> tuple[subprocess.Popen, float]:
+  """Starts `cmd` from `root` (default this repository's) with its output to `log_path`:
+  (process, start time). Wait with `finish` or `wait_all`."""
   log = open(log_path, "w")   # pylint: disable=consider-using-with  # closed by finish
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                          env=environment(**env))
+  proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                          env={**environment(**env), "PYTHONPATH": root + os.pathsep
+                               + os.environ.get("PYTHONPATH", "")})
   proc.log = log
   return proc, time.time()
 
 
-def finish(proc: subprocess.Popen, t0: float, timeout: float, name: str) -> float:
-  """Waits for a `start`ed command; its wall-clock seconds. RuntimeError with the end of its
-  log if it failed or ran past `timeout` seconds (then killed)."""
+def wait_all(started: list[tuple[subprocess.Popen, float]], timeout: float) -> list[float]:
+  """Waits for `start`ed commands running at once; each one's wall-clock seconds, from its
+  start to its own exit (seen within 0.1 s)."""
+  ends = [None] * len(started)
+  while any(e is None for e in ends):
+    for i, (proc, t0) in enumerate(started):
+      if ends[i] is None and (proc.poll() is not None or time.time() - t0 > timeout):
+        ends[i] = time.time()
+    time.sleep(0.1)
+  return [end - t0 for end, (_, t0) in zip(ends, started)]
+
+
+def finish(proc: subprocess.Popen, t0: float, timeout: float, name: str,
+           wall: float | None = None) -> float:
+  """Waits for a `start`ed command; its wall-clock seconds (`wall` when `wait_all` measured
+  it). RuntimeError with the end of its log if it failed or ran past `timeout` seconds (then
+  killed)."""
   try:
     proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
   except subprocess.TimeoutExpired:
     proc.kill()
     proc.wait()
-  wall = time.time() - t0
+  wall = time.time() - t0 if wall is None else wall
   proc.log.close()
   if proc.returncode:
     with open(proc.log.name) as f:

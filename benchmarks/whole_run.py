@@ -15,6 +15,8 @@ trainer defaults otherwise (held-out evaluations every `--eval_every` steps, che
   sparse       ReLU + L1 `--l1` with the default FFN choice (each layer's hot features
                chosen at run time, `train.layer_choice`); named twice, it runs twice, to show
                the spread and that one seed gives one sequence of decisions
+  sparse_untuned  the same, its train step compiled without autotuning (`config.autotune`)
+  NAME@DIR     run NAME from the checkout in DIR (another version of the code)
 
 With `--parallel` the runs start together, one GPU each (each process sees only its GPU;
 the runs share the host's CPUs); otherwise one after the other on the first GPU.
@@ -51,7 +53,8 @@ def _define_flags():
   flags.DEFINE_string("workdir", "/tmp/twell_whole_run", "where the runs' workdirs go")
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, byte tokenizer, a few steps")
   flags.DEFINE_string("shape", "paper_0p5b", "config (configs/<shape>.py)")
-  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order")
+  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order; NAME@DIR "
+                    "runs NAME from the checkout in DIR (another version of the code)")
   flags.DEFINE_integer("steps", 2500, "training steps of every run")
   flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the sparse runs")
   flags.DEFINE_integer("warmup_steps", 100, "learning-rate warm-up")
@@ -77,6 +80,8 @@ def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[
   schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
               else [f"--config.warmup_steps={fl.warmup_steps}"])
   model = [] if dense else ["--config.model.ffn_activation=relu", f"--config.l1_coeff={fl.l1}"]
+  if name == "sparse_untuned":
+    model.append("--config.autotune=False")
   cmd = cli_run.command(workdir, config, [
       f"--config.num_train_steps={fl.steps}", f"--config.log_every={fl.log_every}",
       f"--config.eval_every={fl.eval_every}", f"--config.eval_batches={fl.eval_batches}",
@@ -114,20 +119,25 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
 
 
 def summarize(results: dict) -> None:
-  """The ratios to dense SiLU (module docstring)."""
+  """The ratios to dense SiLU (module docstring); runs of another checkout (NAME@DIR) get
+  theirs but stay out of the summary."""
   runs = results["runs"]
   base = next((r for r in runs if r["name"] == "dense_silu"), None)
-  sparse = [r for r in runs if r["name"] != "dense_silu"]
-  if base is None or not sparse:
+  if base is None:
     return
   dense_tps = {p["step"]: p["tokens_per_s"] for p in base["points"]}
-  for r in sparse:
+  for r in runs:
+    if r is base:
+      continue
     r["wall_ratio"] = base["wall_s"] / r["wall_s"]
     if r["eval_ce"] is not None and base["eval_ce"]:
       r["ce_ratio"] = r["eval_ce"] / base["eval_ce"]
     # The first logged step holds each command's start-up and compiles: left out.
     r["step_ratios"] = [[p["step"], p["tokens_per_s"] / dense_tps[p["step"]]]
                         for p in r["points"][1:] if p["step"] in dense_tps]
+  sparse = [r for r in runs if r is not base and "@" not in r["name"]]
+  if not sparse:
+    return
   results["wall_ratios"] = [r["wall_ratio"] for r in sparse]
   results["ce_ratios"] = [r.get("ce_ratio") for r in sparse]
   results["ce_ratio"] = max((c for c in results["ce_ratios"] if c is not None), default=None)
@@ -182,16 +192,19 @@ def main(argv):
              "l1": fl.l1, "parallel": fl.parallel, "tokenizer": (tokenizer or {}).get("model"),
              "runs": []}
   started = []
-  for i, name in enumerate(fl.runs):
+  for i, spec in enumerate(fl.runs):
+    name, _, root = spec.partition("@")
     cmd, workdir = run_command(fl, name, i, data_flags)
     ids = fl.gpus or [str(g) for g in range(len(gpus))]
     env = {"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} if fl.parallel and gpus else {}
-    print(f"  {name} ({i}): {' '.join(cmd[3:])}", flush=True)
-    started.append((name, workdir, env, *cli_run.start(cmd, workdir + ".log", **env)))
+    print(f"  {spec} ({i}): {' '.join(cmd[3:])}", flush=True)
+    proc = cli_run.start(cmd, workdir + ".log", os.path.abspath(root or cli_run.ROOT), **env)
+    started.append((spec, workdir, env, *proc))
     if not fl.parallel:
       _finish(fl, results, *started.pop())
-  for item in started:
-    _finish(fl, results, *item)
+  walls = cli_run.wait_all([item[3:] for item in started], fl.timeout)
+  for item, wall in zip(started, walls):
+    _finish(fl, results, *item, wall=wall)
   from train import config_checks  # pylint: disable=import-outside-toplevel
   cfg = config_checks.read_workdir_config(os.path.join(fl.workdir, f"0_{fl.runs[0]}"))
   results["tokens_per_step"] = cfg["batch_size"] * cfg["data"]["seq_len"]
@@ -209,8 +222,9 @@ def main(argv):
         f"same decisions {results.get('same_decisions')}")
 
 
-def _finish(fl, results: dict, name: str, workdir: str, env: dict, proc, t0: float) -> None:
-  wall = cli_run.finish(proc, t0, fl.timeout, name)
+def _finish(fl, results: dict, name: str, workdir: str, env: dict, proc, t0: float,
+            wall: float | None = None) -> None:
+  wall = cli_run.finish(proc, t0, fl.timeout, name, wall)
   run = read_run(name, workdir, wall, t0)
   run["gpu"] = env.get("CUDA_VISIBLE_DEVICES")
   results["runs"].append(run)

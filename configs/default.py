@@ -109,6 +109,10 @@ def get_config() -> ml_collections.ConfigDict:
   # cache; the per-layer choice's train steps take 13-36 s each to build at the paper's
   # shape). Empty: off.
   c.compilation_cache_dir = "~/.cache/twell_jax/jax"
+  # On a GPU, XLA times candidate kernels for each matrix product of the train step when it
+  # compiles it (autotuning): slower compiles (the per-layer choice's step holds a menu of
+  # them), somewhat faster steps. False: cuBLAS's own choices.
+  c.autotune = True
 
   # Trace `profile.steps` steps from step `profile.first_step` (jax.profiler, with a Perfetto
   # trace) into workdir/profile: TensorBoard's profile plugin or ui.perfetto.dev reads it.

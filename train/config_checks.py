@@ -79,7 +79,7 @@ _FLOAT_RANGE = {
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
-          "mesh.shard_optimizer")
+          "mesh.shard_optimizer", "autotune")
 
 
 def _choices() -> dict[str, tuple]:
@@ -215,7 +215,7 @@ _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_ch
          "data.data_dir", "data.use_tfds", "data.prefetch", "data.eval_split",
          "model.ffn_implementation", "model.attention", "model.remat", "model.scan_unroll",
          "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir",
-         "profile.")
+         "autotune", "profile.")
 # Changes that fit the checkpoints but change the rest of the run: need the flag.
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",

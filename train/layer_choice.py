@@ -97,6 +97,12 @@ DENSE_RATIO = 11.0 / 9.0
 # after the kernels (never chosen).
 TAIL_ROW_COST = 1.2
 TAIL_BUCKETS = (0.0, 1 / 128, 1 / 32, 1 / 8)
+# A decision sees one step's batch, and the next batches' heavy rows vary: a layer of the
+# paper shape trained from initialisation measured 50 to 250 active features per token from
+# one batch to another (steps 1,500-2,500), its rows over the ELL width from 0 to 8,400
+# (past the tail: the dense FFN after the kernels). K is chosen for this many times the
+# heavy rows seen.
+HEAVY_MARGIN = 4.0
 # Threshold on the predicted ratio of a forward-only layer (`inference_implementations`).
 INFERENCE_SPARSE_BELOW = 0.9
 # A layer's K changes when the new one improves its predicted ratio by more than this.
@@ -147,7 +153,7 @@ class LayerChoice:
     width there (`FFNStats.heavy_rows_by_hot`); the menu's last entry, all of H, is the dense
     FFN (`DENSE_RATIO`)."""
     hot = np.asarray(hot_features)
-    heavy = np.asarray(heavy_fraction, np.float64)
+    heavy = HEAVY_MARGIN * np.asarray(heavy_fraction, np.float64)
     buckets = np.asarray(TAIL_BUCKETS)
     bucket = buckets[np.minimum(np.searchsorted(buckets, heavy), len(buckets) - 1)]
     sparse = (self.cost.ratio(self.d_ff, hot, tail_per_token) * self.shape_scale

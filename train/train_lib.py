@@ -42,6 +42,10 @@ from train import steps as steps_lib
 
 ConfigError = config_checks.ConfigError
 
+# XLA options of a train step compiled without autotuning (`config.autotune=False`): GEMMs on
+# cuBLAS's own heuristics (Triton GEMMs untuned are several times slower).
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
 def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
   """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
   try:
@@ -397,13 +401,21 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   choice = tr.layer_choice()
   train_step = tr.jit_train_step(runtime_hot=choice is not None)
   hot_dev = None
+  tokens_per_step = cfg.batch_size * cfg.data.seq_len
   if choice is not None:
     _restore_choice(choice, (restored or {}).get("meta") or {})
     hot_dev = jax.device_put(np.asarray(choice.hot, np.int32), tr.replicated)
-    tokens_per_step = cfg.batch_size * cfg.data.seq_len
     logging.info("Per-layer hot features: every %d steps each layer's K minimizes the "
                  "predicted FFN time (train.layer_choice); now %s; menu %s",
                  cfg.layer_choice.every, choice.describe(), choice.menu)
+  if not cfg.get("autotune", True) and jax.default_backend() == "gpu":
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    batch_spec = jax.ShapeDtypeStruct(
+        (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
+        np.int32, sharding=tr.batch_sharding)
+    specs = (jax.tree.map(like, state), batch_spec) + (() if hot_dev is None else
+                                                        (like(hot_dev),))
+    train_step = train_step.lower(*specs).compile(compiler_options=NO_AUTOTUNE)
   last = {}
   t_last, tokens_since = time.time(), 0
   preempted = None
