@@ -4,13 +4,13 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
     python -m benchmarks.activity_sweep --smoke --out=/tmp/a.json   # CPU smoke mode
 
 1. Trains the paper 0.5B shape from random initialisation through the trainer
-   (`train.train_lib.train_and_evaluate`, per-layer hot features on; the setting of
+   (`train.train_lib.train_and_evaluate`, the per-layer FFN choice on; the setting of
    `benchmarks.whole_run`: Python-source corpus, 32k tokenizer, 8 x 2048 tokens a step, L1
    3e-5) and, at each of `--capture_steps` (decision steps of the per-layer choice), captures
    every layer's FFN input on a held-out batch and its weights (a trainer hook).
-2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the hot
-   features the trainer runs it with, and the layer's forward + backward on the kernels at that
-   run-time K (`twell_jax.ffn` with an int32 hot_features, the trainer's program) against the
+2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the
+   per-layer choice on this batch (`train.layer_choice.LayerChoice`: the layer's K, its
+   predicted ratio) and the layer's forward + backward on the kernels at that K against the
    dense FFN, on the captured input.
 3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
    the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks import captured
 from benchmarks import kernels
+from benchmarks import specs
 from benchmarks import timing
 from benchmarks import trained
 import twell_jax as tj
@@ -61,34 +62,29 @@ def _define_flags():
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation")
 
 
-def _loss(impl: str):
-  """loss(x, wg, wu, wd, ct, hot) of `benchmarks.kernels.loss_fn`, K a run-time int32."""
-  def loss(x, wg, wu, wd, ct, hot):
-    y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, hot_features=hot)
-    return jnp.sum(y.astype(F32) * ct) + kernels.LAMBDA * st.l1
-  return loss
-
-
 _GRADS: dict = {}
 
 
-def _grad(impl: str):
-  """One jitted forward + backward per implementation (every K and layer share it)."""
-  if impl not in _GRADS:
-    _GRADS[impl] = jax.jit(jax.grad(_loss(impl), argnums=(0, 1, 2, 3)))
-  return _GRADS[impl]
+def _grad(impl: str, hot: int, shape):
+  """The jitted forward + backward of `benchmarks.kernels.loss_fn` per implementation and K
+  (one compile each, shared by the layers)."""
+  if (impl, hot) not in _GRADS:
+    spec = specs.Spec(*shape)
+    _GRADS[impl, hot] = jax.jit(jax.grad(kernels.loss_fn(impl, spec, hot_features=hot),
+                                         argnums=(0, 1, 2, 3)))
+  return _GRADS[impl, hot]
 
 
 def time_call(x, wg, wu, wd, hot: int, impl: str, iters: int) -> dict:
-  """Forward + backward of `impl` at run-time K `hot` and of the dense FFN on these inputs:
-  ms each, their ratio, and the rows that left the sparse kernels."""
+  """Forward + backward of `impl` with `hot` hot features and of the dense FFN on these
+  inputs: ms each, their ratio, and the rows that left the sparse kernels."""
   ct = jax.random.normal(jax.random.key(1), x.shape, F32)
-  k = jnp.int32(hot)
-  dense = min(timing.wall_ms(_grad("dense"), x, wg, wu, wd, ct, k, iters=iters)
+  shape = (x.shape[0], x.shape[1], wu.shape[1])
+  dense = min(timing.wall_ms(_grad("dense", 0, shape), x, wg, wu, wd, ct, iters=iters)
               for _ in range(2))   # data-independent: the smaller of two medians
-  sparse = timing.wall_ms(_grad(impl), x, wg, wu, wd, ct, k, iters=iters)
+  sparse = timing.wall_ms(_grad(impl, hot, shape), x, wg, wu, wd, ct, iters=iters)
   _, st = jax.jit(lambda *a: tj.ffn(*a, implementation=impl, return_stats=True,
-                                    hot_features=k))(x, wg, wu, wd)
+                                    hot_features=hot))(x, wg, wu, wd)
   return {"hot_features": hot, "dense_ms": dense, "sparse_ms": sparse,
           "ratio": sparse / dense, "overflow_rows": int(st.overflow_rows)}
 
@@ -104,14 +100,14 @@ def _heavy_by_hot(active: np.ndarray) -> np.ndarray:
   return np.asarray(stats.tile_stats(jnp.asarray(active))[3])
 
 
-def _choice(active: np.ndarray, hot_now: int | None = None):
-  """The per-layer choice for one layer of this activity [M, H] (its features sorted):
-  (K, predicted ratio, active features per token outside the K hot ones)."""
+def _choice(active: np.ndarray):
+  """The per-layer choice for one layer of this activity [M, H] (its features sorted): (its
+  implementation, K, predicted ratio, active features per token outside the K hot ones)."""
   from train import layer_choice  # pylint: disable=import-outside-toplevel
   m, h = active.shape
-  choice = layer_choice.LayerChoice(1, h, hot=None if hot_now is None else [hot_now])
+  choice = layer_choice.LayerChoice(1, h)
   choice.update_from_counts(active.sum(axis=0)[None], m, _heavy_by_hot(active)[None])
-  return choice.hot[0], choice.predicted[0], choice.tail[0]
+  return choice.implementations[0], choice.hot[0], choice.predicted[0], choice.tail[0]
 
 
 class Capture:
@@ -121,7 +117,7 @@ class Capture:
     self.cfg, self.steps, self.impl, self.iters = cfg, set(steps), impl, iters
     self.results, self.fits = [], {}
 
-  def __call__(self, tr, step: int, state, hot) -> None:
+  def __call__(self, tr, step: int, state, layer_ffn) -> None:
     if step not in self.steps:
       return
     t0 = time.time()
@@ -133,11 +129,11 @@ class Capture:
       x, wg, wu, wd = xs[l], ws["w_gate"][l], ws["w_up"][l], ws["w_down"][l]
       active = np.asarray(captured._fires(x, wg))   # pylint: disable=protected-access
       st = testing.activity_stats(active)
-      k = int(hot[l]) if hot is not None else 0
-      # What a decision on this batch alone gives, beside the trainer's K (from its step).
-      fresh_k, predicted, tail = _choice(active, k)
+      # The choice on this batch (the trainer's runs from its own step's batch, later).
+      name, k, predicted, tail = _choice(active)
       row = {"layer": l, "captured": st, "rows_over_width": _rows_over(active, k),
-             "decision_hot_features": fresh_k, "predicted": predicted, "tail_per_token": tail,
+             "choice": name, "predicted": predicted, "tail_per_token": tail,
+             "trainer_ran": None if layer_ffn is None else [layer_ffn[0][l], layer_ffn[1][l]],
              **time_call(x, wg, wu, wd, k, self.impl, self.iters)}
       self.fits[(step, l)] = captured.fit_generator(st, x.shape[0], wu.shape[1])
       layers.append(row)
@@ -160,9 +156,9 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
   counts = jnp.sum(fires, axis=0, dtype=jnp.int32)
   wg, wu, wd, order = tj_features.sort_features(wg, wu, wd, counts)
   active_mask = np.asarray(jnp.take(fires, order, axis=1))
-  k, predicted, tail = _choice(active_mask)
+  name, k, predicted, tail = _choice(active_mask)
   st = testing.activity_stats(active_mask)
-  out = {"skew": skew, "active": float(active), "generated": st,
+  out = {"skew": skew, "active": float(active), "generated": st, "choice": name,
          "rows_over_width": _rows_over(active_mask, k), "predicted": predicted,
          "tail_per_token": tail, **time_call(x, wg, wu, wd, k, impl, iters)}
   print(f"  {skew} at {active:g}: measured {st['active_per_token']:.1f} active, rows "

@@ -49,9 +49,17 @@ def _define_flags():
   flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
   flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
                      "GPU, xla elsewhere)")
+  flags.DEFINE_float("sparse_below", None, "per-layer choice threshold on the predicted "
+                     "ratio to dense (default: train.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
+  flags.DEFINE_integer("from_init_steps", 0, "also train both models from random "
+                       "initialisation this many steps (the sparse one with its per-layer "
+                       "choice) and compare tokens/s at every logged step")
+  flags.DEFINE_integer("from_init_log_every", 25, "logging interval of the from-init runs")
+  flags.DEFINE_bool("from_init_background", True, "from-init runs: the trainer builds a new "
+                    "layer choice's step in the background (False: at the decision step)")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "byte: the docstring corpus "
                     "and byte tokens; python32k: the Python-source corpus with its 32k "
                     "SentencePiece tokenizer (benchmarks.trained.config_for)")
@@ -159,18 +167,18 @@ def _peak_bytes(compiled) -> int:
              - mem.alias_size_in_bytes)
 
 
-def _time_steps(step, state, batch, iters: int, *extra):
+def _time_steps(step, state, batch, iters: int):
   """Synchronized wall ms of each of `iters` training steps after two warm-up steps (the
   median is robust to a step that retraces), and the mean board power over them (or None):
-  (ms list, watts, state, metrics). `extra`: the step's further arguments."""
+  (ms list, watts, state, metrics)."""
   for _ in range(2):
-    state, m = step(state, batch, *extra)
+    state, m = step(state, batch)
   jax.block_until_ready(state)
   ms = []
   with PowerSampler() as power:
     for _ in range(iters):
       t0 = time.perf_counter()
-      state, m = step(state, batch, *extra)
+      state, m = step(state, batch)
       jax.block_until_ready(state)
       ms.append((time.perf_counter() - t0) * 1e3)
   return ms, power.mean_watts, state, m
@@ -187,7 +195,7 @@ def kernel_kind(name: str) -> str:
   return "other (fusions, copies, reductions)"
 
 
-def _step_profile(label, run_cfg, mc, params, n_layers, batch, *extra) -> dict:
+def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   """Device time of one training step by kind of kernel (CUPTI), from a non-donating step."""
   from train import model as model_lib  # pylint: disable=import-outside-toplevel
   from train import optim  # pylint: disable=import-outside-toplevel
@@ -196,7 +204,7 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch, *extra) -> dict:
   tx = optim.make_optimizer(run_cfg)
   step = jax.jit(steps_lib.make_train_step(lm, tx, run_cfg))
   state = _state(lm, tx, params, n_layers)
-  table = timing.kernel_breakdown(step, state, batch, *extra, iterations=2)
+  table = timing.kernel_breakdown(step, state, batch, iterations=2)
   if not table:
     return {}
   kinds: dict[str, float] = {}
@@ -230,31 +238,33 @@ def run_shape(shape: str, fl) -> dict:
 
   # The sparse model's per-layer choices (training, inference) from the trained weights'
   # measured activity, as the trainer makes them (`LayerChoice.update_from_counts`): its
-  # hidden features sorted by popularity, the hot ones per layer (training: run-time values
-  # of one compiled step), each layer's implementation by its predicted ratio to dense
-  # (inference).
+  # hidden features sorted by popularity, the hot ones per layer, each layer's implementation
+  # by its predicted ratio to dense.
   probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
   _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
   active = np.asarray(stats.nnz_per_token)
   counts = jax.device_get(stats.feature_counts)
-  choice = layer_choice.LayerChoice(n_layers, mc_sparse.d_ff)
+  kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
+                                               dense_above=max(fl.sparse_below,
+                                                               layer_choice.DEFAULT_DENSE_ABOVE))
+  choice = layer_choice.LayerChoice(n_layers, mc_sparse.d_ff, sparse=fl.sparse, **kw)
   _, order = choice.update_from_counts(counts, b * t)
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
   tail = choice.tail
-  infer_names = layer_choice.inference_implementations(tail, mc_sparse.d_ff, hot,
-                                                       sparse=fl.sparse)
+  infer_choice = layer_choice.LayerChoice.for_inference(tail, mc_sparse.d_ff, hot,
+                                                        sparse=fl.sparse)
   res["hot_features"] = list(hot)
+  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
+                                  ffn_layer_hot_features=choice.hot_features)
   mc_prefill = {"sparse": dataclasses.replace(
-      mc_sparse, ffn_layer_implementations=infer_names, ffn_layer_hot_features=tuple(hot)),
-                "dense": mc_dense}
-  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=(fl.sparse,) * n_layers)
-  hot_dev = jnp.asarray(hot, jnp.int32)
+      mc_sparse, ffn_layer_implementations=infer_choice.implementations,
+      ffn_layer_hot_features=tuple(hot)), "dense": mc_dense}
   res["active_per_token"] = [float(a) for a in active]
   res["tail_per_token"] = tail
   res["predicted_train_ratio"] = choice.predicted
   res["sparse_layers"] = choice.describe()
-  res["sparse_layers_prefill"] = layer_choice.describe_implementations(infer_names, hot)
+  res["sparse_layers_prefill"] = infer_choice.describe((infer_choice.implementations, hot))
   print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)}, hot features "
         f"{' '.join(map(str, hot))} -> layers {choice.describe()} (training), "
         f"{res['sparse_layers_prefill']} (prefill)", flush=True)
@@ -262,7 +272,6 @@ def run_shape(shape: str, fl) -> dict:
   tokens = b * t
   limit = _memory_limit()
   for name, mc, l1 in (("sparse", mc_sparse, cfg.l1_coeff), ("dense", mc_dense, 0.0)):
-    extra = (hot_dev,) if name == "sparse" else ()
     run_cfg = cfg.copy_and_resolve_references()
     run_cfg.l1_coeff = l1
     batch = train_batches[0][None]
@@ -271,7 +280,7 @@ def run_shape(shape: str, fl) -> dict:
       mc_run = dataclasses.replace(mc, remat=remat)
       lm, tx, step = _model(run_cfg, mc_run)
       state = _state(lm, tx, params, n_layers)
-      peak = _peak_bytes(step.lower(state, batch, *extra).compile())
+      peak = _peak_bytes(step.lower(state, batch).compile())
       if not remat:
         res[f"{name}_peak_bytes_no_remat"] = peak
       if limit is None or peak <= 0.92 * limit:
@@ -279,7 +288,7 @@ def run_shape(shape: str, fl) -> dict:
       print(f"  {shape} {name}: {peak / 2**30:.1f} GiB without remat > 92% of "
             f"{limit / 2**30:.1f} GiB: remat on", flush=True)
     res[f"{name}_peak_bytes"], res[f"{name}_remat"] = peak, remat
-    ms_steps, watts, state, m = _time_steps(step, state, batch, fl.iters, *extra)
+    ms_steps, watts, state, m = _time_steps(step, state, batch, fl.iters)
     ms = float(np.median(ms_steps))
     res[f"{name}_train"] = {"ms_per_step": ms, "ms_per_step_all": ms_steps,
                             "tokens_per_s": tokens / ms * 1e3, "loss": float(m["loss"])}
@@ -288,7 +297,7 @@ def run_shape(shape: str, fl) -> dict:
     del state
     if shape in fl.profile:
       res[f"{name}_train_profile"] = _step_profile(f"{shape} {name} step", run_cfg, mc_run,
-                                                   params, n_layers, batch, *extra)
+                                                   params, n_layers, batch)
     # Prefill: the backbone (embedding, blocks, final norm), as the paper times it.
     lm_prefill = model_lib.LanguageModel(mc_prefill[name])
     fwd = jax.jit(lambda p, x, lm=lm_prefill: lm.hidden(p, x)[0])
@@ -315,6 +324,53 @@ def run_shape(shape: str, fl) -> dict:
   return res
 
 
+def from_init(shape: str, fl) -> dict:
+  """Sparse (ReLU + L1, per-layer choice, trainer defaults) and dense (SiLU) training from the
+  same random initialisation through the trainer (`train.train_lib`), tokens/s per logged
+  step as sparse / dense (the first logged step holds each model's compilation: left out),
+  and each whole run's wall-clock."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from train import train_lib  # pylint: disable=import-outside-toplevel
+  base = "tiny" if shape == "tiny" else "paper_0p5b"
+  runs, wall = {}, {}
+  for name in ("sparse", "dense"):
+    cfg = trained.config_for(base, tokenizer=fl.tokenizer)
+    cfg.num_train_steps, cfg.log_every = fl.from_init_steps, fl.from_init_log_every
+    if name == "sparse":
+      cfg.model.ffn_implementation = None
+      cfg.layer_choice.sparse = fl.sparse
+      cfg.layer_choice.background = fl.from_init_background
+      cfg.l1_coeff = trained.PAPER_L1
+    else:
+      cfg.model.ffn_implementation, cfg.model.ffn_activation = "dense", "silu"
+      cfg.l1_coeff = 0.0
+    with tempfile.TemporaryDirectory() as wd:
+      t0 = time.time()
+      train_lib.train_and_evaluate(cfg, wd)
+      with open(f"{wd}/metrics.jsonl") as f:
+        rows = [r for r in map(json.loads, f) if "tokens_per_s" in r]
+    runs[name] = rows
+    wall[name] = time.time() - t0
+    print(f"  from init, {name}: {fl.from_init_steps} steps in {wall[name]:.0f}s", flush=True)
+  dense_tps = {r["step"]: r["tokens_per_s"] for r in runs["dense"]}
+  points = []
+  for r in runs["sparse"][1:]:
+    if r["step"] in dense_tps:
+      points.append({"step": r["step"], "ratio": r["tokens_per_s"] / dense_tps[r["step"]],
+                     "sparse_layers": r.get("sparse_layers", 0),
+                     "active_per_token": [v for k, v in sorted(r.items())
+                                          if k.startswith("active_per_token/")]})
+  for p in points:
+    print(f"    step {p['step']:>5}: {p['ratio']:.3f} of dense, {p['sparse_layers']} sparse "
+          "layers", flush=True)
+  return {"steps": fl.from_init_steps, "log_every": fl.from_init_log_every,
+          "tokenizer": fl.tokenizer, "points": points,
+          "min_ratio": min((p["ratio"] for p in points), default=None),
+          # The whole run (`train_and_evaluate`: compiles, builds, checkpoints, evaluation).
+          "sparse_wall_s": wall["sparse"], "dense_wall_s": wall["dense"],
+          "wall_ratio": wall["sparse"] / wall["dense"]}
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
@@ -325,6 +381,12 @@ def main(argv):
   results = {"device": device, "jax": jax.__version__}
   for shape in fl.shapes:
     results[shape] = run_shape(shape, fl)
+    if fl.out:
+      with open(fl.out, "w") as f:
+        json.dump(results, f, indent=1)
+  if fl.from_init_steps:
+    base = "tiny" if fl.shapes == ["tiny"] else "0p5b"
+    results[f"{base}_from_init"] = from_init(base, fl)
     if fl.out:
       with open(fl.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -60,7 +60,7 @@ SHORT = {
 COMMON = [f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every={EVERY}",
           "--config.keep_checkpoints=2", f"--config.eval_every={STEPS}",
           "--config.eval_batches=2", f"--config.log_every={EVERY}",
-          f"--config.layer_choice.every={EVERY}"]
+          f"--config.layer_choice.every={EVERY}", "--config.layer_choice.background=False"]
 
 
 def meshes(n: int) -> list[str]:

@@ -185,9 +185,9 @@ def _peak_bytes(compiled) -> int:
 
 
 def _choose(fl, params):
-  """The sparse model's per-layer choice on one device, as the trainer's first decision makes
-  it: (the hot features per layer, the popularity order [L, H] that sorts the features, the
-  description and the predicted per-layer ratios). None where the config makes no choice."""
+  """The sparse model's per-layer choice on one device, as the trainer's first step makes it:
+  (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the description
+  and the predicted per-layer ratios). None where the config makes no choice."""
   from train import sharding  # pylint: disable=import-outside-toplevel
   from train import train_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, "sparse", 1, 1)
@@ -197,11 +197,10 @@ def _choose(fl, params):
     return None
   state = _state(tr, params)
   batch = _batch(tr, cfg)
-  _, m = tr.jit_train_step(runtime_hot=True)(state, batch, jnp.asarray(choice.hot, jnp.int32))
+  _, m = tr.jit_train_step(choice.key)(state, batch)
   tokens = cfg.batch_size * cfg.data.seq_len
-  counts, heavy = jax.device_get((m["feature_counts"], m["heavy_rows_by_hot"]))
-  _, order = choice.update_from_counts(counts, tokens, heavy)
-  return {"hot": choice.hot, "order": order,
+  _, order = choice.update_from_counts(jax.device_get(m["feature_counts"]), tokens)
+  return {"key": choice.key, "order": order,
           "describe": choice.describe(), "predicted": [float(r) for r in choice.predicted]}
 
 
@@ -227,13 +226,13 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   devices = jax.devices()[first_device:first_device + n]
   tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, devices))
   state = _state(tr, params)
-  extra = ()
+  key = None
   if model == "sparse" and choice is not None:
-    extra = (jax.device_put(np.asarray(choice["hot"], np.int32), tr.replicated),)
+    key = choice["key"]
     state = tr.sort_features(state, choice["order"])
   batch = _batch(tr, cfg)
   t0 = time.time()
-  step = tr.jit_train_step(runtime_hot=bool(extra)).lower(state, batch, *extra).compile(
+  step = tr.jit_train_step(key).lower(state, batch).compile(
       compiler_options=compiler_options(options) or None)
   compile_s = time.time() - t0
   text = step.as_text()
@@ -245,22 +244,21 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   overlap = sharding.collective_overlap(text)
   shapes = [p.shape for p in jax.tree.leaves(state["params"])]
   for _ in range(2):
-    state, m = step(state, batch, *extra)
+    state, m = step(state, batch)
   jax.block_until_ready(state)
   synced = []
   for _ in range(fl.iters):
     t0 = time.perf_counter()
-    state, m = step(state, batch, *extra)
+    state, m = step(state, batch)
     jax.block_until_ready(state)
     synced.append((time.perf_counter() - t0) * 1e3)
-  ms, state = timing.pipelined_ms(step, state, batch, *extra, iters=fl.iters, rounds=3,
-                                  carry=True)
+  ms, state = timing.pipelined_ms(step, state, batch, iters=fl.iters, rounds=3, carry=True)
   profile = None
   if getattr(fl, "profile_dir", None):
     trace_dir = os.path.join(fl.profile_dir, f"{model}_{data}x{fsdp}_{options}")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(3):
-        state, m = step(state, batch, *extra)
+        state, m = step(state, batch)
       jax.block_until_ready(state)
     profile = timing.trace_breakdown(trace_dir, steps=3, top=40)
   tokens = cfg.batch_size * cfg.data.seq_len
@@ -274,7 +272,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "frozen_weights": fl.frozen_weights,
       "compiler_options": compiler_options(options), "config_options": config_options(options),
       "split_moments": sharding.split_count(tr.grad_sharding)[0], "tokens_per_step": tokens,
-      "ffn_per_layer": choice["describe"] if extra else None,
+      "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,
       "tokens_per_s_per_device": tokens / ms * 1e3 / n,
       "synced_ms": med, "synced_tokens_per_s": tokens / med * 1e3, "compile_s": compile_s,

@@ -13,9 +13,8 @@ trainer defaults otherwise (held-out evaluations every `--eval_every` steps, che
 
   dense_silu   the baseline: dense SiLU-gated FFN, no L1 (`configs/paper_0p5b.py:dense`)
   sparse       ReLU + L1 `--l1` with the default FFN choice (each layer's hot features
-               chosen at run time, `train.layer_choice`); named twice, it runs twice, to show
-               the spread and that one seed gives one sequence of decisions
-  sparse_untuned  the same, its train step compiled without autotuning (`config.autotune`)
+               per layer, `train.layer_choice`); named twice, it runs twice, to show the
+               spread
   NAME@DIR     run NAME from the checkout in DIR (another version of the code)
 
 With `--parallel` the runs start together, one GPU each (each process sees only its GPU;
@@ -27,7 +26,8 @@ tokens/s, active features per token and rows that left the sparse kernels per la
 number of layers gathering features and their hot features; the per-layer decisions and the
 steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "runs": [{"name",
 "wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
-"sparse_layers", "hot_features"}], "decisions": [[step, choice]], ...}], "wall_ratios" (dense
+"sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]], ...}],
+"wall_ratios" (dense
 SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
 "same_decisions"}. The plot: each sparse run's tokens/s over dense SiLU's at every logged step,
 and the first sparse run's activity per layer, against steps.
@@ -44,7 +44,8 @@ from absl import flags
 
 from benchmarks import cli_run
 
-_DECISION = re.compile(r"step (\d+): hot features per layer -> ([SD0-9 ]+?) \(predicted")
+_DECISION = re.compile(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
+                       r"running from step (\d+)")
 
 
 def _define_flags():
@@ -80,8 +81,6 @@ def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[
   schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
               else [f"--config.warmup_steps={fl.warmup_steps}"])
   model = [] if dense else ["--config.model.ffn_activation=relu", f"--config.l1_coeff={fl.l1}"]
-  if name == "sparse_untuned":
-    model.append("--config.autotune=False")
   cmd = cli_run.command(workdir, config, [
       f"--config.num_train_steps={fl.steps}", f"--config.log_every={fl.log_every}",
       f"--config.eval_every={fl.eval_every}", f"--config.eval_batches={fl.eval_batches}",
@@ -107,7 +106,8 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
                              if "hot_features/layer_0" in r else None}
             for r in train_rows]
   with open(workdir + ".log") as f:
-    decisions = [[int(m.group(1)), m.group(2)] for m in _DECISION.finditer(f.read())]
+    decisions = [[int(m.group(1)), m.group(2), int(m.group(3))]
+                 for m in _DECISION.finditer(f.read())]
   evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"]}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,

@@ -70,17 +70,22 @@ def get_config() -> ml_collections.ConfigDict:
   c.dead_reinit = False
   c.dead_reinit_every = 1000
 
-  # Per-layer hot features (train/layer_choice.py): with ffn_implementation=None, every layer
-  # runs the sparse implementation with a run-time number K of its features (the most popular,
-  # kept sorted first) computed as dense GEMMs; every `every` steps each layer's K is set to
-  # the one that minimizes its predicted FFN time, from all of them (the dense FFN's work, at
-  # random initialisation) down to a few hundred (trained). One compiled step serves every
-  # choice: a change lands on the next step, the same in every run. Checkpoints keep the
-  # choice in use.
+  # Per-layer FFN choice (train/layer_choice.py): with ffn_implementation=None, each layer
+  # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
+  # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
+  # every `every` steps. The new step compiles in the background and runs from
+  # `landing_steps` steps after its decision (the loop waits for a build not done by then),
+  # so a seed's run makes the same decisions and switches on the same steps whatever the
+  # machine's speed (background=False: built in the loop, running from the next step).
+  # Checkpoints keep the choice in use and the one pending.
   c.layer_choice = ml_collections.ConfigDict(dict(
       enabled=True,
-      sparse="auto",          # the layers' implementation; auto: what None resolves to
+      sparse="auto",          # the sparse layers' implementation; auto: what None resolves to
       every=20,
+      sparse_below=0.9,       # predicted FFN time over dense (train/layer_choice.py)
+      dense_above=1.0,
+      background=True,
+      landing_steps=200,
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):
@@ -109,10 +114,6 @@ def get_config() -> ml_collections.ConfigDict:
   # cache; the per-layer choice's train steps take 13-36 s each to build at the paper's
   # shape). Empty: off.
   c.compilation_cache_dir = "~/.cache/twell_jax/jax"
-  # On a GPU, XLA times candidate kernels for each matrix product of the train step when it
-  # compiles it (autotuning): slower compiles (the per-layer choice's step holds a menu of
-  # them), somewhat faster steps. False: cuBLAS's own choices.
-  c.autotune = True
 
   # Trace `profile.steps` steps from step `profile.first_step` (jax.profiler, with a Perfetto
   # trace) into workdir/profile: TensorBoard's profile plugin or ui.perfetto.dev reads it.

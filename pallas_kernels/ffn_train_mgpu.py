@@ -10,14 +10,7 @@ overflow_rows, feature_counts); only l1 is differentiable.
 Forward:
  0. The first K = ``HybridConfig.hot_features`` hidden features (the hottest, once the
     features are sorted by popularity) as dense XLA GEMMs on the ELL rows; their products
-    start step 3's sums, and the backward does the same for them. With
-    ``HybridConfig.hot_choices`` (a menu of K values) K is a run-time value instead: the
-    entries take a device scalar and run the smallest menu entry >= it, one ``lax.switch``
-    per direction over the menu, so that one compiled program serves every K (a trainer
-    changes a layer's K, up to all of H: the dense FFN, without recompiling). The gate kernel
-    then packs every tile and the hot tiles' counts are zeroed before the ELL build, and the
-    backward recomputes the hot gate / up values from x instead of saving them (a saved
-    [M, K] residual would need one shape for every K).
+    start step 3's sums, and the backward does the same for them.
  1. gate GEMM of the other features with the TwELL packing epilogue (``gate_pack_mgpu``,
     wgmma): the dense [M, H] gate never reaches HBM.
  2. TwELL -> hybrid layout (XLA glue on the packed [M, T*S] words): rows with at most W actives
@@ -96,9 +89,6 @@ class HybridConfig:
   # the features that fire on more than about 1% of the tokens, which sorting the features by
   # popularity puts first (see ``ffn_mgpu.ForwardConfig.hot_features``).
   hot_features: int = 0
-  # Run-time K (the module docstring): the menu of K values, increasing multiples of 256 from
-  # 0 (entries above the padded H act as all of it); empty: K is ``hot_features``, static.
-  hot_choices: tuple[int, ...] = ()
   dh_in_columns: bool = True
   up_down: common.GatherConfig = _Gather(rows_ahead=True)
   down_dh: common.GatherConfig = _Gather()
@@ -112,12 +102,6 @@ class HybridConfig:
     if self.hot_features < 0 or self.hot_features % common.TILE_N:
       raise ValueError(f"HybridConfig: hot_features must be a multiple of {common.TILE_N}, "
                        f">= 0; got {self.hot_features}")
-    menu = self.hot_choices
-    if menu and (self.hot_features or list(menu) != sorted(set(menu))
-                 or any(k < 0 or k % common.TILE_N for k in menu)):
-      raise ValueError(f"HybridConfig: hot_choices must be increasing multiples of "
-                       f"{common.TILE_N}, >= 0, with hot_features=0; got {menu} and "
-                       f"hot_features={self.hot_features}")
 
   @property
   def mp(self) -> int:
@@ -137,27 +121,6 @@ class HybridConfig:
     return min(self.hot_features, self.hp)
 
   @property
-  def runtime_hot(self) -> bool:
-    """Whether K is a run-time value (``hot_choices``)."""
-    return bool(self.hot_choices)
-
-  @property
-  def hot_menu(self) -> tuple[int, ...]:
-    """The run-time K values, capped at the padded H (duplicates dropped)."""
-    return tuple(sorted({min(k, self.hp) for k in self.hot_choices}))
-
-  @property
-  def dense_choice(self) -> bool:
-    """Whether the menu's last entry is all of H: then it runs the dense FFN itself (its
-    backward recomputes the hidden activations from x), not the sparse kernels."""
-    return self.runtime_hot and self.hot_menu[-1] >= self.hp
-
-  @property
-  def sparse_menu(self) -> tuple[int, ...]:
-    """The menu entries that run the sparse kernels."""
-    return self.hot_menu[:-1] if self.dense_choice else self.hot_menu
-
-  @property
   def n_tiles(self) -> int:
     """256-column tiles of the packed (cold) features."""
     return (self.hp - self.k_hot) // common.TILE_N
@@ -171,14 +134,6 @@ class HybridConfig:
   def wk(self) -> int:
     """ELL slots stored per row: W rounded up to ``ell_group``."""
     return common.round_up(self.ell_width, self.ell_group)
-
-
-def hot_branch(cfg: HybridConfig, hot):
-  """The index into ``cfg.hot_menu`` of the smallest entry >= ``hot`` (a device int scalar;
-  the last entry when none is): computing more features densely is exact."""
-  menu = jnp.asarray(cfg.hot_menu, jnp.int32)
-  index = jnp.sum(menu < jnp.asarray(hot, jnp.int32), dtype=jnp.int32)
-  return jnp.minimum(index, len(cfg.hot_menu) - 1)
 
 
 def hybrid_config(m: int, d: int, h: int, ell_width: int = 128, tail_rows=None,
@@ -250,67 +205,8 @@ def _hybrid_from_twell(cfg: HybridConfig, words, counts):
       words, counts, slots=cfg.gate.slots, width=cfg.ell_width, group=cfg.ell_group)
 
 
-def _hot_forward(cfg: HybridConfig, k: int, xp, wg, wu, wd, rows):
-  """The first k features as dense GEMMs on ``rows`` (the ELL rows): (y part [Mp, Dp] or None
-  when k is 0, l1 sum, their counts [Hp] int32 (zero past k), most of them in one tile of a
-  row, p [Mp, k], u [Mp, k] or None)."""
-  zero_i = common.zeros_varying_like((), jnp.int32, xp, wu)
-  if not k:
-    return (None, jnp.zeros((), _F32), common.zeros_varying_like((cfg.hp,), jnp.int32, xp, wu),
-            zero_i, None, None)
-  y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, k, rows)
-  counts = jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32)
-  return (y_hot, jnp.sum(jnp.abs(h_hot.astype(_F32))), common.pad_to(counts, (cfg.hp,)),
-          common.tile_max(p_hot > 0), p_hot, u_hot)
-
-
-def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, hot=None, *, interpret=False):
-  """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows.
-  ``hot``: the run-time K (a device int scalar) of a config with ``hot_choices``; K at the
-  menu's all-of-H entry (``dense_choice``) runs the dense FFN instead of the kernels, one
-  more ``lax.switch`` whose dense branch saves no activations (the backward recomputes
-  them) and gives the sparse residuals as zeros."""
-  if not cfg.runtime_hot:
-    return _sparse_forward(cfg, x, w_gate, w_up, w_down, None, interpret)
-  branch = hot_branch(cfg, hot)
-
-  def sparse(x, w_gate, w_up, w_down):
-    (y, st), res = _sparse_forward(cfg, x, w_gate, w_up, w_down, branch, interpret)
-    return y, st, res[4:-1]      # the residuals between the operands and the branch
-
-  if not cfg.dense_choice:
-    y, st, rest = sparse(x, w_gate, w_up, w_down)
-  else:
-    shapes = jax.eval_shape(sparse, x, w_gate, w_up, w_down)[2]
-
-    def dense(x, w_gate, w_up, w_down):
-      y, st = _dense_forward(cfg, x, w_gate, w_up, w_down)
-      zeros = lambda a: common.zeros_varying_like(a.shape, a.dtype, x, w_up)
-      return y, st, jax.tree.map(zeros, shapes)
-
-    is_dense = (branch == len(cfg.hot_menu) - 1).astype(jnp.int32)
-    y, st, rest = lax.switch(is_dense, [sparse, dense], x, w_gate, w_up, w_down)
-  return (y, st), (x, w_gate, w_up, w_down, *rest, branch)
-
-
-def _dense_forward(cfg: HybridConfig, x, w_gate, w_up, w_down):
-  """(y, stats dict) of the dense FFN (``reference.dense_ffn``), the kernels' statistics
-  from its activity pattern."""
-  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
-  tiles = common.pad_to(active, (cfg.m, cfg.hp)).reshape(cfg.m, -1, common.TILE_N)
-  tile_counts = jnp.sum(tiles, axis=2, dtype=jnp.int32).T                # [T, M]
-  zero_i = common.zeros_varying_like((), jnp.int32, x, w_up)
-  return y, {"l1": jnp.sum(jnp.abs(h.astype(_F32))) / cfg.m,
-             "nnz_per_token": jnp.sum(tile_counts, dtype=_F32) / cfg.m,
-             "max_tile_nnz": jnp.max(tile_counts), "overflow_rows": zero_i,
-             "feature_counts": jnp.sum(active, axis=0, dtype=jnp.int32),
-             "heavy_rows_by_hot": common.heavy_rows_by_tile(tile_counts, cfg.ell_width,
-                                                            cfg.gate.slots)}
-
-
-def _sparse_forward(cfg: HybridConfig, x, w_gate, w_up, w_down, branch, interpret):
-  """``forward`` on the kernels: static K (``branch`` None), or the run-time menu entry
-  ``branch`` (of ``cfg.sparse_menu``)."""
+def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
+  """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows."""
   m, dt = cfg.m, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
@@ -321,16 +217,6 @@ def _sparse_forward(cfg: HybridConfig, x, w_gate, w_up, w_down, branch, interpre
                                              interpret=interpret)
   else:
     words = counts = None
-  valid_row = jnp.arange(cfg.mp) < m
-  if branch is not None:
-    # Every tile is packed; the hot ones leave the ELL rows (their features run densely).
-    menu = cfg.sparse_menu
-    branch = jnp.minimum(branch, len(menu) - 1)
-    k_run = jnp.asarray(menu, jnp.int32)[branch]
-    tile_start = jnp.arange(cfg.n_tiles, dtype=jnp.int32)[:, None] * common.TILE_N
-    heavy_by_hot = common.heavy_rows_by_tile(jnp.where(valid_row[None, :], counts, 0),
-                                             cfg.ell_width, cfg.gate.slots)
-    counts = jnp.where(tile_start < k_run, 0, counts)
   entries, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
   # The backward's kernels take columns and values apart: one more pass (0.016 ms at the
   # paper shape; XLA does not write them beside the entries, even from the same gather).
@@ -347,31 +233,16 @@ def _sparse_forward(cfg: HybridConfig, x, w_gate, w_up, w_down, branch, interpre
   # The sparse part runs unconditionally (in a batch that exceeds the tail capacity its
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
-  # synchronization per conditional). Run-time hot features add one: the menu's branch.
-  if branch is not None:
-    def menu_entry(kb):
-      def f(xp, wg, wu, wd, rows):
-        y_hot, l1_hot, counts_hot, hot_top, _, _ = _hot_forward(cfg, kb, xp, wg, wu, wd, rows)
-        if y_hot is None:
-          y_hot = common.zeros_varying_like((cfg.mp, cfg.dp), dt, xp, wu)
-        return y_hot, l1_hot, counts_hot, hot_top
-      return f
-    y_hot, l1_hot, counts_hot, hot_top = lax.switch(
-        branch, [menu_entry(kb) for kb in menu], xp, wg, wu, wd, ~heavy)
-    # The backward recomputes p and u of the hot features from x on these rows.
-    hot_res = (~heavy,)
-  else:
-    y_hot, l1_hot, counts_hot, hot_top, p_hot, u_hot = _hot_forward(cfg, k, xp, wg, wu, wd,
-                                                                    ~heavy)
-    hot_res = (p_hot, u_hot)
-    hot_tiles = (jnp.zeros((0, cfg.mp), jnp.int32) if p_hot is None else jnp.sum(
-        (p_hot > 0).reshape(cfg.mp, -1, common.TILE_N), axis=2, dtype=jnp.int32).T)
-    # The ELL rows' hot tiles and every row's cold ones: a row that is heavy on its cold
-    # tiles alone is heavy at every smaller K too.
-    heavy_by_hot = common.heavy_rows_by_tile(
-        jnp.concatenate([hot_tiles, jnp.where(valid_row[None, :], cnt, 0)]), cfg.ell_width,
-        cfg.gate.slots)
-  feature_counts = col_count + counts_hot
+  # synchronization per conditional).
+  y_hot = p_hot = u_hot = None
+  feature_counts = col_count
+  l1_hot = jnp.zeros((), _F32)
+  if k:
+    # The hot features on every row the ELL covers (the tail rows are dense over all of H);
+    # their products start the ELL kernel's sums.
+    y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, k, ~heavy)
+    l1_hot = jnp.sum(jnp.abs(h_hot.astype(_F32)))
+    feature_counts = feature_counts.at[:k].add(jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32))
   y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, entries, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
@@ -419,12 +290,19 @@ def _sparse_forward(cfg: HybridConfig, x, w_gate, w_up, w_down, branch, interpre
   # (or the dense branch's). The tile maximum likewise: the cold tiles' true counts, the ELL
   # rows' hot tiles, the branch's dense rows.
   nnz = jnp.sum(feature_counts, dtype=_F32) / m
+  hot_top = zero_i if p_hot is None else common.tile_max(p_hot > 0)
   max_tile = jnp.maximum(jnp.maximum(jnp.max(cnt, initial=0), hot_top), tile_top)
+  # Rows over the ELL width by number of hot features, from the ELL rows' hot tiles and every
+  # row's cold ones: a row heavy on its cold tiles alone is heavy at every smaller K too.
+  hot_tiles = (jnp.zeros((0, cfg.mp), jnp.int32) if p_hot is None else jnp.sum(
+      (p_hot > 0).reshape(cfg.mp, -1, common.TILE_N), axis=2, dtype=jnp.int32).T)
+  heavy_by_hot = common.heavy_rows_by_tile(jnp.concatenate([hot_tiles, cnt]), cfg.ell_width,
+                                           cfg.gate.slots)
   stats = {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
            "overflow_rows": heavy_rows, "feature_counts": feature_counts,
-           "heavy_rows_by_hot": heavy_by_hot[:-(-cfg.h // common.TILE_N)]}
+           "heavy_rows_by_hot": heavy_by_hot}
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-               hot_res, nonfinite, branch)
+               p_hot, u_hot, nonfinite)
   return (y, stats), residuals
 
 
@@ -459,22 +337,11 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   ``cotangents`` = (dy, stats cotangent): the statistics other than l1 have no gradient.
   The sparse kernels run unconditionally; then one ``lax.switch`` adds the tail bucket's
   products or, when the forward exceeded the tail capacity, replaces everything by the dense
-  VJP (see ``forward`` for why there is one conditional per direction). A forward that ran
-  the dense FFN (``dense_choice``) takes the dense VJP, with no sparse kernel.
+  VJP (see ``forward`` for why there is one conditional per direction).
   """
-  if not cfg.dense_choice:
-    return _sparse_backward(cfg, residuals, cotangents, interpret)
-  is_dense = (residuals[-1] == len(cfg.hot_menu) - 1).astype(jnp.int32)
-  dy, dl1 = cotangents[0], cotangents[1]["l1"]
-  return lax.switch(is_dense, [
-      lambda: _sparse_backward(cfg, residuals, cotangents, interpret),
-      lambda: _dense_backward(residuals, dy, dl1)])
-
-
-def _sparse_backward(cfg: HybridConfig, residuals, cotangents, interpret):
   dy, dl1 = cotangents[0], cotangents[1]["l1"]
   (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-   hot_res, nonfinite, branch) = residuals
+   p_hot, u_hot, nonfinite) = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -514,26 +381,15 @@ def _sparse_backward(cfg: HybridConfig, residuals, cotangents, interpret):
     dwu_t, (dwg_t,) = None, bwd.column_sums(xp, col_ptr, rows_s, dg_s, config=cfg.wgrads,
                                             out_dtype=dt, name="twell_train_wgrad_up_ng",
                                             interpret=interpret)
-  # The gather kernels leave the hot features' weight-gradient rows zero (no ELL entry names
-  # a hot feature): the hot backward sets them.
-  if branch is not None:
-    (rows,) = hot_res
-    menu = cfg.sparse_menu
-
-    def menu_entry(kb):
-      def f(dwg_t, dwu_t, dwd):
-        if not kb:
-          return common.zeros_varying_like((cfg.mp, cfg.dp), dt, xp, dyp), dwg_t, dwu_t, dwd
-        _, p_hot, u_hot, _ = reference.dense_ffn_columns(xp, wg, wu, wd, kb, rows)
-        return _hot_backward_into(xp, dyp, wg, wu, wd, c, kb, p_hot, u_hot, dwg_t, dwu_t, dwd)
-      return f
-    dx_hot, dwg_t, dwu_t, dwd = lax.switch(jnp.minimum(branch, len(menu) - 1),
-                                           [menu_entry(kb) for kb in menu], dwg_t, dwu_t, dwd)
-  elif cfg.k_hot:
-    dx_hot, dwg_t, dwu_t, dwd = _hot_backward_into(xp, dyp, wg, wu, wd, c, cfg.k_hot,
-                                                   *hot_res, dwg_t, dwu_t, dwd)
-  else:
-    dx_hot = None
+  dx_hot = None
+  if cfg.k_hot:
+    k = cfg.k_hot
+    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, p_hot, u_hot)
+    # The gather kernels leave the hot rows zero: no ELL entry names a hot feature.
+    dwg_t = dwg_t.at[:k].set(dw_hot[:k].astype(dwg_t.dtype))
+    if gated:
+      dwu_t = dwu_t.at[:k].set(dw_hot[k:].astype(dwu_t.dtype))
+    dwd = dwd.at[:k].set(dwd_hot.astype(dwd.dtype))
   # The hot columns' dx products start the dx kernel's sums.
   dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, dx_init=dx_hot, config=cfg.dx,
                   dx_dtype=dt, interpret=interpret)
@@ -589,16 +445,6 @@ def _sparse_backward(cfg: HybridConfig, residuals, cotangents, interpret):
   if gated:
     return dx, dw_in, dw_up, dw_down
   return dx, None, dw_in, dw_down
-
-
-def _hot_backward_into(xp, dyp, wg, wu, wd, c, k: int, p, u, dwg_t, dwu_t, dwd):
-  """``_hot_backward`` with its weight-gradient rows written into the first k rows of the
-  gather kernels' dW_in^T, dW_up^T (None when non-gated) and dW_down: (dx part, the three)."""
-  dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, p, u)
-  dwg_t = dwg_t.at[:k].set(dw_hot[:k].astype(dwg_t.dtype))
-  if dwu_t is not None:
-    dwu_t = dwu_t.at[:k].set(dw_hot[k:].astype(dwu_t.dtype))
-  return dx_hot, dwg_t, dwu_t, dwd.at[:k].set(dwd_hot.astype(dwd.dtype))
 
 
 def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, p, u):

@@ -190,13 +190,6 @@ _IMPLEMENTATIONS = [None, *tj.api.IMPLEMENTATIONS]
     (dict(tail_rows=-1), r"tail_rows must be a Python int >= 0, or None \(M/8\); got -1"),
     (dict(tail_rows=jnp.int32(3)), r"tail_rows must be a Python int >= 0"),
     (dict(interpret="yes"), r"interpret must be True or False; got 'yes'"),
-    (dict(hot_features=jnp.float32(256)), r"hot_features must be a Python int .* or an "
-     r"integer scalar array .*; got an array of dtype float32"),
-    (dict(hot_features=jnp.zeros((2,), jnp.int32)), r"shape \(2,\)"),
-    (dict(hot_features=256, hot_choices=(0, 256)), r"hot_choices goes with a run-time"),
-    (dict(hot_features=jnp.int32(0), hot_choices=(256, 0)), r"strictly increasing"),
-    (dict(hot_features=jnp.int32(0), hot_choices=(0, 100)),
-     r"every entry of hot_choices must be a multiple of 256"),
 ])
 def test_bad_option_is_the_same_value_error_for_every_implementation(implementation, kwargs, match):
   """One validation for every implementation: it runs before any of them."""

@@ -138,44 +138,12 @@ class TrainInterpretTest(TrainTestBase):
       for a, b in zip(g, g0):
         self.assertLess(_rel(a, b), 1e-2, k)
 
-  def test_run_time_hot_features_match_static_ones(self):
-    """K as a run-time int32 (one compiled program, `HybridConfig.hot_choices`) gives what the
-    static K gives: the same statistics, the same rows on the dense tail, the same outputs and
-    gradients up to rounding; a K between two menu entries runs the larger one; and the
-    gradients match the f32 reference. Skewed activity: a feature on 70% of the rows, heavy
-    rows, most features dead."""
-    m, d, h = 64, 64, 512
-    x, wg, wu, wd = ffn_inputs(jax.random.key(31), m, d, h, active_fraction=0.05,
-                               dead_fraction=0.5, hottest=0.7, heavy_fraction=0.03)
-    ct = jax.random.normal(jax.random.key(8), (m, d), F32)
-
-    def loss(x, wg, wu, wd, hot):
-      y, st = _ffn(x, wg, wu, wd, interpret=True, ell_width=16, hot_features=hot)
-      return jnp.sum(y.astype(F32) * ct) + L1_COEFF * st.l1, st
-
-    runtime = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
-    for k, ran in ((0, 0), (256, 256), (300, 512)):
-      (_, st), g = runtime(x, wg, wu, wd, jnp.int32(k))
-      (_, st0), g0 = jax.jit(jax.value_and_grad(
-          functools.partial(loss, hot=ran), (0, 1, 2, 3), has_aux=True))(x, wg, wu, wd)
-      for key in ("feature_counts", "nnz_per_token", "max_tile_nnz", "overflow_rows"):
-        np.testing.assert_array_equal(np.asarray(getattr(st, key)),
-                                      np.asarray(getattr(st0, key)), f"{key} at K={k}")
-      self.assertLess(_rel(st.l1, st0.l1), 1e-3, k)
-      for a, b in zip(g, g0):
-        self.assertLess(_rel(a, b), 1e-2, k)
-    check_grads(self, x, wg, wu, wd, interpret=True, ell_width=16, hot_features=jnp.int32(256))
-
   def test_config_rejects_bad_sizes(self):
     with self.assertRaisesRegex(ValueError, "HybridConfig"):
       ffn_train_mgpu.HybridConfig(m=64, d=64, h=256, ell_width=0, tail_rows=8)
     for k in (-256, 128):
       with self.assertRaisesRegex(ValueError, "hot_features"):
         ffn_train_mgpu.HybridConfig(m=64, d=64, h=256, ell_width=8, tail_rows=8, hot_features=k)
-    for menu, k in (((256, 0), 0), ((0, 128), 0), ((0, 256), 256)):
-      with self.assertRaisesRegex(ValueError, "hot_choices"):
-        ffn_train_mgpu.HybridConfig(m=64, d=64, h=256, ell_width=8, tail_rows=8,
-                                    hot_choices=menu, hot_features=k)
 
   def test_kernel_variants_same_bits(self):
     """Where x / dy rows live (registers f32 / bf16, or reloaded), each kernel's group, dh on
@@ -357,12 +325,6 @@ class TrainGpuTest(TrainTestBase):
       dict(testcase_name="paper_shape_skewed", m=4096, d=2048, h=5632,
            gen=dict(active_fraction=30 / 5632, heavy_fraction=0.01, dead_fraction=0.75,
                     hottest=0.7, row_spread=0.5), kw={}),
-      # Run-time hot features (the trainer's program): some, between two menu entries, all.
-      dict(testcase_name="paper_shape_skewed_run_time_hot", m=4096, d=2048, h=5632,
-           gen=dict(active_fraction=200 / 5632, heavy_fraction=0.01, dead_fraction=0.5,
-                    hottest=0.7, row_spread=0.5), kw=dict(hot_features=jnp.int32(700))),
-      dict(testcase_name="run_time_hot_all", m=1000, d=200, h=700,
-           gen=dict(active_fraction=0.3), kw=dict(hot_features=jnp.int32(10**6))),
   )
   def test_grads_match_reference(self, m, d, h, gen, kw, gated=True):
     x, wg, wu, wd = ffn_inputs(jax.random.key(23), m, d, h,

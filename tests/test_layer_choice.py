@@ -1,105 +1,86 @@
-"""Tests for the per-layer hot features: the choice from the feature counts, and the trainer
-changing them at run time (deterministically, resuming with the choice)."""
+"""Tests for the per-layer FFN choice: the hysteresis, the background-compiled steps and the
+trainer switching layers to the sparse implementation (and resuming with the choice)."""
 
 import json
 import os
 import re
+import threading
+import time
 
 from absl.testing import absltest
 import numpy as np
 
 import train_test_util as tu
-from twell_jax import features
 from train import layer_choice
 from train import train_lib
 
 
 class LayerChoiceTest(absltest.TestCase):
 
-  def test_starts_at_all_features_hot_and_describes(self):
-    c = layer_choice.LayerChoice(3, 1000)
-    self.assertEqual(c.menu, features.hot_choices(1000))
-    self.assertEqual(c.hot_features, (1024,) * 3)      # all of H (padded): the dense work
-    self.assertEqual(c.describe(), "D D D")
-    self.assertEqual(c.sparse_layers, 0)
-    self.assertEqual(c.describe([0, 512, 1024]), "S S512 D")
-    # Off-menu counts run the next entry up, past the menu its largest.
-    self.assertEqual(layer_choice.LayerChoice(2, 1000, hot=[300, 5000]).hot, [512, 1024])
+  def test_hysteresis(self):
+    c = layer_choice.LayerChoice(3, 1000, sparse="xla", sparse_below=0.8, dense_above=0.95)
+    self.assertEqual(c.describe(), "D D D")            # dense from the start
+    self.assertTrue(c.update([0.79, 0.8, 1.2]))
+    self.assertEqual(c.implementations, ("xla", "dense", "dense"))
+    # Between the thresholds nothing moves, either way.
+    self.assertFalse(c.update([0.9, 0.9, 0.9]))
+    self.assertEqual(c.describe(), "S D D")
+    self.assertTrue(c.update([0.96, 0.5, 0.5]))
+    self.assertEqual(c.describe(), "D S S")
+    self.assertEqual(c.describe((("xla", "xla", "dense"), (512, 0, 0))), "S512 S D")
 
   def test_bad_settings_and_shapes(self):
+    with self.assertRaisesRegex(ValueError, "sparse_below"):
+      layer_choice.LayerChoice(2, 64, sparse_below=0.6, dense_above=0.5)
     with self.assertRaisesRegex(ValueError, "d_ff"):
       layer_choice.LayerChoice(2, 0)
     c = layer_choice.LayerChoice(2, 64)
-    with self.assertRaisesRegex(ValueError, "for 2 layers"):
-      c.update_from_counts(np.zeros((3, 64)), 100)
+    with self.assertRaisesRegex(ValueError, "3 layers' activity for 2 layers"):
+      c.update([1.0, 2.0, 3.0])
     with self.assertRaisesRegex(ValueError, "32 features for d_ff=64"):
       c.update_from_counts(np.zeros((2, 32)), 100)
 
   def test_cost_model_reproduces_its_benchmark_points(self):
-    """The static-K training model against the H100 kernel benchmark it is fitted to (module
-    docstring): within 0.05 at each point; the run-time K's hot column costs a third more."""
+    """The training model against the H100 kernel benchmark it is fitted to (module
+    docstring): within 0.05 at each point."""
     h = 5632
-    cost = layer_choice.STATIC_TRAINING_COST
+    cost = layer_choice.TRAINING_COST
     for k, tail, measured in ((1024, 0, 0.528), (2048, 0, 0.752), (3328, 0, 0.977),
                               (0, 30.6, 0.729)):
       self.assertAlmostEqual(float(cost.ratio(h, k, tail)), measured, delta=0.05)
     # A hot column is worth more than a gathered entry of 1% of the tokens in training.
     self.assertGreater(cost.break_even, 0.01)
-    self.assertAlmostEqual(layer_choice.TRAINING_COST.hot, cost.hot * 4 / 3)
 
   def test_inference_threshold_is_below_the_training_one(self):
     # The inference forward saves no backward: it wins at fewer active features only.
     # d_ff 5632, no hot features: inference is predicted below 0.9 up to 32 active per token,
     # training up to 43.
     active = [10.0, 30.0, 40.0, 50.0]
-    infer = layer_choice.inference_implementations(active, 5632, sparse="xla")
-    self.assertEqual(infer, ("xla", "xla", "dense", "dense"))
-    self.assertEqual(layer_choice.describe_implementations(infer, [256, 0, 0, 0]),
-                     "S256 S D D")
-    train = layer_choice.STATIC_TRAINING_COST.ratio(5632, 0, active)
-    self.assertEqual(list(train < 0.9), [True, True, True, False])
-    # A shape where the kernels measured slower than dense: every layer dense.
-    self.assertEqual(layer_choice.inference_implementations([0.5], 2816, d_model=768,
-                                                            tokens=8192), ("dense",))
+    infer = layer_choice.LayerChoice.for_inference(active, 5632, sparse="xla")
+    self.assertEqual(infer.describe(), "S S D D")
+    train = layer_choice.LayerChoice(4, 5632, sparse="xla")
+    train.update(train.cost.ratio(5632, 0, active))
+    self.assertEqual(train.describe(), "S S S D")
 
-  def test_a_layer_with_most_features_active_runs_the_dense_ffn(self):
-    """5120 of 5632 features on 3% of the tokens each: gathering them or computing them as
-    hot columns beside the kernels costs more than the dense FFN (the menu's last entry)."""
+  def test_a_layer_with_most_features_hot_stays_dense(self):
+    """5120 of 5632 features on 3% of the tokens each: the best K is 5120, predicted at 1.33
+    of dense (the sparse kernels would run 91% of the dense GEMMs plus their own work): the
+    layer stays dense."""
     tokens, h = 10_000, 5632
     counts = np.zeros((1, h), np.int64)
     counts[0, :5120] = 300
-    c = layer_choice.LayerChoice(1, h)
-    c.hot = [0]
+    c = layer_choice.LayerChoice(1, h, sparse="xla")
     c.update_from_counts(counts, tokens)
-    self.assertEqual(c.hot, [h])
-    self.assertEqual(c.predicted[0], layer_choice.DENSE_RATIO)
-    self.assertEqual(c.describe(), "D")
-
-  def test_rows_over_the_ell_width_weigh_in(self):
-    """60 active per token on a few hundred hot features, K = 512 predicted cheapest; with a
-    tenth of the rows over the ELL width at K <= 512 the tail pays for them (K = 768, where
-    they fit); with a fifth over at every K of the sparse menu (beyond the tail's R = M / 8),
-    the dense FFN."""
-    tokens, h = 16384, 5632
-    counts = np.zeros((1, h), np.int64)
-    counts[0, :400] = tokens // 8
-    counts[0, 400:2400] = tokens // 200
-    c = layer_choice.LayerChoice(1, h)
-    c.update_from_counts(counts, tokens)
-    self.assertEqual(c.hot, [512])
-    heavy = np.zeros((1, 22))
-    heavy[0, :3] = tokens // 10
-    c.update_from_counts(counts, tokens, heavy)
-    self.assertEqual(c.hot, [768])
-    heavy[0, :13] = tokens // 5
-    c.update_from_counts(counts, tokens, heavy)
+    self.assertEqual(c.hot, [5120])
+    self.assertGreater(c.predicted[0], 1.0)
     self.assertEqual(c.describe(), "D")
 
   def test_counts_choose_hot_features_and_sort_them_first(self):
     """A layer of 105 active per token, 100 of them on 300 features that fire on a third of
-    the tokens, runs 512 hot; a uniform layer of 30 runs none; one of 200 uniform (every
-    feature above the break-even rate) runs all. The order puts the hottest features first.
-    K moves only when the new one improves the prediction by more than HOT_CHANGE_GAIN."""
+    the tokens, is sparse with 512 hot features; a uniform layer of 30 is sparse without;
+    one of 200 uniform (every feature above the break-even rate) is dense. The order puts
+    the hottest features first. K moves only when the new one improves the prediction by
+    more than HOT_CHANGE_GAIN."""
     rng = np.random.default_rng(0)
     tokens, h = 10_000, 5632
     skewed = np.zeros(h, np.int64)
@@ -107,45 +88,114 @@ class LayerChoiceTest(absltest.TestCase):
     skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
     skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
     counts = np.stack([skewed, np.full(h, 30 * tokens // h), np.full(h, 200 * tokens // h)])
-    c = layer_choice.LayerChoice(3, h)
+    c = layer_choice.LayerChoice(3, h, sparse="xla")
     changed, order = c.update_from_counts(counts, tokens)
     self.assertTrue(changed)
-    self.assertEqual(c.hot_features, (512, 0, h))
+    self.assertEqual(c.key, (("xla", "xla", "dense"), (512, 0, 0)))
     self.assertEqual(c.describe(), "S512 S D")
-    self.assertEqual(c.sparse_layers, 2)
     self.assertEqual(set(order[0, :300]), set(hot_ids))
     np.testing.assert_array_equal(np.diff(counts[0][order[0]]) <= 0, True)
+    # 280 hot features would fit in 512 too; 600 need 768, which improves the prediction by
+    # about 0.3 (88 features on a third of the tokens leave the tail).
     self.assertFalse(c.update_from_counts(counts, tokens)[0])
-    # 600 hot features need 768, which improves the prediction by about 0.3 (300 features
-    # on a third of the tokens leave the gathers).
     more = counts.copy()
     more[0, order[0, 300:600]] = tokens // 3
     self.assertTrue(c.update_from_counts(more, tokens)[0])
     self.assertEqual(c.hot[0], 768)
 
-  def test_long_columns_run_hot(self):
-    """1.5 active per token, one feature on almost every token: gathering is predicted cheap,
-    but that feature's column would outlast the backward's column kernels: K = 256."""
+
+class HeavyRowsTest(absltest.TestCase):
+
+  def test_rows_over_the_ell_width_weigh_in(self):
+    """60 active per token, most on 400 features: 512 hot features are predicted cheapest.
+    A tenth of the rows over the ELL width at K <= 512 (HEAVY_MARGIN times that is past the
+    tail's R = M / 8): K = 768, where none are. A fifth over at every K: the dense FFN."""
     tokens, h = 16384, 5632
     counts = np.zeros((1, h), np.int64)
-    counts[0, 0] = tokens - 10
-    counts[0, 1:400] = tokens // 2 // 400
+    counts[0, :400] = tokens // 8
+    counts[0, 400:2400] = tokens // 200
     c = layer_choice.LayerChoice(1, h)
     c.update_from_counts(counts, tokens)
-    self.assertEqual(c.hot, [256])
+    self.assertEqual(c.key, (("mosaic_gpu",), (512,)))
+    heavy = np.zeros((1, 22))
+    heavy[0, :3] = tokens // 10
+    c.update_from_counts(counts, tokens, heavy)
+    self.assertEqual(c.key, (("mosaic_gpu",), (768,)))
+    # A few heavy rows fit the tail's smallest bucket at a small cost.
+    few = np.zeros((1, 22))
+    few[0, :4] = 8
+    self.assertAlmostEqual(float(c.predict(768, c.tail[0], 8 / tokens))
+                           - float(c.predict(768, c.tail[0])),
+                           layer_choice.TAIL_ROW_COST * layer_choice.TAIL_BUCKETS[1])
+    heavy[0, :] = tokens // 5
+    c.update_from_counts(counts, tokens, heavy)
+    self.assertEqual(c.describe(), "D")
 
-  def test_nearly_equal_choices_do_not_flap(self):
-    """768 features on a third of the tokens and 256 at the break-even rate: K = 768 and 1024
-    predict the same, and neither moves to the other (a gain under HOT_CHANGE_GAIN)."""
-    tokens, h = 10_000, 5632
-    c = layer_choice.LayerChoice(1, h)
-    counts = np.zeros((1, h), np.int64)
-    counts[0, :768] = tokens // 3
-    counts[0, 768:1024] = round(tokens * c.cost.break_even)
-    for k in (768, 1024):
-      c.hot = [k]
-      self.assertFalse(c.update_from_counts(counts, tokens)[0])
-      self.assertEqual(c.hot, [k])
+
+class StepBuildsTest(absltest.TestCase):
+
+  def test_get_waits_for_a_requested_build_and_keeps_executables(self):
+    gate, built = threading.Event(), []
+
+    def build(key):
+      gate.wait(10)
+      built.append(key)
+      return f"step{key}"
+
+    steps = layer_choice.StepBuilds(build)
+    try:
+      steps.request(("a",))
+      steps.request(("a",))                            # being built: not again
+      threading.Timer(0.2, gate.set).start()
+      self.assertEqual(steps.get(("a",)), "step('a',)")   # waits for the build
+      self.assertEqual(steps.get(("b",)), "step('b',)")   # never requested: built here
+      steps.request(("a",))                            # built before: nothing to do
+      self.assertEqual(built, [("a",), ("b",)])
+      self.assertEqual(set(steps.build_s), {("a",), ("b",)})
+    finally:
+      steps.close()
+
+  def test_a_failed_build_raises_where_its_step_is_taken(self):
+    def build(key):
+      if key == ("bad",):
+        raise RuntimeError("lowering failed")
+      return key[0]
+
+    steps = layer_choice.StepBuilds(build)
+    try:
+      steps.request(("bad",))
+      with self.assertRaisesRegex(RuntimeError, "lowering failed"):
+        steps.get(("bad",))
+      self.assertEqual(steps.get(("good",)), "good")
+    finally:
+      steps.close()
+
+  def test_foreground_builds_in_request(self):
+    built = []
+    steps = layer_choice.StepBuilds(lambda key: built.append(key) or key[0], background=False)
+    steps.request(("b",))
+    self.assertEqual(built, [("b",)])
+    self.assertEqual(steps.get(("b",)), "b")
+    steps.close()
+
+  def test_a_switch_is_built_only_when_it_pays_for_its_build(self):
+    no_payback = train_lib._no_payback  # pylint: disable=protected-access
+    h, tokens = 1024, 4096
+    choice = layer_choice.LayerChoice(2, h)
+    counts = np.zeros((2, h))
+    counts[:, :8] = tokens // 8                  # 1 active feature per token, all hot-ish
+    dense_key = choice.key
+    choice.update_from_counts(counts, tokens)
+    self.assertEqual(choice.implementations, ("mosaic_gpu",) * 2)
+    saves = lambda left: no_payback(choice, dense_key, counts, None, tokens, left, 0.5)
+    # Both layers at ~0.4 of the dense FFN: ~0.3 dense steps' time saved per step, against
+    # BUILD_COST_STEPS (~80) for the build: in steps, whatever the machine's speed.
+    self.assertIsNone(saves(1000))
+    self.assertIn(f"less than the {layer_choice.BUILD_COST_STEPS:.0f}", saves(100))
+
+  def test_ffn_share_of_the_paper_shape(self):
+    share = layer_choice.ffn_flop_share(2048, 5632, 8, 32000, 2048, 32, 32)
+    self.assertAlmostEqual(share, 0.54, delta=0.01)
 
 
 class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
@@ -154,67 +204,120 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     with open(os.path.join(wd, "metrics.jsonl")) as f:
       return [r for r in map(json.loads, f) if "sparse_layers" in r]
 
-  def _decisions(self, logs):
-    """[(step, choice)] of the trainer's 'hot features per layer -> ...' lines."""
-    out = []
-    for line in logs.output:
-      m = re.search(r"step (\d+): hot features per layer -> ([SD0-9 ]+?) \(", line)
-      if m:
-        out.append((int(m.group(1)), m.group(2)))
-    return out
-
-  def test_same_seed_same_decisions_landing_on_the_next_step(self):
-    """Two runs with one seed make the same decisions on the same steps, and each lands on
-    the step after its decision (the logged hot features of step n + 1 are the choice made
-    at step n): no build, no thread decides when. The micro model starts at half its
-    features active, on the dense FFN; L1 brings activity down and the layers' K follow it
-    (a cost model that goes sparse at micro scale: the real one, scaled to d_model 32, never
-    would)."""
-    self.enter_context(absltest.mock.patch.object(
-        layer_choice.LayerChoice, "predict",
-        lambda self, hot, tail, heavy=0.0: np.where(
-            np.asarray(hot) >= self.all_hot, 1.0,
-            0.2 + np.asarray(hot) / self.d_ff + 8 * np.asarray(tail) / self.d_ff)))
-    cfg = tu.micro_config(num_train_steps=12, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
-                          learning_rate=3e-3,
-                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2})
-    runs = []
-    for _ in range(2):
-      wd = self.create_tempdir().full_path
-      with self.assertLogs(level="INFO") as logs:
-        train_lib.train_and_evaluate(cfg, wd)
-      rows = {r["step"]: [int(r[f"hot_features/layer_{l}"]) for l in range(cfg.model.n_layers)]
-              for r in self._rows(wd)}
-      runs.append((self._decisions(logs), rows))
-    (decisions, rows), (decisions2, rows2) = runs
-    self.assertEqual(decisions, decisions2)
-    self.assertEqual(rows, rows2)
-    self.assertNotEmpty(decisions)
-    self.assertEqual(rows[1], [1024] * cfg.model.n_layers)    # all hot from initialisation
-    for step, choice in decisions:
-      if step + 1 in rows:
-        self.assertEqual(layer_choice.LayerChoice(cfg.model.n_layers, 1024).describe(
-            rows[step + 1]), choice)
-    self.assertTrue(any(k < 1024 for k in rows[max(rows)]))   # some layer gathers by the end
-
-  def test_choice_resumes_from_the_checkpoint(self):
+  def test_layers_switch_to_sparse_and_resume_with_the_choice(self):
     wd = self.create_tempdir().full_path
-    # Every K predicted alike but K = 0 cheapest: the first decision (after step 1) sets all
-    # layers to gather everything.
+    # Every layer fires on far fewer than 1e9 features per token: all switch at the first
+    # decision (after step 1); the foreground build lands the switch on that step. (From
+    # initialisation every feature of the micro model fires on about half of the tokens, so
+    # all would be hot, which makes a layer dense; without hot features here, the test is of
+    # the switch itself.)
     self.enter_context(absltest.mock.patch.object(
-        layer_choice.LayerChoice, "predict",
-        lambda self, hot, tail, heavy=0.0: np.asarray(hot, np.float64) * 1e-3))
+        layer_choice.features_lib, "hot_feature_count", lambda *a, **k: 0))
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "_heavy", lambda *a: 0.0))
+    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
     cfg = tu.micro_config(num_train_steps=4, log_every=1, checkpoint_every=2,
-                          **{"layer_choice.sparse": "xla"})
-    train_lib.train_and_evaluate(cfg, wd)
+                          **{"layer_choice.sparse": "xla", "layer_choice.sparse_below": 1e9,
+                             "layer_choice.dense_above": 1e9,
+                             "layer_choice.background": False})
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, wd)
     n = cfg.model.n_layers
     self.assertEqual([r["sparse_layers"] for r in self._rows(wd)], [0, n, n, n])
-    self.assertEqual(self._rows(wd)[-1]["hot_features/layer_0"], 0)
+    self.assertTrue(any("ffn " + " ".join(["S"] * n) in line for line in logs.output)
+                    or any("ffn S" in line for line in logs.output))
+    self.assertIn("hot_features/layer_0", self._rows(wd)[-1])
     # Resumed: the checkpoint's choice runs from the first step on.
     cfg.num_train_steps = 5
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(self._rows(wd)[-1]["sparse_layers"], n)
+
+  def _decisions(self, logs):
+    """[(decision step, choice, landing step)] and {step: choice running} from the logs."""
+    decided, running = [], {}
+    for line in logs.output:
+      m = re.search(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
+                    r"running from step (\d+)", line)
+      if m:
+        decided.append((int(m.group(1)), m.group(2), int(m.group(3))))
+      m = re.search(r"step (\d+)/\d+ .*\| ffn ([SD0-9 ]+)$", line)
+      if m:
+        running[int(m.group(1))] = m.group(2).strip()
+    return decided, running
+
+  def test_same_seed_same_decisions_landing_on_their_steps(self):
+    """Two runs of one seed make the same decisions on the same steps, and each choice runs
+    from the step its decision names (decision step + landing_steps), however long its build
+    takes: the second run's builds are slowed down, the steps the choices land on are not.
+    The micro model starts with half its features active (dense); L1 brings activity down
+    and the layers switch (a cost model that goes sparse at micro scale)."""
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "predict",
+        lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
+    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
+                          learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 3})
+    compile_step = train_lib.Trainer.compile_train_step
+    runs = []
+    for delay in (0.0, 1.5):
+      def slow(self, *a, delay=delay, **k):
+        time.sleep(delay)
+        return compile_step(self, *a, **k)
+      with absltest.mock.patch.object(train_lib.Trainer, "compile_train_step", slow):
+        with self.assertLogs(level="INFO") as logs:
+          train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+      runs.append(self._decisions(logs))
+    (decided, running), (decided2, running2) = runs
+    self.assertEqual(decided, decided2)
+    self.assertEqual(running, running2)
+    self.assertNotEmpty(decided)
+    self.assertEqual(running[1], "D D")
+    for step, choice, first in decided:
+      self.assertEqual(first, step + 3 + 1)
+      if first in running and not any(step < s < first - 1 for s, _, _ in decided):
+        self.assertEqual(running[first], choice)     # step `first` ran it
+    self.assertIn("S", running[max(running)])
+
+  def test_a_pending_choice_lands_on_its_step_after_a_resume(self):
+    """Killed after a decision and before its choice lands: the resumed run lands it on the
+    same step (the checkpoint keeps it) and ends with the uninterrupted run's state."""
+    import shutil  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
+    from train import checkpointing  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.features_lib, "hot_feature_count", lambda *a, **k: 0))
+    # Half of the micro model's features fire (from initialisation): every row is over the
+    # ELL width, which would keep the layers dense; this test is of the landing alone.
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "_heavy", lambda *a: 0.0))
+    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+    # Decided after step 1 (sparse everywhere), running from step 1 + 3 + 1 = 5; killed after
+    # the checkpoint of step 4.
+    cfg = tu.micro_config(num_train_steps=8, checkpoint_every=2, keep_checkpoints=5,
+                          **{"layer_choice.sparse": "xla", "layer_choice.every": 2,
+                             "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
+                             "layer_choice.landing_steps": 3})
+    ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
+    train_lib.train_and_evaluate(cfg, ref)
+    train_lib.train_and_evaluate(cfg, run)
+    for step in (6, 8):
+      shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(run), str(step)))
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, run)
+    self.assertTrue(any("Resumed from checkpoint step 4" in line for line in logs.output))
+    self.assertTrue(any("step 5: now running FFN per layer S S" in line
+                        for line in logs.output))
+    tr = train_lib.Trainer(cfg)
+    states = []
+    for wd in (ref, run):
+      mngr = checkpointing.make_manager(wd, read_only=True)
+      states.append(jax.device_get(mngr.restore(8, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(tr.abstract_state()))).state))
+      mngr.close()
+    self.assertTrue(tu.tree_equal(*states))
 
   def test_resumed_run_decides_and_sorts_on_the_same_steps(self):
     """A run resumed from step 2 ends with the uninterrupted run's state, bit for bit: its
@@ -224,8 +327,13 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
     from train import checkpointing  # pylint: disable=g-import-not-at-top
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "_heavy", lambda *a: 0.0))
+    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
     cfg = tu.micro_config(num_train_steps=6, checkpoint_every=2, keep_checkpoints=3,
-                          **{"layer_choice.sparse": "xla", "layer_choice.every": 4})
+                          **{"layer_choice.sparse": "xla", "layer_choice.every": 4,
+                             "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
+                             "layer_choice.background": False})
     ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
     train_lib.train_and_evaluate(cfg, ref)
     train_lib.train_and_evaluate(cfg, run)

@@ -61,8 +61,12 @@ class AutoImplementationTest(absltest.TestCase):
 class LayerChoiceShapeTest(absltest.TestCase):
 
   def test_no_layer_goes_sparse_where_the_kernels_lose(self):
-    infer = layer_choice.inference_implementations([0.5, 30.0], 2816, d_model=768, tokens=8192)
-    self.assertEqual(infer, ("dense", "dense"))
+    c = layer_choice.LayerChoice(2, 2816, d_model=768, tokens=8192)
+    self.assertTrue(c.shape_loses)
+    c.update(c.predict([0, 512], [0.1, 1.0]))   # as sparse as a layer gets
+    self.assertEqual(c.implementations, ("dense", "dense"))
+    infer = layer_choice.LayerChoice.for_inference([0.5, 30.0], 2816, d_model=768, tokens=8192)
+    self.assertEqual(infer.implementations, ("dense", "dense"))
 
   def test_prediction_scales_with_the_shape(self):
     paper = layer_choice.LayerChoice(1, 5632, d_model=2048, tokens=16384)
@@ -70,8 +74,9 @@ class LayerChoiceShapeTest(absltest.TestCase):
     base = layer_choice.LayerChoice(1, 5632)
     self.assertEqual(float(paper.predict(0, 30.0)), float(base.predict(0, 30.0)))
     self.assertAlmostEqual(wide.shape_scale, 0.640 / 0.749, places=6)
-    # The paper-shape default (also the interpreter's): unscaled.
-    self.assertEqual(base.shape_scale, 1.0)
+    # Implementations without a measured table (xla) and the paper-shape default: unscaled.
+    self.assertEqual(layer_choice.LayerChoice(1, 2816, sparse="xla", d_model=768).shape_scale,
+                     1.0)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,10 @@ class ConfigCheckTest(parameterized.TestCase):
        r"config\.model\.ffn_implementation='cuda': must be one of"),
       ("gradient_reduction", dict(mesh__gradient_reduction="nccl"),
        r"config\.mesh\.gradient_reduction='nccl': must be one of"),
-      ("layer_choice_every", dict(layer_choice__every=0), r"config\.layer_choice\.every=0"),
+      ("layer_choice_bounds", dict(layer_choice__sparse_below=50.0,
+                                   layer_choice__dense_above=10.0),
+       r"config\.layer_choice\.dense_above=10\.0 must be >= "
+       r"config\.layer_choice\.sparse_below=50\.0"),
       ("heads", dict(model__n_heads=3), r"config\.model: .*divisible by self\.n_heads=3"),
       ("grad_accum", dict(grad_accum_steps=3), r"config\.batch_size=16 must be divisible by "
        r"config\.grad_accum_steps=3"),

@@ -61,6 +61,7 @@ _INT_MIN = {
     "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
     "model.n_kv_heads": 1, "model.d_ff": 1,
     "data.seq_len": 1, "data.prefetch": 1, "layer_choice.every": 1,
+    "layer_choice.landing_steps": 0,
     "profile.first_step": 0, "profile.steps": 0,
 }
 # Float fields: (low, high, low included, high included); every value must be finite.
@@ -76,10 +77,12 @@ _FLOAT_RANGE = {
     "model.rope_theta": (0.0, math.inf, False, False),
     "model.norm_eps": (0.0, math.inf, False, False),
     "model.init_std": (0.0, math.inf, False, False),
+    "layer_choice.sparse_below": (0.0, math.inf, True, False),
+    "layer_choice.dense_above": (0.0, math.inf, True, False),
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
-          "mesh.shard_optimizer", "autotune")
+          "layer_choice.background", "mesh.shard_optimizer")
 
 
 def _choices() -> dict[str, tuple]:
@@ -141,6 +144,10 @@ def _check_consistency(cfg, n_devices: int, n_processes: int):
   if cfg.batch_size % n_processes:
     raise ConfigError(f"config.batch_size={cfg.batch_size} must be divisible by the "
                       f"{n_processes} processes")
+  lc = cfg.get("layer_choice")
+  if lc is not None and lc.dense_above < lc.sparse_below:
+    raise ConfigError(f"config.layer_choice.dense_above={lc.dense_above} must be >= "
+                      f"config.layer_choice.sparse_below={lc.sparse_below}")
   if cfg.data.tokenizer == "sentencepiece" and not (cfg.data.spm_model
                                                    and os.path.isfile(cfg.data.spm_model)):
     raise ConfigError(f"config.data.spm_model={cfg.data.spm_model!r}: "
@@ -215,7 +222,7 @@ _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_ch
          "data.data_dir", "data.use_tfds", "data.prefetch", "data.eval_split",
          "model.ffn_implementation", "model.attention", "model.remat", "model.scan_unroll",
          "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir",
-         "autotune", "profile.")
+         "profile.")
 # Changes that fit the checkpoints but change the rest of the run: need the flag.
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",

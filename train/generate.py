@@ -26,7 +26,7 @@ seed (step i samples with `fold_in(key(seed), i)`).
 
 Which FFN runs where. Prefill calls each FFN on B x T tokens, where the sparse kernels beat
 the dense FFN for layers that fire few enough features: `prefill_ffn="auto"` takes the
-per-layer choice for inference (`layer_choice.inference_implementations`, the sparse implementation below
+per-layer choice for inference (`LayerChoice.for_inference`, the sparse implementation below
 its threshold of active features per token) from the checkpoint's logged activity, where the
 sparse implementation runs here (a Hopper GPU); elsewhere every layer runs dense. Decode calls
 each FFN on B tokens (one per row), where the dense FFN streams W_gate, W_up and W_down for a
@@ -207,9 +207,9 @@ class Generator:
       return ("dense",) * n
     if self.active_per_token is None:
       return None
-    return layer_choice_lib.inference_implementations(
+    return layer_choice_lib.LayerChoice.for_inference(
         self.active_per_token, self.model_cfg.d_ff, sparse=sparse,
-        d_model=self.model_cfg.d_model, tokens=tokens)
+        d_model=self.model_cfg.d_model, tokens=tokens).implementations
 
   def _attention_choice(self, name: str) -> str:
     from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel

@@ -1,61 +1,57 @@
-"""Per-layer hot features while sparsity emerges: how much of each FFN runs densely.
+"""Per-layer choice of the FFN implementation and of its hot features while sparsity emerges.
 
 From random initialisation a ReLU layer fires on about half of its features, where the
-sparse kernels' gathers cost more than the dense GEMMs; L1 training brings it down over the
-first hundreds of steps, at different speeds per layer, and the last layers of a model often
-settle at hundreds of active features per token, most of them on a few hundred features.
-The kernels compute a layer's first K hidden features as dense GEMMs (the "hot" features,
-the most popular ones once the trainer sorts the features by how often they fire) and the
-rest through their gathers: K = H is the dense FFN's work, K = 0 all gathers. K is a run-time
-value (`twell_jax.ffn`'s run-time hot_features, one entry of the menu
-`twell_jax.features.hot_choices(H)`): the train step is compiled once, and a change of a
-layer's K lands on the very next step, the same way in every run.
+sparse kernels are slower than dense; L1 training brings it down over the first steps, at
+different speeds per layer. `LayerChoice` keeps each layer on the dense FFN until its sparse
+FFN's predicted time falls below `sparse_below` of the dense one's, and sends it back only
+above `dense_above` (hysteresis: no flapping around one threshold).
 
-`LayerChoice` picks each layer's K every `layer_choice.every` steps from the step's feature
-counts: the menu entry that minimizes the predicted time of its FFN (`CostModel`), linear in
-what the kernels do: a fixed part (the gate GEMM and the packing), the hot features as dense
-GEMM columns, and the entries outside them, gathered per token:
+The prediction (`CostModel`) is linear in what the sparse kernels do: a fixed part (the gate
+GEMM, which stays dense, and the packing), the hot features K computed as dense GEMM columns
+(`twell_jax.hot_feature_count`), and the entries outside them, gathered per token:
 
     ratio = fixed + hot * K / H + tail * tail_entries_per_token / (H * BREAK_EVEN_RATE)
 
-The coefficients are fitted to the kernel benchmark (`benchmarks.kernels`, H100, paper shape
+Its coefficients are fitted to the kernel benchmark (`benchmarks.kernels`, H100, paper shape
 M=16384, D=2048, H=5632, ratio to XLA dense in one process;
 `benchmarks/results/h100/kernels_hot_block_*.json`): all activity on K = 1024, 2048
 and 3328 features with no tail (`paper_16k_block<K>`: forward + backward 0.53, 0.75, 0.98;
 forward 0.57, 0.80, 0.84) and 30.6 uniform entries per token with K = 0 (`paper_16k`: 0.73;
-0.88). The run-time K adds to each hot column the gate product that the gate kernel, which
-packs every tile, computes again, and the backward's recomputation of the hot gate and up
-values (three of the nine products a dense column costs: `RUNTIME_HOT`). A new K is taken
-when it improves the prediction by more than `HOT_CHANGE_GAIN` (no flapping between two
-entries of nearly equal cost).
-
-Candidates are the menu entries that hold every "long column" (`features.long_columns`: a
-feature with over twice a fair share of the entries, which the backward's column kernels
-would give to one CTA; measured: features on 17-25% of the tokens of a layer with 1.3 active
-per token made its forward + backward slower than dense).
+0.88). The captured layers (`benchmarks.captured`: forward + backward 0.46-0.57 with K of
+256-768 and a few tail entries) land within 0.07 of it. Real L1-trained layers hold 90-99% of
+their activity in a few hundred hot features, so a layer with 60-100 active per token is
+predicted at 0.45-0.6 in training.
 
 The coefficients hold at the paper shape. At another shape (D, H, M tokens per device) the
 prediction is scaled by the kernels' measured speed there relative to the paper shape
-(`twell_jax.shape_costs.shape_factor`); where the kernels measured slower than dense
-(`twell_jax.shape_costs.sparse_loses`) the trainer runs the dense FFN and makes no choice.
+(`twell_jax.shape_costs.shape_factor`), and at a shape where the kernels measured slower than
+dense (`twell_jax.shape_costs.sparse_loses`: D <= 960 on an H100 today) no layer runs sparse.
 
-Each decision also gives the popularity order of every layer's features, which the trainer
-applies to the parameters and the optimizer state (`train.model.permute_ffn_features`) so
-that the first K features are the hottest. The reference implementation switches each layer
-between its kernel and the dense path at 50 active features per token every 20 forward calls.
-
-For a forward-only model with fixed weights (`inference_implementations`) each layer runs the
-sparse implementation or the dense FFN, a static choice per compiled program.
+With `update_from_counts`, each decision also picks every layer's K: a multiple of 256 that
+minimizes the prediction (a hot column is worth `CostModel.break_even` of the tokens), with
+hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`),
+and gives the popularity order of the features, which the trainer applies to the parameters
+(`train.model.permute_ffn_features`) so that the first K features are the hottest. Decisions
+run on the host, every `every` steps, from the step metrics; a step is recompiled only when
+an implementation or a sparse layer's K changes (a few times per run), and no conditional
+runs on the device. The reference implementation switches at 50 active features per token
+every 20 forward calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import sys
+import time
+
+from absl import logging
 
 import numpy as np
 
 from twell_jax import features as features_lib
 from twell_jax import shape_costs
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,48 +73,55 @@ class CostModel:
 
 
 # Fitted to the H100 kernel benchmark (module docstring).
-STATIC_TRAINING_COST = CostModel(fixed=0.33, hot=1.10, tail=0.74)   # forward + backward
-INFERENCE_COST = CostModel(fixed=0.50, hot=0.64, tail=0.70)         # forward
-# A run-time K's hot column: the static one's, plus the gate product computed again and the
-# hot gate / up values recomputed in the backward (3 of a dense column's 9 products). Its
-# fixed part: the static one's plus what layers captured from a run from initialisation
-# measured above it at K = 256 and a few entries per token (0.58 against 0.42 predicted,
-# H200, `benchmarks.activity_sweep`): the gate packing every tile, the menu's conditionals,
-# the weight gradients passed through them.
-RUNTIME_HOT = 1.0 + 3.0 / 9.0
-TRAINING_COST = dataclasses.replace(STATIC_TRAINING_COST, fixed=0.45,
-                                    hot=STATIC_TRAINING_COST.hot * RUNTIME_HOT)
-# The menu's last entry, all of H, runs the dense FFN, its backward recomputing the hidden
-# activations from x: 11 of a dense FFN's 9 products.
-DENSE_RATIO = 11.0 / 9.0
-# Rows on the kernels' dense tail cost what the dense FFN does on them, and a little more
-# (gathered and scattered rows). The tail holds R = M / 8 rows in buckets of R/16, R/4 and R
-# (`pallas_kernels.ffn_train_mgpu.tail_buckets`); more heavy rows than R take the dense FFN
-# after the kernels (never chosen).
+TRAINING_COST = CostModel(fixed=0.33, hot=1.10, tail=0.74)     # forward + backward
+INFERENCE_COST = CostModel(fixed=0.50, hot=0.64, tail=0.70)    # forward
+# Rows over the ELL width (`FFNStats.heavy_rows_by_hot`) run on the kernels' dense tail, at
+# about the dense FFN's cost for those rows; the tail holds R = M / 8 rows in buckets of R/16,
+# R/4 and R (`pallas_kernels.ffn_train_mgpu.tail_buckets`), and more heavy rows than R take
+# the dense FFN after the kernels. Batches vary: a layer of the paper shape trained from
+# initialisation measured 50 to 250 active features per token from one batch to another
+# (steps 1,500-2,500, `benchmarks.whole_run`), its heavy rows 0 to 8,400; a K is judged by
+# `HEAVY_MARGIN` times the heavy rows its decision saw.
 TAIL_ROW_COST = 1.2
 TAIL_BUCKETS = (0.0, 1 / 128, 1 / 32, 1 / 8)
-# A decision sees one step's batch, and the next batches' heavy rows vary: a layer of the
-# paper shape trained from initialisation measured 50 to 250 active features per token from
-# one batch to another (steps 1,500-2,500), its rows over the ELL width from 0 to 8,400
-# (past the tail: the dense FFN after the kernels). K is chosen for this many times the
-# heavy rows seen.
 HEAVY_MARGIN = 4.0
-# Threshold on the predicted ratio of a forward-only layer (`inference_implementations`).
+# Thresholds on the predicted ratio.
+DEFAULT_SPARSE_BELOW = 0.9
+DEFAULT_DENSE_ABOVE = 1.0
 INFERENCE_SPARSE_BELOW = 0.9
-# A layer's K changes when the new one improves its predicted ratio by more than this.
-HOT_CHANGE_GAIN = 0.02
+# A new number of hot features is taken when it improves the predicted ratio by more than
+# this: a smaller gain is not worth a recompiled step.
+HOT_CHANGE_GAIN = 0.03
+# What a background build takes from the training loop, in steps of the dense model: the loop
+# loses 0.4 s per second of a build (paper 0.5B shape, H100, 16 CPU cores: 100 steps took 21 s
+# beside ~34 s of builds against 14 s without, `benchmarks.quality` logs), an untuned build
+# takes about 25 s beside training, and a dense step about 0.126 s. In steps, not seconds, so
+# that whether a choice is built does not depend on how fast this machine is (the same
+# decisions in every run of a seed).
+BUILD_COST_STEPS = 0.4 * 25.0 / 0.126
+
+
+def ffn_flop_share(d_model: int, d_ff: int, n_layers: int, vocab_size: int, seq_len: int,
+                   n_heads: int, n_kv_heads: int, gated: bool = True) -> float:
+  """The dense FFN's share of a dense training step's matmul FLOPs (per token: the FFN's
+  (2 or 3) x D x H per layer against attention's projections and scores and the LM head)."""
+  head = d_model // n_heads
+  ffn = (3 if gated else 2) * d_model * d_ff * n_layers
+  attn = (2 * d_model * d_model + 2 * d_model * n_kv_heads * head + seq_len * d_model) * n_layers
+  return ffn / (ffn + attn + vocab_size * d_model)
 
 
 @dataclasses.dataclass
 class LayerChoice:
-  """Each layer's run-time number of hot features in training (module docstring)."""
+  """Per-layer FFN implementation and hot features with hysteresis (module docstring)."""
   n_layers: int
   d_ff: int
+  sparse: str = "mosaic_gpu"
+  dense: str = "dense"
+  sparse_below: float = DEFAULT_SPARSE_BELOW
+  dense_above: float = DEFAULT_DENSE_ABOVE
   cost: CostModel = TRAINING_COST
-  # The K values the compiled step serves (default `twell_jax.features.hot_choices(d_ff)`).
-  menu: tuple[int, ...] | None = None
-  # Each layer's K (default: all of H, the dense FFN's work: where a layer starts from random
-  # initialisation, at half of its features active).
+  current: list[str] | None = None
   hot: list[int] | None = None
   # The layers' shape: D and the tokens of one FFN call (per device), for the mosaic_gpu
   # kernels' measured speed there. None: the paper shape, where the cost model was fitted (also
@@ -127,113 +130,222 @@ class LayerChoice:
   tokens: int | None = None
 
   def __post_init__(self):
+    if not 0 <= self.sparse_below <= self.dense_above:
+      raise ValueError(f"need 0 <= sparse_below ({self.sparse_below}) <= dense_above "
+                       f"({self.dense_above})")
     if self.d_ff <= 0:
       raise ValueError(f"d_ff must be positive; got {self.d_ff}")
-    if self.n_layers <= 0:
-      raise ValueError(f"n_layers must be positive; got {self.n_layers}")
-    self.menu = tuple(self.menu or features_lib.hot_choices(self.d_ff))
-    self.all_hot = self.menu[-1]
+    if self.current is None:
+      self.current = [self.dense] * self.n_layers
     if self.hot is None:
-      self.hot = [self.all_hot] * self.n_layers
-    self.hot = [self._on_menu(k) for k in self.hot]
-    self.shape_scale = (1.0 if self.d_model is None else
-                        shape_costs.shape_factor(self.d_model, self.d_ff, self.tokens))
-    # The last decision's: per layer, the active features per token outside the hot ones,
-    # and the predicted ratio.
+      self.hot = [0] * self.n_layers
+    mode = "fwd" if self.cost is INFERENCE_COST else "fwd_bwd"
+    if self.d_model is None or self.sparse != "mosaic_gpu":
+      self.shape_scale, self.shape_loses = 1.0, False
+    else:
+      self.shape_scale = shape_costs.shape_factor(self.d_model, self.d_ff, self.tokens, mode)
+      self.shape_loses = shape_costs.sparse_loses(self.d_model, self.d_ff, self.tokens)
+    # The last update_from_counts: per layer, active features per token outside the hot
+    # ones, and the predicted ratio.
     self.tail = None
     self.predicted = None
 
-  def _on_menu(self, k: int) -> int:
-    """The menu entry the kernels run for K = k: the smallest one >= k, else the largest."""
-    return next((m for m in self.menu if m >= int(k)), self.all_hot)
-
   def predict(self, hot_features, tail_per_token, heavy_fraction=0.0):
-    """The predicted ratio to the dense FFN of a layer at this choice's shape: K hot features,
-    the active features per token outside them, and the fraction of the rows over the ELL
-    width there (`FFNStats.heavy_rows_by_hot`); the menu's last entry, all of H, is the dense
-    FFN (`DENSE_RATIO`)."""
-    hot = np.asarray(hot_features)
+    """The predicted ratio of a layer at this choice's shape (inf where the kernels lose):
+    K hot features, the active features per token outside them and the fraction of the rows
+    over the ELL width there (module docstring, `TAIL_ROW_COST`)."""
+    if self.shape_loses:
+      return np.full(np.shape(tail_per_token), np.inf)
     heavy = HEAVY_MARGIN * np.asarray(heavy_fraction, np.float64)
     buckets = np.asarray(TAIL_BUCKETS)
-    bucket = buckets[np.minimum(np.searchsorted(buckets, heavy), len(buckets) - 1)]
-    sparse = (self.cost.ratio(self.d_ff, hot, tail_per_token) * self.shape_scale
-              + TAIL_ROW_COST * bucket)
-    sparse = np.where(heavy > buckets[-1], np.inf, sparse)
-    return np.where(hot >= self.all_hot, DENSE_RATIO, sparse)
+    tail_rows = buckets[np.minimum(np.searchsorted(buckets, heavy), len(buckets) - 1)]
+    ratio = (self.cost.ratio(self.d_ff, hot_features, tail_per_token) * self.shape_scale
+             + TAIL_ROW_COST * tail_rows)
+    return np.where(heavy > buckets[-1], np.inf, ratio)
+
+  def _heavy(self, heavy_rows_by_hot, k: int, tokens: int) -> float:
+    """The fraction of the rows over the ELL width with k hot features (0 without counts)."""
+    if heavy_rows_by_hot is None:
+      return 0.0
+    t = k // features_lib.TILE_N
+    return float(heavy_rows_by_hot[t]) / tokens if t < len(heavy_rows_by_hot) else 0.0
+
+  @classmethod
+  def for_inference(cls, tail_per_token, d_ff: int, hot_features=None,
+                    sparse: str = "mosaic_gpu", d_model: int | None = None,
+                    tokens: int | None = None) -> "LayerChoice":
+    """The per-layer choice for a forward-only model with fixed weights: sparse where the
+    forward's predicted ratio (`INFERENCE_COST`, at the shape d_model x d_ff with `tokens`
+    per call) is below `INFERENCE_SPARSE_BELOW` (one decision, no hysteresis).
+    `tail_per_token` [L]: each layer's active features per token outside its `hot_features`
+    [L] (default none: the active features per token)."""
+    tail = np.asarray(tail_per_token, np.float64).reshape(-1)
+    hot = np.zeros_like(tail) if hot_features is None else np.asarray(hot_features)
+    choice = cls(tail.shape[0], d_ff, sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
+                 dense_above=INFERENCE_SPARSE_BELOW, cost=INFERENCE_COST, d_model=d_model,
+                 tokens=tokens)
+    choice.update(choice.predict(hot, tail))
+    return choice
+
+  def update(self, ratios) -> bool:
+    """Applies one decision from the layers' predicted ratios (`predict`); True if any
+    layer changed."""
+    ratios = np.asarray(ratios, np.float64).reshape(-1)
+    if ratios.shape[0] != self.n_layers:
+      raise ValueError(f"got {ratios.shape[0]} layers' activity for {self.n_layers} layers")
+    new = list(self.current)
+    for l, r in enumerate(ratios):
+      if new[l] == self.dense and r < self.sparse_below:
+        new[l] = self.sparse
+      elif new[l] == self.sparse and r > self.dense_above:
+        new[l] = self.dense
+    changed = new != self.current
+    self.current = new
+    return changed
 
   def update_from_counts(self, feature_counts, tokens: int, heavy_rows_by_hot=None):
     """One decision from each layer's feature counts [L, H] over `tokens` tokens
-    (`FFNStats.feature_counts`) and rows over the ELL width by K ([L, ceil(H / 256)],
-    `FFNStats.heavy_rows_by_hot`; None: none). Returns (changed, popularity order [L, H]:
-    the permutation that sorts each layer's features hottest first, which the caller
-    applies to the parameters before the next step)."""
+    (`FFNStats.feature_counts`) and its rows over the ELL width by K ([L, ceil(H / 256)],
+    `FFNStats.heavy_rows_by_hot`; None: not counted): the hot features per layer (with
+    hysteresis), then the implementations from the predicted ratios with them. Returns
+    (changed, popularity order [L, H]: the permutation that sorts each layer's features
+    hottest first)."""
     counts = np.asarray(feature_counts)
-    if counts.ndim != 2 or counts.shape[0] != self.n_layers:
-      raise ValueError(f"got counts of shape {counts.shape} for {self.n_layers} layers")
+    if counts.shape[0] != self.n_layers:
+      raise ValueError(f"got {counts.shape[0]} layers' counts for {self.n_layers} layers")
     if counts.shape[-1] != self.d_ff:
       raise ValueError(f"got counts of {counts.shape[-1]} features for d_ff={self.d_ff}")
-    menu = np.asarray(self.menu)
-    tiles = -(-self.d_ff // features_lib.TILE_N)
-    if heavy_rows_by_hot is None:
-      heavy_rows_by_hot = np.zeros((self.n_layers, tiles))
-    heavy_rows_by_hot = np.asarray(heavy_rows_by_hot, np.float64)
-    hot, tails, ratios = [], [], []
-    for k_now, c, heavy in zip(self.hot, counts, heavy_rows_by_hot):
-      rates = np.sort(c.astype(np.float64))[::-1] / tokens
-      tail_of = np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])   # [k]: sum(rates[k:])
-      tail = tail_of[np.minimum(menu, self.d_ff)]
-      over = np.concatenate([heavy, [0.0]])[np.minimum(menu // features_lib.TILE_N, tiles)]
-      pred = self.predict(menu, tail, over / tokens)
-      # The backward's column kernels want every long column hot (`features.long_columns`).
-      pred = np.where(menu >= features_lib.long_columns(c, tokens), pred, np.inf)
-      best = int(np.argmin(pred))
-      now = int(np.searchsorted(menu, k_now))
-      pick = best if pred[now] - pred[best] > HOT_CHANGE_GAIN else now
-      hot.append(int(menu[pick]))
-      tails.append(float(tail[pick]))
-      ratios.append(float(pred[pick]))
+    heavy = [None] * self.n_layers if heavy_rows_by_hot is None else np.asarray(
+        heavy_rows_by_hot)
+
+    tail_of = lambda c, k: features_lib.sparse_work(c, tokens, k, break_even=0.0)
+    hot, tails, ratios = list(self.hot), [], []
+    for l, c in enumerate(counts):
+      predict = lambda k, c=c, l=l: float(self.predict(k, tail_of(c, k),
+                                                        self._heavy(heavy[l], k, tokens)))
+      # The K of the linear model (and the long columns, `hot_feature_count`), raised where
+      # more hot features take heavy rows off the dense tail.
+      k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even)
+      if heavy[l] is not None and np.any(heavy[l]):
+        k = min(range(k, c.shape[0], features_lib.TILE_N), key=predict, default=k)
+      if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
+        if predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN:
+          hot[l] = k
+      tails.append(tail_of(c, hot[l]))
+      # Every feature hot: the dense FFN is that computation without the sparse overhead.
+      ratios.append(np.inf if hot[l] >= c.shape[0] else predict(hot[l]))
     changed = hot != self.hot
     self.hot, self.tail, self.predicted = hot, tails, ratios
+    changed = self.update(ratios) or changed
     return changed, np.asarray(features_lib.popularity_order(counts))
+
+  def costs(self, key, feature_counts, tokens: int, heavy_rows_by_hot=None) -> np.ndarray:
+    """Each layer's predicted FFN time over the dense FFN's at `key` ((implementations, hot
+    features), `LayerChoice.key`) for the activity in `feature_counts` [L, H] (features in
+    popularity order) and `heavy_rows_by_hot` [L, T] (or None): 1 on a dense layer."""
+    out = []
+    heavy = [None] * len(key[0]) if heavy_rows_by_hot is None else heavy_rows_by_hot
+    for name, k, c, hv in zip(*key, np.asarray(feature_counts), heavy):
+      if name != self.sparse:
+        out.append(1.0)
+      else:
+        tail = features_lib.sparse_work(c, tokens, k, break_even=0.0)
+        out.append(float(self.predict(k, tail, self._heavy(hv, k, tokens))))
+    return np.asarray(out)
+
+  @property
+  def implementations(self) -> tuple[str, ...]:
+    return tuple(self.current)
 
   @property
   def hot_features(self) -> tuple[int, ...]:
-    """Each layer's K (what the train step takes, as int32 [L])."""
-    return tuple(self.hot)
+    """Each layer's hot features (0 on dense layers, where they mean nothing)."""
+    return tuple(k if name == self.sparse else 0 for name, k in zip(self.current, self.hot))
 
   @property
-  def sparse_layers(self) -> int:
-    """Layers that gather some features (K below all of H)."""
-    return sum(k < self.all_hot for k in self.hot)
+  def key(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(implementations, hot features): what a compiled step depends on."""
+    return self.implementations, self.hot_features
 
-  def describe(self, hot=None) -> str:
-    """'S<K>' for a layer with K hot features ('S' for none), 'D' for all of them (the dense
-    FFN's work), in layer order (of `hot`, default the current choice), space-separated."""
-    return " ".join("D" if k >= self.all_hot else "S" + (str(k) if k else "")
-                    for k in (self.hot if hot is None else hot))
-
-
-def inference_implementations(tail_per_token, d_ff: int, hot_features=None,
-                              sparse: str = "mosaic_gpu", d_model: int | None = None,
-                              tokens: int | None = None) -> tuple[str, ...]:
-  """The per-layer implementations of a forward-only model with fixed weights: `sparse`
-  where the forward's predicted ratio (`INFERENCE_COST`, at the shape d_model x d_ff with
-  `tokens` per call; None: the paper shape) is below `INFERENCE_SPARSE_BELOW`, else "dense".
-  `tail_per_token` [L]: each layer's active features per token outside its `hot_features`
-  [L] (default none: the active features per token)."""
-  tail = np.asarray(tail_per_token, np.float64).reshape(-1)
-  hot = np.zeros_like(tail) if hot_features is None else np.asarray(hot_features)
-  if d_model is not None and sparse == "mosaic_gpu":
-    if shape_costs.sparse_loses(d_model, d_ff, tokens):
-      return ("dense",) * tail.shape[0]
-    scale = shape_costs.shape_factor(d_model, d_ff, tokens, "fwd")
-  else:
-    scale = 1.0
-  ratios = INFERENCE_COST.ratio(d_ff, hot, tail) * scale
-  return tuple(sparse if r < INFERENCE_SPARSE_BELOW else "dense" for r in ratios)
+  def describe(self, key=None) -> str:
+    """'S' for a sparse layer (with its hot features, 'S512'), 'D' for a dense one, in layer
+    order (of `key`, default the current choice), space-separated."""
+    names, hot = key or self.key
+    return " ".join(("S" + (str(k) if k else "")) if name == self.sparse else "D"
+                    for name, k in zip(names, hot))
 
 
-def describe_implementations(names, hot, dense: str = "dense") -> str:
-  """'S<K>' for a layer on a sparse implementation with K hot features, 'D' for a dense one."""
-  return " ".join("D" if name == dense else "S" + (str(k) if k else "")
-                  for name, k in zip(names, hot))
+class StepBuilds:
+  """Compiled train steps per `LayerChoice.key`, built on a worker thread.
+
+  `request(key)` starts building the step of `key` (tens of seconds at the paper's shape) while
+  the current one keeps training; `get(key)` returns it, waiting for its build if it is not
+  done (or building it in this thread if it was never requested). Which step runs from which
+  step on is the caller's decision, from step numbers alone (`train.train_lib`: a choice made
+  at step n runs from step n + `layer_choice.landing_steps` on), so a run's sequence of
+  choices and the steps they land on do not depend on how fast a build goes. Executables are
+  kept: going back to a choice built before costs nothing. `background=False` builds in
+  `request`.
+
+  Tracing and lowering are Python work that holds the GIL, and the training loop must not wait
+  behind it to dispatch its steps (the device would idle). While a build runs, the
+  interpreter's switch interval is shortened and the cyclic garbage collector is off: its
+  full collections over the objects a build creates stop every thread for 100-200 ms each,
+  three or four per build at the paper's shape.
+  """
+
+  _BUILD_SWITCH_INTERVAL_S = 2e-4
+
+  def __init__(self, build, background: bool = True):
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    self._build = build
+    self.background = background
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._futures: dict[tuple, object] = {}
+    self.build_s: dict[tuple, float] = {}   # seconds each build took
+
+  def _timed_build(self, key: tuple):
+    t0 = time.perf_counter()
+    step = self._build(key)
+    self.build_s[key] = time.perf_counter() - t0
+    logging.info("built the train step for %s in %.1f s", key, self.build_s[key])
+    return step
+
+  def _build_in_background(self, key: tuple):
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+      return self._timed_build(key)
+    finally:
+      if collecting:
+        gc.enable()
+      sys.setswitchinterval(interval)
+
+  def request(self, key: tuple) -> None:
+    """Starts building the step of `key` unless it is built or being built."""
+    if key in self._futures:
+      return
+    if self.background:
+      self._futures[key] = self._pool.submit(self._build_in_background, key)
+    else:
+      self.get(key)
+
+  def get(self, key: tuple):
+    """The step of `key`, waiting for its build (an exception of the build is raised here)."""
+    if key not in self._futures:
+      import concurrent.futures  # pylint: disable=import-outside-toplevel
+      done = concurrent.futures.Future()
+      try:
+        done.set_result(self._timed_build(key))
+      except Exception as e:  # pylint: disable=broad-except  # raised by result() below
+        done.set_exception(e)
+      self._futures[key] = done
+    return self._futures[key].result()
+
+  def close(self):
+    """Cancels the builds that have not started and waits for the one in flight."""
+    for future in self._futures.values():
+      future.cancel()
+    self._pool.shutdown(wait=True)

@@ -146,13 +146,11 @@ class ModelConfig:
     hot = self.ffn_layer_hot_features or (0,) * self.n_layers
     return list(zip(names, hot))
 
-  def layer_groups(self, static_hot: bool = True) -> list[tuple[int, int, str | None, int]]:
+  def layer_groups(self) -> list[tuple[int, int, str | None, int]]:
     """Runs of consecutive layers with one FFN implementation and number of hot features:
-    [(start, stop, name, hot_features)] (`static_hot=False`: one implementation, the hot
-    features being run-time values)."""
+    [(start, stop, name, hot_features)]."""
     groups = []
-    for l, (name, hot) in enumerate(self.layer_ffn()):
-      ffn = (name, hot if static_hot else 0)
+    for l, ffn in enumerate(self.layer_ffn()):
       if groups and groups[-1][2:] == ffn:
         groups[-1] = (groups[-1][0], l + 1, *ffn)
       else:
@@ -281,14 +279,12 @@ class Transformer(nnx.Module):
     return jnp.einsum("btd,vd->btv", x, sharded.gathered(self.embed[...].astype(x.dtype)),
                       preferred_element_type=jnp.float32)
 
-  def features(self, tokens, ffn_hot=None):
-    """(final hidden state [B, T, D] before the final norm, per-layer FFNStats); `ffn_hot`:
-    each layer's run-time number of hot features (int32 [L]; `LanguageModel.apply`)."""
+  def features(self, tokens):
+    """(final hidden state [B, T, D] before the final norm, per-layer FFNStats)."""
     x = self.embed_tokens(tokens)
     all_stats = []
-    for l, (block, (name, hot)) in enumerate(zip(self.blocks, self.cfg.layer_ffn())):
-      block.ffn.implementation = name
-      block.ffn.hot_features = hot if ffn_hot is None else ffn_hot[l]
+    for block, (name, hot) in zip(self.blocks, self.cfg.layer_ffn()):
+      block.ffn.implementation, block.ffn.hot_features = name, hot
       if self.cfg.remat:
         x, stats = nnx.remat(lambda blk, h: blk(h))(block, x)
       else:
@@ -297,8 +293,8 @@ class Transformer(nnx.Module):
     # Stack per-layer stats: every FFNStats leaf gains a leading [L] axis.
     return x, jax.tree.map(lambda *a: jnp.stack(a), *all_stats)
 
-  def __call__(self, tokens, ffn_hot=None):
-    x, stacked = self.features(tokens, ffn_hot)
+  def __call__(self, tokens):
+    x, stacked = self.features(tokens)
     return self.logits(x), stacked
 
 
@@ -359,49 +355,39 @@ class LanguageModel:
       raise ValueError("bind() needs scan_layers=False; use apply()")
     return _merge(self._graphdef, self._template, params)
 
-  def _features(self, params: dict, tokens: jax.Array, ffn_hot=None):
+  def _features(self, params: dict, tokens: jax.Array):
     """(outer Transformer module, final hidden state before the final norm, stats)."""
     if not self.cfg.scan_layers:
       model = self.bind(params)
-      return (model, *model.features(tokens, ffn_hot))
+      return (model, *model.features(tokens))
     outer_params = {k: v for k, v in params.items() if k != "blocks"}
     outer = _merge(self._graphdef, self._template, outer_params)
     x, group_stats = outer.embed_tokens(tokens), []
-    # One scan per run of layers with the same FFN implementation and static number of hot
-    # features; with run-time ones (`ffn_hot`), per run of one implementation, each layer's
-    # count scanned over with its parameters.
-    groups = self.cfg.layer_groups(static_hot=ffn_hot is None)
-    for start, stop, name, hot in groups:
-      def layer(x, scanned, name=name, hot=hot):
-        block_params, layer_hot = scanned
+    # One scan per run of layers with the same FFN implementation (a static choice).
+    for start, stop, name, hot in self.cfg.layer_groups():
+      def layer(x, block_params, name=name, hot=hot):
         block = _merge(self._block_graphdef, self._block_template,
                        block_params)
-        block.ffn.implementation = name
-        block.ffn.hot_features = hot if layer_hot is None else layer_hot
+        block.ffn.implementation, block.ffn.hot_features = name, hot
         return block(x)
 
       if self.cfg.remat:
         layer = jax.checkpoint(layer)
       group = jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"])
-      group_hot = None if ffn_hot is None else ffn_hot[start:stop]
-      x, stats = jax.lax.scan(layer, x, (group, group_hot),
-                              unroll=bool(self.cfg.scan_unroll) or 1)
+      x, stats = jax.lax.scan(layer, x, group, unroll=bool(self.cfg.scan_unroll) or 1)
       group_stats.append(stats)
     stats = jax.tree.map(lambda *a: jnp.concatenate(a), *group_stats)
     return outer, x, stats
 
-  def apply(self, params: dict, tokens: jax.Array, ffn_hot=None):
-    """(logits [B, T, V] f32, per-layer FFNStats). `ffn_hot`: None, or each layer's number of
-    hot features as a run-time value (int32 [L]; `twell_jax.ffn`'s run-time hot_features:
-    one compiled program for every choice), in place of `ffn_layer_hot_features`."""
-    outer, x, stats = self._features(params, tokens, ffn_hot)
+  def apply(self, params: dict, tokens: jax.Array):
+    """(logits [B, T, V] f32, per-layer FFNStats)."""
+    outer, x, stats = self._features(params, tokens)
     return outer.logits(x), stats
 
-  def hidden(self, params: dict, tokens: jax.Array, ffn_hot=None):
+  def hidden(self, params: dict, tokens: jax.Array):
     """(normalized final hidden state [B, T, D] in the compute dtype, per-layer FFNStats):
-    what the tied LM head multiplies by `params["embed"]` (see `train.losses`); `ffn_hot` as
-    for `apply`."""
-    outer, x, stats = self._features(params, tokens, ffn_hot)
+    what the tied LM head multiplies by `params["embed"]` (see `train.losses`)."""
+    outer, x, stats = self._features(params, tokens)
     return outer.final_norm(x), stats
 
   def ffn_inputs(self, params: dict, tokens: jax.Array) -> jax.Array:

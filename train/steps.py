@@ -63,8 +63,8 @@ def _flat(h, tokens):
 def make_loss_fn(lm, cfg):
   d_ff = lm.cfg.d_ff
 
-  def loss_fn(params, tokens, l1_coeff, ffn_hot=None):
-    h, stats = lm.hidden(params, tokens[:, :-1], ffn_hot)
+  def loss_fn(params, tokens, l1_coeff):
+    h, stats = lm.hidden(params, tokens[:, :-1])
     x, targets = _flat(h, tokens)
     # The LM head in the compute dtype, in chunks, never as f32 [tokens, vocab] logits.
     ce = losses.cross_entropy_sum(x, params["embed"], targets) / targets.shape[0]
@@ -86,8 +86,7 @@ def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
 
 
 def make_train_step(lm, tx, cfg, grad_sharding=None):
-  """Returns train_step(state, tokens [A, b, T+1], ffn_hot=None) -> (state, metrics); `ffn_hot`:
-  each layer's run-time number of hot features (int32 [L], `LanguageModel.apply`) or None.
+  """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics).
 
   `grad_sharding` (a tree of shardings like the params: the optimizer moments') lays out
   each micro-batch's gradients and their sum (FSDP or ZeRO-1: each device keeps and sums only
@@ -99,12 +98,12 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   constrain = ((lambda g: g) if grad_sharding is None else
                (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
 
-  def accumulate(params, tokens, l1_coeff, ffn_hot, laid_out=constrain):
+  def accumulate(params, tokens, l1_coeff, laid_out=constrain):
     """(gradients summed over the micro-batches of `tokens` [A, b, T+1], (loss, ce, l1)
     averaged over them, the stats folded over them)."""
 
     def micro(grad_sum, toks):
-      (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff, ffn_hot)
+      (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
       grad_sum = laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads)))
       return grad_sum, (loss, ce, l1, stats)
 
@@ -112,7 +111,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
     grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
     return grad_sum, (jnp.mean(loss), jnp.mean(ce), jnp.mean(l1), _fold_micro_batches(stats))
 
-  def accumulate_per_device(params, tokens, l1_coeff, ffn_hot, axes):
+  def accumulate_per_device(params, tokens, l1_coeff, axes):
     """`accumulate` with each device of `axes` summing its own micro-batches and one
     reduction of the sums (see the module docstring)."""
     specs = (jax.tree.map(lambda _: P(), params) if grad_sharding is None else
@@ -136,9 +135,8 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
       return (lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
               / n_dev).astype(dtype)
 
-    def local(params, tokens, l1_coeff, ffn_hot):
-      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff, ffn_hot,
-                                                   lambda g: g)
+    def local(params, tokens, l1_coeff):
+      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff, lambda g: g)
       # Equal token counts per device: the mean over devices of each device's mean loss
       # is the loss of the whole batch, and its gradient the mean of theirs.
       mean = lambda a: lax.pmean(a, axes)
@@ -146,9 +144,9 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
                                                      sharded.reduce_stats(stats, axes))
 
     return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=(P(), P(None, axes), P(), P()), out_specs=(specs, P()),
+                         in_specs=(P(), P(None, axes), P()), out_specs=(specs, P()),
                          axis_names=frozenset(axes), check_vma=False)(
-                             params, tokens, l1_coeff, ffn_hot)
+                             params, tokens, l1_coeff)
 
   mode = (cfg.get("mesh") or {}).get("gradient_reduction", "auto")
   if mode not in GRADIENT_REDUCTIONS:
@@ -161,7 +159,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
                  and all(n == 1 for a, n in shape.items() if a != "data"))
     return data_only and mode != "gspmd"
 
-  def train_step(state, tokens, ffn_hot=None):
+  def train_step(state, tokens):
     params, step = state["params"], state["step"]
     l1_coeff = l1_fn(step)
     n_micro = tokens.shape[0]
@@ -172,9 +170,9 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
     # custom partitioning an abstract mesh, which it cannot lower).
     if per_device(shape):
       grad_sum, (loss, ce, l1, stats) = accumulate_per_device(
-          params, tokens, l1_coeff, ffn_hot, tuple(mesh.axis_names))
+          params, tokens, l1_coeff, tuple(mesh.axis_names))
     else:
-      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff, ffn_hot)
+      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff)
     grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)

@@ -42,9 +42,12 @@ from train import steps as steps_lib
 
 ConfigError = config_checks.ConfigError
 
-# XLA options of a train step compiled without autotuning (`config.autotune=False`): GEMMs on
-# cuBLAS's own heuristics (Triton GEMMs untuned are several times slower).
+# XLA options for a train step compiled without autotuning: GEMMs on cuBLAS's own heuristics
+# (Triton GEMMs untuned are several times slower). Autotuning runs candidate kernels on the
+# device, which a running training loop keeps busy: a background build with it takes about 5x
+# longer than alone (`benchmarks.probes.background_build`).
 NO_AUTOTUNE = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
 
 def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
   """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
@@ -102,46 +105,48 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_sharding)
 
-  def jit_train_step(self, runtime_hot: bool = False):
-    """The jitted step(state, batch) -> (state, metrics); with `runtime_hot`,
-    step(state, batch, ffn_hot) -> (state, metrics), each layer on the sparse implementation
-    of the per-layer choice with ffn_hot [L] int32 hot features (`LanguageModel.apply`; one
-    compiled program for every choice)."""
+  def jit_train_step(self, layer_ffn=None):
+    """The jitted step; `layer_ffn` (a `LayerChoice.key`: L implementation names and L
+    numbers of hot features) overrides the model's FFNs."""
     lm = self.lm
-    if runtime_hot:
+    if layer_ffn is not None:
+      names, hot = layer_ffn
       lm = model_lib.LanguageModel(dataclasses.replace(
-          self.model_cfg,
-          ffn_layer_implementations=(self.sparse_implementation(),) * self.model_cfg.n_layers))
+          self.model_cfg, ffn_layer_implementations=tuple(names),
+          ffn_layer_hot_features=tuple(hot)))
     step = steps_lib.make_train_step(lm, self.tx, self.cfg,
                                      grad_sharding=self.grad_sharding)
-    shardings = (self.state_sharding, self.batch_sharding)
-    if runtime_hot:
-      shardings += (self.replicated,)
-    return jax.jit(sharding_lib.traced_in(self.mesh, step), in_shardings=shardings,
-                   out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
+    return jax.jit(sharding_lib.traced_in(self.mesh, step),
+                   in_shardings=(self.state_sharding, self.batch_sharding),
+                   out_shardings=(self.state_sharding, self.replicated),
+                   donate_argnums=0)
 
-  def tokens_per_call(self) -> int:
-    """Tokens of one FFN call in a train step: a micro-batch's share of one device."""
-    cfg = self.cfg
-    return cfg.batch_size // cfg.grad_accum_steps // self.mesh.size * cfg.data.seq_len
-
-  def sparse_implementation(self) -> str:
-    """The implementation the per-layer choice's layers run (`layer_choice.sparse`; "auto":
-    what `implementation=None` resolves to for one FFN call here)."""
-    sparse = self.cfg.layer_choice.sparse
-    return ffn_implementation_in_use(self, self.tokens_per_call()) if sparse == "auto" else sparse
+  def compile_train_step(self, layer_ffn, state_spec, batch_spec, *, autotune: bool = True):
+    """`jit_train_step(layer_ffn)` compiled ahead of time for these argument types (and
+    shardings); `autotune=False` compiles a GPU step with `NO_AUTOTUNE`."""
+    lowered = self.jit_train_step(layer_ffn).lower(state_spec, batch_spec)
+    untuned = not autotune and jax.default_backend() == "gpu"
+    return lowered.compile(compiler_options=NO_AUTOTUNE if untuned else None)
 
   def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
-    """The per-layer choice of hot features the config asks for, or None (see
-    configs/default.py): with `model.ffn_implementation` None and ReLU, where the sparse
-    implementation is not the dense FFN."""
+    """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
     lc, mc = self.cfg.get("layer_choice"), self.model_cfg
     if (lc is None or not lc.enabled or mc.ffn_implementation is not None
-        or mc.ffn_activation != "relu" or self.sparse_implementation() == "dense"):
+        or mc.ffn_activation != "relu"):
       return None
-    return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff,
+    sparse = lc.sparse
+    # One FFN call's tokens: a micro-batch's share of one device.
+    tokens = (self.cfg.batch_size // self.cfg.grad_accum_steps // self.mesh.size
+              * self.cfg.data.seq_len)
+    if sparse == "auto":
+      sparse = ffn_implementation_in_use(self, tokens)
+    if sparse == "dense":
+      return None
+    return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff, sparse=sparse,
+                                        sparse_below=lc.sparse_below,
+                                        dense_above=lc.dense_above,
                                         d_model=None if mc.interpret else mc.d_model,
-                                        tokens=self.tokens_per_call())
+                                        tokens=tokens)
 
   def sort_features(self, state, order):
     """`state` with each layer's hidden features in `order` [L, H] (the parameters, the
@@ -167,17 +172,11 @@ class Trainer:
         num_batches=cfg.eval_batches, shard_index=jax.process_index(),
         shard_count=jax.process_count())
 
-  def evaluate(self, params, batches, dense_ffn: bool = False) -> dict:
-    """Held-out loss, perplexity and per-layer sparsity over `batches`. `dense_ffn`: on the
-    dense FFN (the same function; what the trainer does when the per-layer choice runs, whose
-    train step holds every choice: its forward alone would be a second such compile)."""
-    if getattr(self, "_eval_dense", None) is not dense_ffn:  # compile once per Trainer
-      lm = self.lm
-      if dense_ffn:
-        lm = model_lib.LanguageModel(dataclasses.replace(self.model_cfg,
-                                                         ffn_implementation="dense"))
-      self._eval_step = jax.jit(sharding_lib.traced_in(self.mesh, steps_lib.make_eval_step(lm)))
-      self._eval_dense = dense_ffn
+  def evaluate(self, params, batches) -> dict:
+    """Held-out loss, perplexity and per-layer sparsity over `batches`."""
+    if not hasattr(self, "_eval_step"):  # compile once per Trainer
+      self._eval_step = jax.jit(sharding_lib.traced_in(
+          self.mesh, steps_lib.make_eval_step(self.lm)))
     eval_step = self._eval_step
     tot = None
     for b in batches:
@@ -253,25 +252,20 @@ def _my_data_state(saved: dict) -> dict:
   return states[jax.process_index()]
 
 
-def _meta(cfg, step: int, hot=None) -> dict:
+def _meta(cfg, step: int, layer_ffn=None, pending=None) -> dict:
   import twell_jax  # pylint: disable=g-import-not-at-top
   meta = {"step": int(step), "config": cfg.to_dict(),
           "twell_jax_version": getattr(twell_jax, "__version__", "?")}
-  if hot is not None:
-    # The per-layer choice's hot features in use: a resumed run continues with them.
-    meta["layer_hot_features"] = [int(k) for k in hot]
+  if layer_ffn is not None:
+    # The per-layer FFN choice in use, and the one decided and not landed yet with its step:
+    # a resumed run continues with them (same numerics, the same steps).
+    meta["layer_implementations"] = list(layer_ffn[0])
+    meta["layer_hot_features"] = list(layer_ffn[1])
+  if pending is not None:
+    (names, hot), land = pending
+    meta["pending_layer_choice"] = {"implementations": list(names), "hot_features": list(hot),
+                                    "step": int(land)}
   return meta
-
-
-def _restore_choice(choice, meta: dict) -> None:
-  """Sets `choice` to the hot features a checkpoint's run used (its `_meta`); a layer that
-  ran the dense FFN there (checkpoints with "layer_implementations") gets all of H."""
-  hot = meta.get("layer_hot_features")
-  if hot is None or len(hot) != choice.n_layers:
-    return
-  names = meta.get("layer_implementations") or [None] * choice.n_layers
-  choice.hot = [choice.all_hot if name == "dense" else choice._on_menu(k)   # pylint: disable=protected-access
-                for name, k in zip(names, hot)]
 
 
 def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
@@ -329,6 +323,23 @@ class _StepTracer:
       self.on = False
 
 
+def _no_payback(choice, running, counts, heavy, tokens: int, steps_left: int,
+                ffn_share: float) -> str | None:
+  """Why the choice's new step would not pay for its build (None: it would).
+
+  Saving: the predicted FFN time of the running step and of the new one
+  (`LayerChoice.costs`, over the dense FFN's), the FFN being `ffn_share` of a dense step,
+  over the steps left, in dense steps. Cost: `layer_choice.BUILD_COST_STEPS`. Steps, not
+  seconds, so that the decision is the same in every run of a seed."""
+  old = float(choice.costs(running, counts, tokens, heavy).mean())
+  new = float(choice.costs(choice.key, counts, tokens, heavy).mean())
+  saving = ffn_share * (old - new) * steps_left
+  if saving > layer_choice_lib.BUILD_COST_STEPS:
+    return None
+  return (f"predicted to save {saving:.1f} dense steps' time over the {steps_left} steps "
+          f"left, less than the {layer_choice_lib.BUILD_COST_STEPS:.0f} a build takes")
+
+
 def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
                        allow_fresh_start: bool = False, hooks=()) -> dict:
   """Trains (resuming if possible); returns the last logged metrics.
@@ -339,9 +350,9 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
   optimisation). `allow_fresh_start` lets a workdir whose checkpoints were all
   quarantined start over. A SIGTERM from here on stops training after the current
   step: the checkpoint of that step is written, then `preemption.Preempted` raised.
-  `hooks`: callables hook(trainer, step, state, hot_features) run after every step (`step`
-  steps done; `hot_features` the per-layer choice's for the next step, or None), for
-  measurements inside a run (`benchmarks.activity_sweep`); they must not change the state.
+  `hooks`: callables hook(trainer, step, state, layer_ffn) run after every step (`step` steps
+  done; `layer_ffn` the per-layer choice's key that step ran, or None), for measurements inside
+  a run (`benchmarks.activity_sweep`); they must not change the state.
   """
   watch = preemption.Watch().install()
   try:
@@ -388,7 +399,9 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
     logging.info("Resumed from checkpoint step %d", start)
   n_params = model_lib.count_params(state["params"])
   logging.info("Parameters: %s; FFN implementation: %s", f"{n_params:,}",
-               ffn_implementation_in_use(tr, tr.tokens_per_call()))
+               ffn_implementation_in_use(
+                   tr, cfg.batch_size // cfg.grad_accum_steps
+                   // tr.mesh.size * cfg.data.seq_len))
 
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   if start == 0 and is_main:
@@ -399,55 +412,100 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   shape = (cfg.grad_accum_steps, rows // cfg.grad_accum_steps,
            cfg.data.seq_len + 1)
   choice = tr.layer_choice()
-  train_step = tr.jit_train_step(runtime_hot=choice is not None)
-  hot_dev = None
-  tokens_per_step = cfg.batch_size * cfg.data.seq_len
-  if choice is not None:
-    _restore_choice(choice, (restored or {}).get("meta") or {})
-    hot_dev = jax.device_put(np.asarray(choice.hot, np.int32), tr.replicated)
-    logging.info("Per-layer hot features: every %d steps each layer's K minimizes the "
-                 "predicted FFN time (train.layer_choice); now %s; menu %s",
-                 cfg.layer_choice.every, choice.describe(), choice.menu)
-  if not cfg.get("autotune", True) and jax.default_backend() == "gpu":
+  pending = None   # (key, step): a choice decided, running from that step on
+  if choice is None:
+    train_step, steps, running = tr.jit_train_step(), None, None
+  else:
+    # Compiled ahead of time for the state's and the batch's exact types (no retrace at a
+    # switch), without autotuning on a GPU: builds run beside training, where autotuning
+    # takes about 5x longer, and a resumed run must build each choice's step alike.
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    state_spec = jax.tree.map(like, state)
     batch_spec = jax.ShapeDtypeStruct(
         (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
         np.int32, sharding=tr.batch_sharding)
-    specs = (jax.tree.map(like, state), batch_spec) + (() if hot_dev is None else
-                                                        (like(hot_dev),))
-    train_step = train_step.lower(*specs).compile(compiler_options=NO_AUTOTUNE)
+    steps = layer_choice_lib.StepBuilds(
+        lambda key: tr.compile_train_step(key, state_spec, batch_spec, autotune=False),
+        background=cfg.layer_choice.background)
+    lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
+    meta = (restored or {}).get("meta") or {}
+    saved = meta.get("layer_implementations")
+    if saved is not None and len(saved) == choice.n_layers:
+      choice.current = list(saved)
+      choice.hot = list(meta.get("layer_hot_features") or [0] * choice.n_layers)
+    running = choice.key
+    if meta.get("pending_layer_choice"):
+      p = meta["pending_layer_choice"]
+      pending = ((tuple(p["implementations"]), tuple(p["hot_features"])), p["step"])
+      steps.request(pending[0])
+      choice.current, choice.hot = list(pending[0][0]), list(pending[0][1])
+    train_step = steps.get(running)
+    mc = tr.model_cfg
+    ffn_share = layer_choice_lib.ffn_flop_share(
+        mc.d_model, mc.d_ff, mc.n_layers, mc.vocab_size, cfg.data.seq_len, mc.n_heads,
+        mc.n_kv_heads, mc.ffn_gated)
+    tokens_per_step = cfg.batch_size * cfg.data.seq_len
+    logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
+                 "below %g of the dense one's time (train.layer_choice.CostModel), then %s "
+                 "(back above %g); decided every %d steps (features sorted by popularity), "
+                 "each choice running %d steps after its decision", choice.sparse_below,
+                 choice.sparse, choice.dense_above, cfg.layer_choice.every, lag)
   last = {}
   t_last, tokens_since = time.time(), 0
   preempted = None
   tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
     for step in range(start, cfg.num_train_steps):
+      if pending is not None and step >= pending[1]:
+        # A decided choice lands on its step, waiting for its build if it is not done: the
+        # steps a run runs depend on its decisions alone.
+        try:
+          train_step, running = steps.get(pending[0]), pending[0]
+          logging.info("step %d: now running FFN per layer %s (built in %.1f s)", step + 1,
+                       choice.describe(running), steps.build_s.get(running, 0.0))
+        except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
+          logging.exception("building the train step for %s failed (%s: %s); training goes "
+                            "on with %s", pending[0], type(e).__name__, e,
+                            choice.describe(running))
+          choice.current, choice.hot = list(running[0]), list(running[1])
+        pending = None
       batch, data_state = next(prefetch)
       tracer.before(step)
-      tokens = tr.put_batch(batch.reshape(shape).astype(np.int32), tr.batch_sharding)
-      ran = None if choice is None else choice.hot_features
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        if choice is None:
-          state, m = train_step(state, tokens)
-        else:
-          state, m = train_step(state, tokens, hot_dev)
+        state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
+                                                  tr.batch_sharding))
       tracer.after(step + 1, m)
-      done = step + 1
+      done, ran = step + 1, running
       tokens_since += cfg.batch_size * cfg.data.seq_len
       if choice is not None and (done % cfg.layer_choice.every == 0 or done == 1):
-        # This step's feature counts give each layer's hot features from the next step on,
-        # and the order that puts each layer's hottest features first, applied to the state
-        # at once. Decisions fall on the same steps in a resumed run as in an uninterrupted
-        # one (the choice in use is restored from the checkpoint), so both reorder alike.
+        # This step's feature counts: the layers' choice and hot features, and the order
+        # that puts each layer's hottest features first, applied to the state at once
+        # (the running step's hot features then cover the hottest ones). Decisions fall on
+        # the same steps in a resumed run as in an uninterrupted one (the choice in use and
+        # the one pending are restored from the checkpoint), so both reorder the features
+        # alike and switch on the same steps.
         counts, heavy = jax.device_get((m["feature_counts"], m["heavy_rows_by_hot"]))
-        changed, order = choice.update_from_counts(counts, tokens_per_step, heavy)
+        target = running if pending is None else pending[0]
+        choice.current, choice.hot = list(target[0]), list(target[1])
+        _, order = choice.update_from_counts(counts, tokens_per_step, heavy)
         state = tr.sort_features(state, order)
-        if changed:
-          hot_dev = jax.device_put(np.asarray(choice.hot, np.int32), tr.replicated)
-          logging.info("step %d: hot features per layer -> %s (predicted %s of dense)", done,
-                       choice.describe(), " ".join(f"{r:.2f}" for r in choice.predicted))
+        if choice.key != target:
+          land = done + lag
+          why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
+                     _no_payback(choice, target, counts, heavy, tokens_per_step,
+                                 cfg.num_train_steps - land, ffn_share))
+          if why_not:
+            logging.info("step %d: FFN per layer -> %s predicted, not built: %s", done,
+                         choice.describe(), why_not)
+            choice.current, choice.hot = list(target[0]), list(target[1])
+          else:
+            logging.info("step %d: FFN per layer -> %s (predicted %s), running from step %d",
+                         done, choice.describe(),
+                         " ".join(f"{r:.2f}" for r in choice.predicted), land + 1)
+            pending = (choice.key, land)
+            steps.request(choice.key)
       for hook in hooks:
-        hook(tr, done, state, None if choice is None else choice.hot_features)
+        hook(tr, done, state, ran)
       if (done % cfg.log_every == 0 or done == cfg.num_train_steps
           or done == start + 1):  # The first step shows the starting point.
         m = {k: v for k, v in jax.device_get(m).items()
@@ -463,8 +521,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         if peak:
           m["peak_memory_gib"] = peak / 2**30
         if ran is not None:
-          m["sparse_layers"] = sum(k < choice.all_hot for k in ran)
-          m["hot_features"] = np.asarray(ran)
+          m["sparse_layers"] = sum(name != "dense" for name in ran[0])
+          m["hot_features"] = np.asarray(ran[1])
         logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, tps, progress)
                      + ("" if ran is None else f" | ffn {choice.describe(ran)}"))
         last = metrics_lib.flatten_metrics(m)
@@ -472,7 +530,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
         t_eval = time.time()
-        ev = tr.evaluate(state["params"], eval_data, dense_ffn=choice is not None)
+        ev = tr.evaluate(state["params"], eval_data)
         logging.info("eval step %d: %s", done, json.dumps(ev))
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))
@@ -483,14 +541,15 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if cfg.checkpoint_every > 0 and (final or stop or mngr.should_save(done)):
         checkpointing.save(mngr, done, state,
                            {"processes": _all_process_states(data_state)},
-                           _meta(cfg, done, None if choice is None else choice.hot),
-                           force=final or stop)
+                           _meta(cfg, done, running, pending), force=final or stop)
       if stop and not final:
         preempted = preemption.Preempted(done, saved=cfg.checkpoint_every > 0)
         break
     writer.flush()
   finally:
     tracer.stop()
+    if steps is not None:
+      steps.close()
     prefetch.close()
     checkpointing.finish(mngr)
     writer.close()

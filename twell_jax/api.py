@@ -17,12 +17,12 @@ SPARSE_IMPLEMENTATIONS = registry.SPARSE
 
 
 def _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows,
-          hot_features=0, hot_choices=()) -> registry.Call:
+          hot_features=0) -> registry.Call:
   m, d = x2.shape
   return registry.Call(m=m, d=d, h=w_up.shape[1], gated=w_gate is not None,
                        dtype=jnp.dtype(x2.dtype), activation=activation,
                        interpret=bool(interpret), ell_width=ell_width, tail_rows=tail_rows,
-                       hot_features=hot_features, hot_choices=tuple(hot_choices))
+                       hot_features=hot_features)
 
 
 def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret: bool = False) -> str:
@@ -33,7 +33,7 @@ def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret:
 
 def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Optional[str] = None,
         interpret: bool = False, return_stats: bool = False, ell_width: int = 128,
-        tail_rows: Optional[int] = None, hot_features=0, hot_choices=None):
+        tail_rows: Optional[int] = None, hot_features: int = 0):
   """Feed-forward block y = h W_down with a (sparse) ReLU hidden activation h.
 
   Gated (w_gate given):  h = act(x W_gate) * (x W_up).   Non-gated (w_gate=None): h = act(x W_up).
@@ -59,13 +59,6 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
       function). It pays when those are the features that fire on more than
       about 1% of the tokens: sort the features by popularity first
       (`twell_jax.sort_features`, `twell_jax.hot_feature_count`).
-      Or a run-time count: an integer scalar array (traced or not). One compiled program
-      then serves every K: the kernels run the smallest entry of `hot_choices` >= K (the
-      largest when none is), and every K computes the same function. A trainer changes a layer's K
-      as its activity changes without recompiling (`train.layer_choice`).
-    hot_choices: with a run-time `hot_features`, the K values compiled for: an increasing
-      sequence of multiples of 256 (default `twell_jax.features.hot_choices(H)`); None with a
-      static one.
 
   Returns:
     y [..., D] in x.dtype, or (y, FFNStats) with return_stats=True.
@@ -80,18 +73,10 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
   d, _ = validation.ffn_arguments(
       x, w_gate, w_up, w_down, activation=activation, implementation=implementation,
       implementations=IMPLEMENTATIONS, sparse=SPARSE_IMPLEMENTATIONS, interpret=interpret,
-      ell_width=ell_width, tail_rows=tail_rows, hot_features=hot_features,
-      hot_choices=hot_choices)
+      ell_width=ell_width, tail_rows=tail_rows, hot_features=hot_features)
   lead = tuple(x.shape[:-1])
   x2 = x.reshape(math.prod(lead), d)
-  hot = None
-  if validation.runtime_hot_features(hot_features):
-    if hot_choices is None:
-      from twell_jax import features  # pylint: disable=import-outside-toplevel
-      hot_choices = features.hot_choices(w_up.shape[1])
-    hot, hot_features = hot_features, 0
-  call = _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows, hot_features,
-               hot_choices or ())
+  call = _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows, hot_features)
   if call.m == 0:   # nothing to sparsify; keeps shapes legal for top_k & co.
     y2, st = registry.empty_result(call, x.dtype)
   else:
@@ -100,7 +85,7 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
     if reason is not None:
       raise NotImplementedError(f"implementation={impl.name!r} cannot run this call: {reason}.")
     try:
-      y2, st = impl.run(call, x2, w_gate, w_up, w_down, hot)
+      y2, st = impl.run(call, x2, w_gate, w_up, w_down)
     except TypeError as e:
       # jax.jvp of a jax.custom_vjp function; the sparse implementations define their
       # derivatives in reverse mode only (sparse backward kernels, no tangent kernels).

@@ -25,7 +25,7 @@ from pallas_kernels import ffn_mgpu
 from twell_jax.stats import TILE_N
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
-           "hot_feature_count", "long_columns", "hot_choices", "sparse_work", "calibrate", "DENSE_ROW_ENTRIES"]
+           "hot_feature_count", "sparse_work", "calibrate", "DENSE_ROW_ENTRIES"]
 
 # Firing rate at which a dense feature costs what a sparse one does (module docstring).
 BREAK_EVEN_RATE = 0.01
@@ -98,42 +98,8 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
       best_k, best = k, cost
   if not backward:
     return best_k
-  return max(best_k, -(-long_columns(feature_counts, tokens, parallel_columns) // multiple)
-             * multiple)
-
-
-def long_columns(feature_counts, tokens: int, parallel_columns: int = PARALLEL_COLUMNS) -> int:
-  """Features holding more than twice a fair share of a call's entries (all entries over
-  `parallel_columns`, or over H when H is smaller): the backward's weight-gradient kernels
-  give each feature's column to one CTA, so such a column outlasts the others unless it runs
-  among the hot (dense) features (`hot_feature_count`)."""
-  rates = _sorted_rates(feature_counts, tokens)
-  return int(np.sum(rates > 2 * np.sum(rates) / min(parallel_columns, rates.shape[0])))
-
-
-# The largest share of the features the default menu runs hot on the sparse kernels: past
-# it the hot GEMMs and the kernels' fixed costs exceed the dense FFN's
-# (`train.layer_choice.TRAINING_COST`).
-HOT_MENU_SHARE = 0.6
-
-
-def hot_choices(d_ff: int) -> tuple[int, ...]:
-  """The default menu of run-time hot-feature counts for `d_ff` hidden features (what
-  `ffn(..., hot_features=<an int32 array>)` compiles one branch each for): every 256-column
-  tile up to 8 tiles, then 10, 12, 16, 20, 24, 32, 40, 48, 64, ... tiles up to
-  `HOT_MENU_SHARE` of them, and all of them, which the kernels run as the dense FFN. A count
-  between two entries runs the larger one: 0-256 columns of rounding at small K, where real
-  layers settle, at most a fifth more columns above."""
-  tiles = -(-d_ff // TILE_N)
-  top = HOT_MENU_SHARE * tiles
-  menu = list(range(min(tiles, 8, int(top)) + 1))
-  scale = 1
-  while 10 * scale <= top:
-    menu += [t * scale for t in (10, 12, 16) if t * scale <= top]
-    scale *= 2
-  if menu[-1] != tiles:
-    menu.append(tiles)
-  return tuple(k * TILE_N for k in menu)
+  long_columns = int(np.sum(rates > 2 * tail[0] / min(parallel_columns, h)))
+  return max(best_k, -(-long_columns // multiple) * multiple)
 
 
 # Rows with more active features than this take the kernels' dense path whatever K is (the

@@ -1,9 +1,7 @@
 """The implementations of `twell_jax.ffn`, what each supports, and the automatic choice.
 
 Each implementation answers `unsupported(call)` (None when it can run the call, else the
-reason) and runs a validated call on 2-D operands, returning (y, FFNStats); `run` also takes
-the run-time number of hot features (an int32 scalar, or None when it is static), which only
-the kernels use: every implementation computes the same function whatever it is.
+reason) and runs a validated call on 2-D operands, returning (y, FFNStats).
 `implementation=None` takes the first entry of `AUTO_ORDER` that supports the call and is not
 measured slower than dense at its shape (`slower(call)`): "mosaic_gpu" (the kernels; Hopper
 with bf16, or the interpreter; on a GPU only at shapes where `twell_jax.shape_costs` measured
@@ -44,9 +42,6 @@ class Call:
   ell_width: int
   tail_rows: Optional[int]
   hot_features: int = 0
-  # The menu of a run-time number of hot features (`twell_jax.ffn`'s hot_choices); () when the
-  # count is the static `hot_features`.
-  hot_choices: tuple[int, ...] = ()
 
 
 class Dense:
@@ -62,8 +57,7 @@ class Dense:
     del call
     return False
 
-  def run(self, call: Call, x, w_gate, w_up, w_down, hot=None):
-    del hot
+  def run(self, call: Call, x, w_gate, w_up, w_down):
     return dense_lib.dense_ffn(x, w_gate, w_up, w_down, call.activation, call.ell_width)
 
 
@@ -82,8 +76,7 @@ class Xla:
     del call
     return True
 
-  def run(self, call: Call, x, w_gate, w_up, w_down, hot=None):
-    del hot
+  def run(self, call: Call, x, w_gate, w_up, w_down):
     return sparse_xla.sparse_ffn(x, w_gate, w_up, w_down, ell_width=call.ell_width,
                                  tail_rows=call.tail_rows)
 
@@ -113,13 +106,12 @@ class MosaicGpu:
     interpreter, which runs for correctness, not speed."""
     return not call.interpret and shape_costs.sparse_loses(call.d, call.h, call.m)
 
-  def run(self, call: Call, x, w_gate, w_up, w_down, hot=None):
+  def run(self, call: Call, x, w_gate, w_up, w_down):
     # Imported on first use: the kernels' modules pull in Mosaic GPU (about 0.7 s).
     from twell_jax import mosaic  # pylint: disable=import-outside-toplevel
     return mosaic.mosaic_ffn(x, w_gate, w_up, w_down, interpret=call.interpret,
                              ell_width=call.ell_width, tail_rows=call.tail_rows,
-                             hot_features=call.hot_features, hot_choices=call.hot_choices,
-                             hot=hot)
+                             hot_features=call.hot_features)
 
 
 class Decode:
@@ -141,8 +133,7 @@ class Decode:
     del call
     return True
 
-  def run(self, call: Call, x, w_gate, w_up, w_down, hot=None):
-    del hot
+  def run(self, call: Call, x, w_gate, w_up, w_down):
     from twell_jax import decode  # pylint: disable=import-outside-toplevel
     return decode.decode_ffn(x, w_gate, w_up, w_down, interpret=call.interpret)
 

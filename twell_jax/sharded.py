@@ -41,7 +41,6 @@ from jax.sharding import PartitionSpec as P
 
 from twell_jax import api
 from twell_jax import stats as stats_lib
-from twell_jax import validation
 
 __all__ = ["BATCH_AXES", "batch_axes", "split_axes", "gathered", "reduce_stats", "ffn"]
 
@@ -118,19 +117,15 @@ def ffn(x, w_gate, w_up, w_down, *, return_stats: bool = False, **kwargs):
   if not axes:   # no split: the unsharded call (under a mesh, XLA gathers x)
     return api.ffn(x, w_gate, w_up, w_down, return_stats=return_stats, **kwargs)
   weights = (w_up, w_down) if w_gate is None else (w_gate, w_up, w_down)
-  # A run-time hot feature count enters as an operand (the same on every device).
-  hot = kwargs.pop("hot_features", 0)
-  runtime_hot = validation.runtime_hot_features(hot)
 
-  def local(x, hot_arg, *ws):
+  def local(x, *ws):
     wg, wu, wd = (None, *ws) if w_gate is None else ws
-    y, st = api.ffn(x, wg, wu, wd, return_stats=True,
-                    hot_features=hot_arg if runtime_hot else hot, **kwargs)
+    y, st = api.ffn(x, wg, wu, wd, return_stats=True, **kwargs)
     return y, reduce_stats(st, axes)
 
   y, st = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(axes), P()) + (P(),) * len(weights),
+      local, mesh=mesh, in_specs=(P(axes),) + (P(),) * len(weights),
       out_specs=(P(axes), P()), axis_names=frozenset(axes),
-      check_vma=False)(x, hot if runtime_hot else jnp.zeros((), jnp.int32), *weights)
+      check_vma=False)(x, *weights)
   y = y.reshape(shape)
   return (y, st) if return_stats else y

@@ -14,14 +14,12 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from twell_jax import dense as dense_lib
 from twell_jax.stats import TILE_N
 
 __all__ = ["FLOAT_DTYPES", "static_int", "flag", "implementation_choice", "activation_choice",
-           "array", "hot_feature_count", "runtime_hot_features", "hot_choice_menu",
-           "ffn_arguments"]
+           "array", "hot_feature_count", "ffn_arguments"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -83,50 +81,16 @@ def hot_feature_count(value, name: str = "hot_features") -> int:
   return k
 
 
-def runtime_hot_features(value) -> bool:
-  """Whether `hot_features` is a run-time value (a JAX or NumPy integer scalar array, traced
-  or not) rather than a Python int; ValueError for an array that is not an integer scalar."""
-  if isinstance(value, numbers.Integral) and not isinstance(value, np.ndarray):
-    return False
-  if not hasattr(value, "dtype") or not hasattr(value, "shape"):
-    return False
-  if not jnp.issubdtype(value.dtype, jnp.integer) or tuple(value.shape) != ():
-    raise ValueError("hot_features must be a Python int (a static count) or an integer "
-                     f"scalar array (a run-time count); got an array of dtype {value.dtype} "
-                     f"and shape {tuple(value.shape)}.")
-  return True
-
-
-def hot_choice_menu(value, name: str = "hot_choices") -> tuple[int, ...]:
-  """`value` as a non-empty increasing tuple of multiples of the TwELL tile, >= 0."""
-  try:
-    menu = tuple(value)
-  except TypeError:
-    raise ValueError(f"{name} must be a sequence of ints; got {value!r}.") from None
-  for k in menu:
-    hot_feature_count(k, f"every entry of {name}")
-  if not menu or list(menu) != sorted(set(menu)):
-    raise ValueError(f"{name} must be a non-empty, strictly increasing sequence; got {menu}.")
-  return menu
-
-
 def ffn_arguments(x, w_gate, w_up, w_down, *, activation: str, implementation,
                   implementations: Sequence[str], sparse: Sequence[str], interpret,
-                  ell_width, tail_rows, hot_features=0, hot_choices=None) -> tuple[int, int]:
+                  ell_width, tail_rows, hot_features=0) -> tuple[int, int]:
   """Checks every argument of `twell_jax.ffn`; returns (D, H)."""
   implementation_choice(implementation, implementations)
   activation_choice(activation, implementation, sparse)
   flag(interpret, "interpret")
   static_int(ell_width, "ell_width", minimum=1)
   static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
-  if runtime_hot_features(hot_features):
-    if hot_choices is not None:
-      hot_choice_menu(hot_choices)
-  else:
-    hot_feature_count(hot_features)
-    if hot_choices is not None:
-      raise ValueError("hot_choices goes with a run-time hot_features (an integer scalar "
-                       f"array); got hot_features={hot_features!r} (a Python int).")
+  hot_feature_count(hot_features)
   array(x, "x")
   if x.ndim < 1:
     raise ValueError(f"x must have shape [..., D] with rank >= 1; got shape {tuple(x.shape)}.")

@@ -107,8 +107,8 @@ def main(argv):
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
   hot = choice.hot
   tail = choice.tail
-  infer = layer_choice.inference_implementations(tail, mc.d_ff, hot)
-  models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer,
+  infer = layer_choice.LayerChoice.for_inference(tail, mc.d_ff, hot)
+  models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=tuple(hot)),
             "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}
   for name, m in models.items():
