@@ -58,6 +58,7 @@ def start(cmd: list[str], log_path: str, root: str = ROOT,
           **env: str) -> tuple[subprocess.Popen, float]:
   """Starts `cmd` from `root` (default this repository's) with its output to `log_path`:
   (process, start time). Wait with `finish` or `wait_all`."""
+  os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
   log = open(log_path, "w")   # pylint: disable=consider-using-with  # closed by finish
   proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT,
                           env={**environment(**env), "PYTHONPATH": root + os.pathsep

@@ -54,12 +54,6 @@ def _define_flags():
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
-  flags.DEFINE_integer("from_init_steps", 0, "also train both models from random "
-                       "initialisation this many steps (the sparse one with its per-layer "
-                       "choice) and compare tokens/s at every logged step")
-  flags.DEFINE_integer("from_init_log_every", 25, "logging interval of the from-init runs")
-  flags.DEFINE_bool("from_init_background", True, "from-init runs: the trainer builds a new "
-                    "layer choice's step in the background (False: at the decision step)")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "byte: the docstring corpus "
                     "and byte tokens; python32k: the Python-source corpus with its 32k "
                     "SentencePiece tokenizer (benchmarks.trained.config_for)")
@@ -324,53 +318,6 @@ def run_shape(shape: str, fl) -> dict:
   return res
 
 
-def from_init(shape: str, fl) -> dict:
-  """Sparse (ReLU + L1, per-layer choice, trainer defaults) and dense (SiLU) training from the
-  same random initialisation through the trainer (`train.train_lib`), tokens/s per logged
-  step as sparse / dense (the first logged step holds each model's compilation: left out),
-  and each whole run's wall-clock."""
-  import tempfile  # pylint: disable=import-outside-toplevel
-  from train import train_lib  # pylint: disable=import-outside-toplevel
-  base = "tiny" if shape == "tiny" else "paper_0p5b"
-  runs, wall = {}, {}
-  for name in ("sparse", "dense"):
-    cfg = trained.config_for(base, tokenizer=fl.tokenizer)
-    cfg.num_train_steps, cfg.log_every = fl.from_init_steps, fl.from_init_log_every
-    if name == "sparse":
-      cfg.model.ffn_implementation = None
-      cfg.layer_choice.sparse = fl.sparse
-      cfg.layer_choice.background = fl.from_init_background
-      cfg.l1_coeff = trained.PAPER_L1
-    else:
-      cfg.model.ffn_implementation, cfg.model.ffn_activation = "dense", "silu"
-      cfg.l1_coeff = 0.0
-    with tempfile.TemporaryDirectory() as wd:
-      t0 = time.time()
-      train_lib.train_and_evaluate(cfg, wd)
-      with open(f"{wd}/metrics.jsonl") as f:
-        rows = [r for r in map(json.loads, f) if "tokens_per_s" in r]
-    runs[name] = rows
-    wall[name] = time.time() - t0
-    print(f"  from init, {name}: {fl.from_init_steps} steps in {wall[name]:.0f}s", flush=True)
-  dense_tps = {r["step"]: r["tokens_per_s"] for r in runs["dense"]}
-  points = []
-  for r in runs["sparse"][1:]:
-    if r["step"] in dense_tps:
-      points.append({"step": r["step"], "ratio": r["tokens_per_s"] / dense_tps[r["step"]],
-                     "sparse_layers": r.get("sparse_layers", 0),
-                     "active_per_token": [v for k, v in sorted(r.items())
-                                          if k.startswith("active_per_token/")]})
-  for p in points:
-    print(f"    step {p['step']:>5}: {p['ratio']:.3f} of dense, {p['sparse_layers']} sparse "
-          "layers", flush=True)
-  return {"steps": fl.from_init_steps, "log_every": fl.from_init_log_every,
-          "tokenizer": fl.tokenizer, "points": points,
-          "min_ratio": min((p["ratio"] for p in points), default=None),
-          # The whole run (`train_and_evaluate`: compiles, builds, checkpoints, evaluation).
-          "sparse_wall_s": wall["sparse"], "dense_wall_s": wall["dense"],
-          "wall_ratio": wall["sparse"] / wall["dense"]}
-
-
 def main(argv):
   del argv
   fl = flags.FLAGS
@@ -381,12 +328,6 @@ def main(argv):
   results = {"device": device, "jax": jax.__version__}
   for shape in fl.shapes:
     results[shape] = run_shape(shape, fl)
-    if fl.out:
-      with open(fl.out, "w") as f:
-        json.dump(results, f, indent=1)
-  if fl.from_init_steps:
-    base = "tiny" if fl.shapes == ["tiny"] else "0p5b"
-    results[f"{base}_from_init"] = from_init(base, fl)
     if fl.out:
       with open(fl.out, "w") as f:
         json.dump(results, f, indent=1)

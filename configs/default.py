@@ -85,7 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
       sparse_below=0.9,       # predicted FFN time over dense (train/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=200,
+      landing_steps=300,
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):

@@ -346,18 +346,21 @@ class DecodePartingTest(absltest.TestCase):
     self.assertEqual(decode.parting([], [4]), 0)
 
 
+def _run_module(module: str, *args: str, timeout: int = 600):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, "-m", module, *args], cwd=root, check=True,
+                 capture_output=True, timeout=timeout)
+
+
 class EndToEndSmokeTest(absltest.TestCase):
   """`benchmarks.e2e`'s CPU mode as a subprocess (its own flags): the JSON it writes holds the
-  fields the GPU runs report, for trained weights and for the run from initialisation."""
+  fields the GPU runs report."""
 
   def test_tiny_cpu_mode(self):
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
     out = os.path.join(self.create_tempdir().full_path, "e2e.json")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--shapes=tiny", "--steps=3",
-                    "--iters=2", "--from_init_steps=4", "--from_init_log_every=2",
-                    f"--out={out}"], cwd=root, check=True, capture_output=True, timeout=600)
+    _run_module("benchmarks.e2e", "--shapes=tiny", "--steps=3", "--iters=2", f"--out={out}")
     with open(out) as f:
       r = json.load(f)
     tiny = r["tiny"]
@@ -366,9 +369,50 @@ class EndToEndSmokeTest(absltest.TestCase):
       self.assertGreater(tiny[key], 0, key)
     self.assertLen(tiny["tail_per_token"], tiny["layers"])
     self.assertLen(tiny["predicted_train_ratio"], tiny["layers"])
-    self.assertEqual([p["step"] for p in r["tiny_from_init"]["points"]], [2, 4])
-    fi = r["tiny_from_init"]
-    self.assertAlmostEqual(fi["wall_ratio"], fi["sparse_wall_s"] / fi["dense_wall_s"])
+
+
+class WholeRunSmokeTest(absltest.TestCase):
+  """`benchmarks.whole_run --smoke`: the user's commands (train.main) for dense SiLU and the
+  sparse model, concurrently, timed whole; the JSON holds the issue's fields and the plot is
+  drawn."""
+
+  def test_smoke(self):
+    tmp = self.create_tempdir().full_path
+    out, png = os.path.join(tmp, "w.json"), os.path.join(tmp, "w.png")
+    _run_module("benchmarks.whole_run", "--smoke", "--runs=dense_silu,sparse", "--parallel",
+                f"--workdir={tmp}/runs", f"--out={out}", f"--plot={png}")
+    with open(out) as f:
+      r = json.load(f)
+    self.assertEqual([run["name"] for run in r["runs"]], ["dense_silu", "sparse"])
+    self.assertEqual(r["steps"], 6)
+    self.assertEqual(r["tokens_per_step"], 16 * 64)
+    dense, sparse = r["runs"]
+    for run in r["runs"]:
+      self.assertGreater(run["wall_s"], run["first_step_s"])
+      self.assertEqual([p["step"] for p in run["points"]], [1, 2, 4, 6])
+      self.assertLen(run["points"][-1]["active_per_token"], 2)
+      self.assertIsNotNone(run["eval_ce"])
+    self.assertAlmostEqual(r["wall_ratios"][0], dense["wall_s"] / sparse["wall_s"])
+    self.assertAlmostEqual(r["ce_ratio"], sparse["eval_ce"] / dense["eval_ce"])
+    self.assertEqual([s for s, _ in sparse["step_ratios"]], [2, 4, 6])
+    self.assertTrue(os.path.getsize(png) > 0)
+
+
+class ActivitySweepSmokeTest(absltest.TestCase):
+  """`benchmarks.activity_sweep --smoke`: a run's captured layers and the sweep points, each
+  with the choice's K and the measured ratio."""
+
+  def test_smoke(self):
+    out = os.path.join(self.create_tempdir().full_path, "a.json")
+    _run_module("benchmarks.activity_sweep", "--smoke", "--capture_steps=2", "--actives=20",
+                "--early=2:0", "--iters=1", f"--out={out}")
+    with open(out) as f:
+      r = json.load(f)
+    self.assertEqual([c["step"] for c in r["captures"]], [2])
+    self.assertLen(r["captures"][0]["layers"], 2)
+    self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
+    for p in r["sweep"] + r["captures"][0]["layers"]:
+      self.assertAlmostEqual(p["ratio"], p["sparse_ms"] / p["dense_ms"])
 
 
 if __name__ == "__main__":
