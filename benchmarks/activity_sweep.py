@@ -4,18 +4,18 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
     python -m benchmarks.activity_sweep --smoke --out=/tmp/a.json   # CPU smoke mode
 
 1. Trains the paper 0.5B shape from random initialisation through the trainer
-   (`train.train_lib.train_and_evaluate`, the per-layer FFN choice on; the setting of
+   (`train.training.loop.train_and_evaluate`, the per-layer FFN choice on; the setting of
    `benchmarks.whole_run`: Python-source corpus, 32k tokenizer, 8 x 2048 tokens a step, L1
    3e-5) and, at each of `--capture_steps` (decision steps of the per-layer choice), captures
    every layer's FFN input on a held-out batch and its weights (a trainer hook).
 2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the
-   per-layer choice on this batch (`train.layer_choice.LayerChoice`: the layer's K, its
+   per-layer choice on this batch (`train.training.layer_choice.LayerChoice`: the layer's K, its
    predicted ratio) and the layer's forward + backward on the kernels at that K against the
    dense FFN, on the captured input.
 3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
    the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
    `--actives` active features per token; per point the K the per-layer choice picks
-   (`train.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward against
+   (`train.training.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward against
    dense.
 Times: medians of synchronized calls (`benchmarks.timing.wall_ms`), the loss
 sum(y * ct) + 2e-5 * l1 of `benchmarks.kernels`. JSON (`--out`): {"device", "captures":
@@ -103,7 +103,7 @@ def _heavy_by_hot(active: np.ndarray) -> np.ndarray:
 def _choice(active: np.ndarray):
   """The per-layer choice for one layer of this activity [M, H] (its features sorted): (its
   implementation, K, predicted ratio, active features per token outside the K hot ones)."""
-  from train import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
   m, h = active.shape
   choice = layer_choice.LayerChoice(1, h)
   choice.update_from_counts(active.sum(axis=0)[None], m, _heavy_by_hot(active)[None])
@@ -171,7 +171,7 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
 def main(argv):
   del argv
   fl = flags.FLAGS
-  from train import train_lib  # pylint: disable=import-outside-toplevel
+  from train.training import loop as train_lib  # pylint: disable=import-outside-toplevel
   shape_name = "tiny" if fl.smoke else "paper_0p5b"
   impl = "xla" if fl.smoke else fl.impl
   cfg = trained.config_for(shape_name, tokenizer="byte" if fl.smoke else fl.tokenizer)

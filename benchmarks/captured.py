@@ -57,8 +57,8 @@ def _define_flags():
 def capture(cfg, params):
   """(FFN inputs [L, M, D], stacked FFN weights {w_gate, w_up, w_down} [L, ...]) in the
   compute dtype, for one held-out batch of cfg.batch_size x cfg.data.seq_len tokens."""
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   mc = model_lib.ModelConfig.from_config(cfg.model)
   lm = model_lib.LanguageModel(mc)
   packer = data_lib.PackedBatches(

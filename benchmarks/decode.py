@@ -44,7 +44,6 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import timing
 from benchmarks import trained
@@ -77,7 +76,7 @@ def model_bytes(params, mc) -> int:
   """Bytes of the weights one decode step reads: every parameter in the compute dtype
   (inference keeps the RMSNorm scales in their own), the embedding once (tied: the lookup
   reads B rows, the LM head all of it)."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   dt = jnp.dtype(model_lib.DTYPES[mc.dtype])
   total = 0
   for path, a in jax.tree_util.tree_leaves_with_path(params):
@@ -88,7 +87,7 @@ def model_bytes(params, mc) -> int:
 
 def kv_bytes(mc, batch: int, positions: float) -> int:
   """Bytes of the KV cache read by one decode step at `positions` cached tokens per row."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   head = mc.d_model // mc.n_heads
   itemsize = jnp.dtype(model_lib.DTYPES[mc.dtype]).itemsize
   return int(2 * mc.n_layers * batch * positions * mc.n_kv_heads * head * itemsize)
@@ -108,7 +107,7 @@ def measured_copy_gbs(n_bytes: int = 1 << 30) -> float:
 
 def _prompts(cfg, tokenizer, batch: int, length: int) -> list[list[int]]:
   """`batch` prompts of `length` tokens from validation documents (repeated if too few)."""
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
   source = data_lib.make_source(cfg.data, cfg.data.eval_split)
   out, i = [], 0
   stream = []
@@ -136,16 +135,15 @@ def parting(a: list[int], b: list[int]) -> int | None:
 
 
 def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
-  from train import generate  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.inference import generator as generate  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   base = "tiny" if shape == "tiny" else "paper_0p5b"
   cfg, params = trained.trained_params(base, "paper", steps=fl.steps, extreme_steps=0,
                                        cache_dir=fl.cache_dir, tokenizer=fl.tokenizer)
   if shape != "tiny":
     n = _LAYERS[shape]
     cfg.model.n_layers = n
-    params = {**params, "blocks": jax.tree.map(
-        lambda a: a[jnp.arange(n) % a.shape[0]], params["blocks"])}
+    params = trained.repeat_layers(params, n)
   mc = model_lib.ModelConfig.from_config(cfg.model)
   weights = model_bytes(params, mc)
   rows = []

@@ -3,13 +3,13 @@ r"""End to end: the sparse model against the same model with a dense SiLU FFN, i
     python -m benchmarks.e2e --out=e2e.json                      # on a Hopper GPU
     python -m benchmarks.e2e --shapes=tiny --steps=3 --iters=2   # the CPU smoke mode
 
-Both models are the project's own (`train/model.py`) at the paper's shapes (D=2048,
+Both models are the project's own (`train/models/transformer.py`) at the paper's shapes (D=2048,
 H=5632, 32 heads, context 2048, the 32k vocabulary) with the same attention (cuDNN flash
 attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights are realistic:
 the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
 the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
 runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
-(`train.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
+(`train.training.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
 (the paper's baseline), the same weights.
 
 Measured per shape, as sparse / dense ratios in one process:
@@ -50,7 +50,7 @@ def _define_flags():
   flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
                      "GPU, xla elsewhere)")
   flags.DEFINE_float("sparse_below", None, "per-layer choice threshold on the predicted "
-                     "ratio to dense (default: train.layer_choice's)")
+                     "ratio to dense (default: train.training.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
@@ -114,24 +114,18 @@ def _config(shape: str, tokenizer: str = "byte"):
   return cfg
 
 
-def _expand_layers(params, n_layers: int):
-  """The trained layers repeated to n_layers (scan layout: leaves with a leading [L])."""
-  blocks = jax.tree.map(lambda a: a[jnp.arange(n_layers) % a.shape[0]], params["blocks"])
-  return {**params, "blocks": blocks}
-
-
 def _model(cfg, mc):
   """(LanguageModel, optimizer, jitted train step) of a model config."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
-  from train import optim  # pylint: disable=import-outside-toplevel
-  from train import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  from train.training import optim  # pylint: disable=import-outside-toplevel
+  from train.training import steps as steps_lib  # pylint: disable=import-outside-toplevel
   lm = model_lib.LanguageModel(mc)
   tx = optim.make_optimizer(cfg)
   return lm, tx, jax.jit(steps_lib.make_train_step(lm, tx, cfg), donate_argnums=0)
 
 
 def _state(lm, tx, params, n_layers, seed=0):
-  from train import sparsity  # pylint: disable=import-outside-toplevel
+  from train.training import sparsity  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(jnp.copy, params)      # the step donates its state
   return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
           "rng": jax.random.key_data(jax.random.key(seed)),
@@ -139,7 +133,7 @@ def _state(lm, tx, params, n_layers, seed=0):
 
 
 def batches(cfg, rows: int, n: int):
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
   packer = data_lib.PackedBatches(
       data_lib.make_source(cfg.data, cfg.data.train_split), data_lib.make_tokenizer(cfg.data),
       seq_len=cfg.data.seq_len, rows=rows, seed=cfg.seed + 7)
@@ -155,26 +149,14 @@ def _memory_limit() -> int | None:
   return stats.get("bytes_limit")
 
 
-def _peak_bytes(compiled) -> int:
-  mem = compiled.memory_analysis()
-  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
-
-
 def _time_steps(step, state, batch, iters: int):
   """Synchronized wall ms of each of `iters` training steps after two warm-up steps (the
   median is robust to a step that retraces), and the mean board power over them (or None):
   (ms list, watts, state, metrics)."""
   for _ in range(2):
-    state, m = step(state, batch)
-  jax.block_until_ready(state)
-  ms = []
+    state, _ = step(state, batch)
   with PowerSampler() as power:
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      state, m = step(state, batch)
-      jax.block_until_ready(state)
-      ms.append((time.perf_counter() - t0) * 1e3)
+    ms, state, m = timing.synced_steps_ms(step, state, batch, iters=iters, warmup=0)
   return ms, power.mean_watts, state, m
 
 
@@ -191,9 +173,9 @@ def kernel_kind(name: str) -> str:
 
 def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   """Device time of one training step by kind of kernel (CUPTI), from a non-donating step."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
-  from train import optim  # pylint: disable=import-outside-toplevel
-  from train import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  from train.training import optim  # pylint: disable=import-outside-toplevel
+  from train.training import steps as steps_lib  # pylint: disable=import-outside-toplevel
   lm = model_lib.LanguageModel(mc)
   tx = optim.make_optimizer(run_cfg)
   step = jax.jit(steps_lib.make_train_step(lm, tx, run_cfg))
@@ -213,8 +195,8 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
 
 
 def run_shape(shape: str, fl) -> dict:
-  from train import layer_choice  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   base_shape = "tiny" if shape == "tiny" else "paper_0p5b"
   _, params = trained.trained_params(base_shape, "paper", steps=fl.steps,
                                      extreme_steps=0, cache_dir=fl.cache_dir,
@@ -222,7 +204,7 @@ def run_shape(shape: str, fl) -> dict:
   cfg = _config(shape, fl.tokenizer)
   n_layers = cfg.model.n_layers
   if shape != "tiny":
-    params = _expand_layers(params, n_layers)
+    params = trained.repeat_layers(params, n_layers)
   mc_sparse = model_lib.ModelConfig.from_config(cfg.model)
   mc_dense = dataclasses.replace(mc_sparse, ffn_activation="silu", ffn_implementation="dense")
   b, t = cfg.batch_size, cfg.data.seq_len
@@ -274,7 +256,7 @@ def run_shape(shape: str, fl) -> dict:
       mc_run = dataclasses.replace(mc, remat=remat)
       lm, tx, step = _model(run_cfg, mc_run)
       state = _state(lm, tx, params, n_layers)
-      peak = _peak_bytes(step.lower(state, batch).compile())
+      peak = timing.peak_bytes(step.lower(state, batch).compile())
       if not remat:
         res[f"{name}_peak_bytes_no_remat"] = peak
       if limit is None or peak <= 0.92 * limit:

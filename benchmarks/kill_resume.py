@@ -69,14 +69,14 @@ def _committed(workdir) -> list[int]:
 def state(workdir, step):
   """The train state of checkpoint `step`, restored on this process's devices (any backend:
   the FFN implementation of the run does not change the state's layout)."""
-  from train import checkpointing  # pylint: disable=import-outside-toplevel
-  from train import train_lib  # pylint: disable=import-outside-toplevel
+  from train.training import checkpointing  # pylint: disable=import-outside-toplevel
+  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
   _, meta = checkpointing.read_meta(workdir, step)
   cfg = ml_collections.ConfigDict(meta["config"])
   cfg.mesh.update(data=-1, fsdp=1)   # this process's devices, whatever the run used
   cfg.model.update(ffn_implementation="dense", interpret=False)
-  tr = train_lib.Trainer(cfg)
+  tr = trainer_lib.Trainer(cfg)
   mngr = checkpointing.make_manager(workdir, read_only=True)
   try:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -95,7 +95,7 @@ def compare(a, b) -> dict:
 
 
 def main(argv):
-  from train import metrics  # pylint: disable=import-outside-toplevel
+  from train.training import metrics  # pylint: disable=import-outside-toplevel
   metrics.quiet_library_logs()
   fl = flags.FLAGS
   extra = argv[1:]

@@ -41,8 +41,9 @@ import time
 from absl import app
 from absl import flags
 
+from benchmarks import cli_run
 from benchmarks import kill_resume
-from train import checkpointing
+from train.training import checkpointing
 
 CONFIGS = ("tiny", "small", "paper_0p5b")
 IMPLS = ("default", "mosaic_gpu")
@@ -124,7 +125,7 @@ def compare_states(a: str, b: str) -> dict:
   code = (
       "import json, sys, jax, numpy as np\n"
       "from benchmarks import kill_resume\n"
-      "from train import checkpointing\n"
+      "from train.training import checkpointing\n"
       "a, b = sys.argv[1:3]\n"
       "step = max(checkpointing.steps_on_disk(a))\n"
       "print(json.dumps(dict(step=step, **kill_resume.compare("
@@ -226,24 +227,6 @@ def run_cell(config: str, impl: str, mesh: str, root: str, gpus: str | None,
   return cell
 
 
-def gpu_count() -> int:
-  """GPUs of this machine, without initializing a JAX backend here."""
-  try:
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-  except (OSError, subprocess.TimeoutExpired):
-    return 0
-  return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-
-
-def device_name() -> str:
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=60)
-    return out.stdout.strip().splitlines()[0]
-  except (OSError, subprocess.TimeoutExpired, IndexError):
-    return "cpu"
-
-
 def write(path: str | None, result: dict) -> None:
   if path:
     with open(path + ".tmp", "w") as f:
@@ -280,7 +263,7 @@ def main(argv):
         results.append(json.load(f))
     print(table(results))
     return
-  n = gpu_count()
+  n = len(cli_run.gpu_names())
   if n == 0:
     sys.exit("benchmarks.matrix needs NVIDIA GPUs (nvidia-smi lists none)")
   configs = [c for c in fl.configs.split(",") if c]
@@ -292,7 +275,7 @@ def main(argv):
   root = fl.workdir or tempfile.mkdtemp(prefix="twell_matrix_")
   one = [(c, i, "1") for c in configs for i in impls if "1" in all_meshes]
   many = [(c, i, m) for m in all_meshes if m != "1" for c in configs for i in impls]
-  result = {"device": device_name(), "devices": n, "cells": [], "shapes": []}
+  result = {"device": cli_run.device_name(), "devices": n, "cells": [], "shapes": []}
 
   def done(cell):
     result["cells"].append(cell)

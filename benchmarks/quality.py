@@ -118,7 +118,7 @@ def _schedule_flags(shape: str, steps: int) -> list[str]:
 
 def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> dict:
   """One `train.main` command; its measurements (module docstring)."""
-  from train import metrics  # pylint: disable=import-outside-toplevel
+  from train.training import metrics  # pylint: disable=import-outside-toplevel
   workdir = os.path.join(fl.workdir, spec["name"].replace("/", "_") + tag)
   config = f"configs/{spec['shape']}.py" + (f":{spec['variant']}" if spec["variant"] else "")
   every = max(1, steps // fl.eval_points)
@@ -142,8 +142,8 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
   train_rows = [r for r in rows if "loss" in r and "eval/loss" not in r]
   last = train_rows[-1]
   layers = sorted(int(k.rsplit("_", 1)[1]) for k in last if k.startswith("active_per_token/"))
-  from train import config_checks  # pylint: disable=import-outside-toplevel
-  run_cfg = config_checks.read_workdir_config(workdir)   # the config the run trained with
+  from train.config import workdir as workdir_config
+  run_cfg = workdir_config.read_workdir_config(workdir)   # the config the run trained with
   tokens_per_step = run_cfg["batch_size"] * run_cfg["data"]["seq_len"]
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
   traced = timing.trace_breakdown(os.path.join(workdir, "profile"), profile) if profile else None

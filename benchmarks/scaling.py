@@ -7,12 +7,12 @@ r"""Training throughput per mesh: the sparse and the dense model on 1 device and
     python -m benchmarks.scaling --remat --grad_accum=4             # the trainer's accumulation
     python -m benchmarks.scaling --shape=tiny --weights=init --meshes=1x1 --iters=2   # CPU
 
-Each mesh DATAxFSDP runs the trainer's own step (`train.train_lib.Trainer`: the FFN and the
+Each mesh DATAxFSDP runs the trainer's own step (`train.trainer_lib.Trainer`: the FFN and the
 loss per device under shard_map, parameters split over fsdp) with `--batch_per_device`
 sequences of the shape's context per device, for two models at the paper's shape with
 `--layers` layers (as `benchmarks.e2e`):
 
-  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.layer_choice`)
+  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.training.layer_choice`)
     decides each layer's FFN and hot features from one step's feature counts and the
     features are sorted by popularity, as `train.main` does on its first step; on weights
     trained to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`:
@@ -33,9 +33,9 @@ Per mesh, model and option set: tokens/s of back-to-back steps, as the trainer r
 against the 1-device mesh (tokens/s over devices x the 1-device tokens/s); the same of
 synchronized steps (`synced_*`: each step waited for, so each pays its launch); the compiled
 step's collectives by kind, every one that moves something other
-than a weight (`train.sharding.non_weight_collectives`; expected: none), how many of the
+than a weight (`train.runtime.hlo.non_weight_collectives`; expected: none), how many of the
 asynchronous ones overlap compute and how many bytes they move
-(`train.sharding.collective_overlap`), XLA's peak memory estimate and each device's measured
+(`train.runtime.hlo.collective_overlap`), XLA's peak memory estimate and each device's measured
 peak.
 """
 
@@ -50,7 +50,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
@@ -152,8 +151,7 @@ def _params(fl):
   _, params = trained.trained_params(base, "paper", steps=fl.train_steps, extreme_steps=0,
                                      cache_dir=fl.cache_dir)
   if fl.shape != "tiny":
-    params = {**params, "blocks": jax.tree.map(
-        lambda a: a[jnp.arange(fl.layers) % a.shape[0]], params["blocks"])}
+    params = trained.repeat_layers(params, fl.layers)
   if not fl.scan_layers:
     params = loop_layout(params)
   # On the host: each mesh's state is a fresh copy, which its step donates (an array already
@@ -164,7 +162,7 @@ def _params(fl):
 def loop_layout(params):
   """Parameters of the scan layout (every block leaf stacked over [L]) in the loop layout:
   params["blocks"] = {layer: that layer's block}."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   n = jax.tree.leaves(params["blocks"])[0].shape[0]
   return {**params, "blocks": dict(enumerate(model_lib.unstacked_blocks(params["blocks"], n)))}
 
@@ -178,20 +176,14 @@ def _state(tr, params):
   return {**state, "params": params, "opt_state": opt_state}
 
 
-def _peak_bytes(compiled) -> int:
-  mem = compiled.memory_analysis()
-  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
-
-
 def _choose(fl, params):
   """The sparse model's per-layer choice on one device, as the trainer's first step makes it:
   (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the description
   and the predicted per-layer ratios). None where the config makes no choice."""
-  from train import sharding  # pylint: disable=import-outside-toplevel
-  from train import train_lib  # pylint: disable=import-outside-toplevel
+  from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
+  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, "sparse", 1, 1)
-  tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
   choice = tr.layer_choice()
   if choice is None:
     return None
@@ -205,7 +197,7 @@ def _choose(fl, params):
 
 
 def _batch(tr, cfg):
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
   packer = data_lib.PackedBatches(
       data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
       seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 7)
@@ -219,12 +211,13 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   """One model on one mesh with one option set (`OPTION_SETS`), on the devices from
   `first_device` on; `choice` (from `_choose`) gives the sparse model's layers and feature
   order."""
-  from train import sharding  # pylint: disable=import-outside-toplevel
-  from train import train_lib  # pylint: disable=import-outside-toplevel
+  from train.runtime import hlo  # pylint: disable=import-outside-toplevel
+  from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
+  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, model, data, fsdp, options)
   n = data * fsdp
   devices = jax.devices()[first_device:first_device + n]
-  tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, devices))
+  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, devices))
   state = _state(tr, params)
   key = None
   if model == "sparse" and choice is not None:
@@ -240,18 +233,10 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
     os.makedirs(fl.dump_hlo, exist_ok=True)
     with open(os.path.join(fl.dump_hlo, f"{model}_{data}x{fsdp}_{options}.hlo"), "w") as f:
       f.write(text)
-  found = sharding.collectives(text)
-  overlap = sharding.collective_overlap(text)
+  found = hlo.collectives(text)
+  overlap = hlo.collective_overlap(text)
   shapes = [p.shape for p in jax.tree.leaves(state["params"])]
-  for _ in range(2):
-    state, m = step(state, batch)
-  jax.block_until_ready(state)
-  synced = []
-  for _ in range(fl.iters):
-    t0 = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(state)
-    synced.append((time.perf_counter() - t0) * 1e3)
+  synced, state, m = timing.synced_steps_ms(step, state, batch, iters=fl.iters)
   ms, state = timing.pipelined_ms(step, state, batch, iters=fl.iters, rounds=3, carry=True)
   profile = None
   if getattr(fl, "profile_dir", None):
@@ -282,8 +267,8 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "collective_bytes": sum(o["bytes"] for o in overlap),
       "overlapped_bytes": sum(o["bytes"] for o in overlap if o["between"] > 0),
       "non_weight_collectives": [list(c) for c in
-                                 sharding.non_weight_collectives(found, shapes, fsdp, n)],
-      "xla_peak_bytes_per_device": _peak_bytes(step),
+                                 hlo.non_weight_collectives(found, shapes, fsdp, n)],
+      "xla_peak_bytes_per_device": timing.peak_bytes(step),
       "measured_peak_bytes_per_device": peaks,
       "active_per_token": [float(a) for a in np.asarray(m["active_per_token"])],
       "loss": float(m["loss"]),

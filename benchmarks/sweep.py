@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from benchmarks import kernels
 from benchmarks import specs as specs_lib
 from benchmarks import timing
-from pallas_kernels import _common as common
+from pallas_kernels import _row_loops as row_loops
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import gate_pack_mgpu as gp
@@ -41,11 +41,10 @@ _WHAT = flags.DEFINE_list("what", ["train"], "gate, forward, up_down and / or tr
 _SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_skew"], "benchmarks.specs names")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 
-_G = common.GatherConfig
+_G = row_loops.GatherConfig
 _C = twell_to_ell_triton.ConvertConfig
 GATE_VARIANTS = {
     "default": gp.GateConfig(),
-    "no_packer_wg": gp.GateConfig(epilogue_wg=False, max_concurrent_steps=4, extract_ways=2),
     "chunk128": gp.GateConfig(pack_chunk=128),
     "stages2": gp.GateConfig(max_concurrent_steps=2),
     "lag0": gp.GateConfig(delay_release=0),

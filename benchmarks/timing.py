@@ -38,6 +38,22 @@ def wall_ms(f, *args, iters: int) -> float:
   return statistics.median(ts)
 
 
+def synced_steps_ms(step, state, batch, *, iters: int, warmup: int = 2):
+  """Wall ms of each of `iters` calls `state, metrics = step(state, batch)`, each waited for,
+  after `warmup` calls: (ms list, state, the last metrics)."""
+  m = None
+  for _ in range(warmup):
+    state, m = step(state, batch)
+  jax.block_until_ready(state)
+  ms = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(state)
+    ms.append((time.perf_counter() - t0) * 1e3)
+  return ms, state, m
+
+
 def device_ms(f, *args, iterations: int = 10) -> float | None:
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
   try:
@@ -172,3 +188,11 @@ def trace_breakdown(trace_dir: str, steps: int, top: int = 12) -> dict | None:
           "compute_ms": per(compute),
           "busy_ms_by_stream": {k: per(v) for k, v in by_stream.most_common()},
           "kernels": [[k, per(v)] for k, v in by_name.most_common(top)]}
+
+
+def peak_bytes(compiled) -> int:
+  """XLA's peak device memory of a compiled program: its temporaries, arguments and outputs,
+  less the outputs aliased onto donated arguments."""
+  mem = compiled.memory_analysis()
+  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+             - mem.alias_size_in_bytes)

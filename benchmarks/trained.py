@@ -85,6 +85,13 @@ def config_for(shape: str, *, batch: int | None = None, seq_len: int | None = No
   return c
 
 
+def repeat_layers(params, n_layers: int):
+  """The trained layers repeated to n_layers (scan layout: leaves with a leading [L]): the
+  deeper paper shapes' stand-in for a model trained at that depth."""
+  blocks = jax.tree.map(lambda a: a[jnp.arange(n_layers) % a.shape[0]], params["blocks"])
+  return {**params, "blocks": blocks}
+
+
 def _save(path: str, params) -> None:
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
@@ -99,9 +106,9 @@ def _load(path: str, like):
 
 def train(cfg, steps: int, *, params=None, log_every: int = 100):
   """Trains `steps` steps from `params` (None: a fresh init); returns (params, last metrics)."""
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
-  from train import train_lib  # pylint: disable=import-outside-toplevel
-  tr = train_lib.Trainer(cfg)
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  tr = trainer_lib.Trainer(cfg)
   state = tr.new_state(jax.random.key(cfg.seed))
   if params is not None:
     state = {**state, "params": params, "opt_state": tr.tx.init(params)}
@@ -128,7 +135,7 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
   `tokenizer` (`config_for`), cached."""
   if level not in ("paper", "extreme"):
     raise ValueError(f"level must be 'paper' or 'extreme'; got {level!r}")
-  from train import train_lib  # pylint: disable=import-outside-toplevel
+  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = config_for(shape, tokenizer=tokenizer)
   cfg.l1_coeff = PAPER_L1 if level == "paper" else EXTREME_L1
   os.makedirs(cache_dir, exist_ok=True)
@@ -137,7 +144,7 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
   if tokenizer != "byte":
     name += f"_{tokenizer}"
   path = os.path.join(cache_dir, name + ".npz")
-  like = jax.eval_shape(train_lib.Trainer(cfg).lm.init_params, jax.random.key(0))
+  like = jax.eval_shape(trainer_lib.Trainer(cfg).lm.init_params, jax.random.key(0))
   if os.path.exists(path):
     logging.info("trained weights from the cache: %s", path)
     return cfg, _load(path, like)

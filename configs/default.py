@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.dead_reinit = False
   c.dead_reinit_every = 1000
 
-  # Per-layer FFN choice (train/layer_choice.py): with ffn_implementation=None, each layer
+  # Per-layer FFN choice (train/training/layer_choice.py): with ffn_implementation=None, each layer
   # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
   # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
   # every `every` steps. The new step compiles in the background and runs from
@@ -82,7 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
       enabled=True,
       sparse="auto",          # the sparse layers' implementation; auto: what None resolves to
       every=20,
-      sparse_below=0.9,       # predicted FFN time over dense (train/layer_choice.py)
+      sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
       dense_above=1.0,
       background=True,
       landing_steps=300,

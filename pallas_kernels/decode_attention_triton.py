@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +53,7 @@ class AttentionConfig:
   def __post_init__(self):
     if self.block_t < 16 or not common.is_pow2(self.block_t):
       raise ValueError(f"{self.block_t=} must be a power of two >= 16")
-    common.check_triton_warps(self.num_warps)
+    target.check_triton_warps(self.num_warps)
 
 
 def supports(q_heads: int, kv_heads: int, head_dim: int) -> Optional[str]:

@@ -70,6 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
 
 MAX_ROWS = 64
 
@@ -117,8 +118,8 @@ class DecodeConfig:
         raise ValueError(f"{name}={v} must be a power of two >= 16")
     if not (common.is_pow2(self.rows_features) and self.rows_features >= 2):
       raise ValueError(f"rows_features={self.rows_features} must be a power of two >= 2")
-    common.check_triton_warps(self.num_warps)
-    common.check_triton_warps(self.rows_warps)
+    target.check_triton_warps(self.num_warps)
+    target.check_triton_warps(self.rows_warps)
     if self.num_stages < 1:
       raise ValueError(f"{self.num_stages=} must be >= 1")
     if self.rows_sum not in ("xla", "kernel"):

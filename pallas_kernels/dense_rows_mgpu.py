@@ -38,6 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
+from pallas_kernels import _row_loops as row_loops
 
 _F32 = jnp.float32
 
@@ -189,13 +191,13 @@ def dense_ffn_rows(x, rows, n, w_gate, w_up, w_down, *,
   n = jnp.asarray(n, jnp.int32)
   n = jnp.reshape(n, (1,)) if n.ndim == 0 else n
   bm, bn = cfg.block_m, cfg.block_n
-  grid = dict(grid=(common.num_sms(),), grid_names=("sm",),
-              interpret=common.interpret_params(interpret))
+  grid = dict(grid=(target.num_sms(),), grid_names=("sm",),
+              interpret=target.interpret_params(interpret))
   lane = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     gather = plgpu.kernel(
         _gather_kernel, out_type=jax.ShapeDtypeStruct((r, d), x.dtype),
-        compiler_params=common.gather_kernel_params(), kernel_name="twell_dense_rows_gather",
+        compiler_params=row_loops.gather_kernel_params(), kernel_name="twell_dense_rows_gather",
         **grid)
     x_rows = common.call_kernel(gather, n, rows, x)
 

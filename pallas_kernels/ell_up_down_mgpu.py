@@ -18,7 +18,7 @@ inference forward) turn the gate kernel's TwELL tiles into these rows.
 
 Mapping: one CTA (one warpgroup, 128 threads) per row; x_r and the f32 accumulator live in
 registers (D/128 values per thread), ELL entries are scalar GMEM reads (one per entry) issued
-one step ahead (``common.prefetched_fori_loop``), and weight rows are D-long contiguous GMEM
+one step ahead (``row_loops.prefetched_fori_loop``), and weight rows are D-long contiguous GMEM
 (L2) reads of ``w_up_t`` [H, D] and ``w_down`` [H, D]. ``group`` entries are processed side
 by side per step, so 2 * group row loads are in flight (twice that with ``rows_ahead``, which
 issues the next step's rows before this step's work); slots past n_r hold 0 (column 0, p = 0;
@@ -37,6 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
+from pallas_kernels import _row_loops as row_loops
 
 _F32 = jnp.float32
 
@@ -46,18 +48,18 @@ def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem
             x_mode: str, rows_ahead: bool, has_init: bool, write_u: bool, has_dense: bool):
   r = lax.axis_index("r")
   n = n_gmem[r]
-  x = common.hold_row(x_gmem, r, x_mode) if gated else None
+  x = row_loops.hold_row(x_gmem, r, x_mode) if gated else None
   if has_init:
     acc0 = init_gmem[r, :].astype(_F32)
   else:
-    acc0 = common.zeros_like_row(wd_gmem[0, :])
+    acc0 = row_loops.zeros_like_row(wd_gmem[0, :])
 
   last = entries_gmem.shape[1] - 1
 
   def load(gi):
     # One scalar per entry: the column is its high half, p its low half (bf16 bits, which
     # shifted up are the f32 value).
-    es = [entries_gmem[r, k] for k in common.group_slots(gi, group, last)]
+    es = [entries_gmem[r, k] for k in row_loops.group_slots(gi, group, last)]
     return ([lax.shift_right_logical(e, 16) for e in es],
             [lax.bitcast_convert_type(lax.shift_left(e, 16), _F32) for e in es])
 
@@ -72,7 +74,7 @@ def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem
     ks = [gi * group + q for q in range(group)]
     for q in range(group):
       if gated:
-        u = jnp.sum(common.row_at(x, x_gmem, r) * wus[q].astype(_F32))
+        u = jnp.sum(row_loops.row_at(x, x_gmem, r) * wus[q].astype(_F32))
         u = u.astype(jnp.bfloat16).astype(_F32)
         if write_u:
           u_gmem[r, ks[q]] = u
@@ -84,7 +86,7 @@ def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem
     return acc, l1
 
   n_groups = (n + (group - 1)) // group
-  acc, l1 = common.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)),
+  acc, l1 = row_loops.prefetched_fori_loop(n_groups, load, step, (acc0, jnp.float32(0.0)),
                                         fetch=fetch, fetch_ahead=rows_ahead)
   if not has_dense:
     y_gmem[r, :] = acc.astype(y_gmem.dtype)
@@ -104,7 +106,7 @@ def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem
 
 
 def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
-                write_u: bool = True, config: common.GatherConfig = common.GatherConfig(),
+                write_u: bool = True, config: row_loops.GatherConfig = row_loops.GatherConfig(),
                 interpret=False):
   """(y [M, D] bf16, u [M, Wk] f32, l1 [M] f32); ``w_up_t`` is None for non-gated blocks,
   u is None for them and without ``write_u`` (the inference forward keeps no residuals).
@@ -145,7 +147,7 @@ def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
                        f"{l1_dense.shape=} must be [M={m}], [R, D={d}], [R]")
   else:
     pos, y_dense, l1_dense = n, x, n
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_kernel, gated=gated, group=group, x_mode=config.row_mode,
                           rows_ahead=config.rows_ahead, has_init=has_init,
@@ -155,8 +157,8 @@ def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
                   jax.ShapeDtypeStruct((m,), _F32)),
         grid=(m,),
         grid_names=("r",),
-        compiler_params=common.gather_kernel_params(),
-        interpret=common.interpret_params(interpret),
+        compiler_params=row_loops.gather_kernel_params(),
+        interpret=target.interpret_params(interpret),
         kernel_name="twell_up_down" if gated else "twell_down",
     )
     y, u, l1 = common.call_kernel(f, x, entries, n, w_up_t, w_down, y_init, pos, y_dense,

@@ -44,6 +44,8 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
+from pallas_kernels import _row_loops as row_loops
 from pallas_kernels import dense_rows_mgpu
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import gate_pack_mgpu
@@ -91,7 +93,7 @@ class ForwardConfig:
   hot_features: int = 0
   max_row_entries: int = 128
   gate: gate_pack_mgpu.GateConfig = gate_pack_mgpu.GateConfig()
-  ell: common.GatherConfig = common.GatherConfig(rows_ahead=True, row_mode="f32")
+  ell: row_loops.GatherConfig = row_loops.GatherConfig(rows_ahead=True, row_mode="f32")
   dense_rows: dense_rows_mgpu.DenseRowsConfig = dense_rows_mgpu.DenseRowsConfig()
   weight_check: str = "auto"
   convert: str = "triton"
@@ -104,9 +106,6 @@ class ForwardConfig:
       raise ValueError(f"{self.convert=} must be 'xla' or 'triton'")
     if self.weight_check not in ("auto", "xla", "gate"):
       raise ValueError(f"{self.weight_check=} must be 'auto', 'xla' or 'gate'")
-    if self.weight_check == "gate" and not self.gate.epilogue_wg:
-      raise ValueError("weight_check='gate' needs the gate kernel's packing warpgroup "
-                       f"(GateConfig.epilogue_wg); got {self.gate}")
     if self.hot_features < 0 or self.hot_features % common.TILE_N:
       raise ValueError(f"{self.hot_features=} must be a multiple of {common.TILE_N}, >= 0")
 
@@ -130,7 +129,7 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
     return f"w_down must be [H={h}, D={d}], got {w_down.shape}"
   if common.round_up(h, common.TILE_N) > 65536:
     return f"H={h} exceeds the 16-bit column field of the packed words"
-  if not interpret and not common.on_hopper():
+  if not interpret and not target.on_hopper():
     return "needs a Hopper GPU (sm_90) as the default device, or interpret=True"
   return None
 
@@ -195,8 +194,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     # w_up (gated) and w_down: see the non-finite note below.
     checked = (wup_p if gated else None, wd_p)
     in_gate = config.weight_check == "gate" or (
-        config.weight_check == "auto" and config.gate.epilogue_wg
-        and 0 < gate_pack_mgpu.check_blocks_per_tile(
+        config.weight_check == "auto" and 0 < gate_pack_mgpu.check_blocks_per_tile(
             wd_p.size, mp, n_tiles, config.gate, interpret) <= GATE_CHECK_BLOCKS)
     packed = gate_pack_mgpu.gate_pack(
         xp, wg_p if gated else wup_p, col_start=k_hot, config=config.gate,

@@ -57,6 +57,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as common
+from pallas_kernels import _row_loops as row_loops
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import reference
@@ -65,7 +66,7 @@ from pallas_kernels import sparse_backward_mgpu
 _F32 = jnp.float32
 
 
-_Gather = common.GatherConfig
+_Gather = row_loops.GatherConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,11 +91,11 @@ class HybridConfig:
   # popularity puts first (see ``ffn_mgpu.ForwardConfig.hot_features``).
   hot_features: int = 0
   dh_in_columns: bool = True
-  up_down: common.GatherConfig = _Gather(rows_ahead=True)
-  down_dh: common.GatherConfig = _Gather()
-  wgrads: common.GatherConfig = _Gather()
-  dh: common.GatherConfig = _Gather()       # the row-side dh (dh_in_columns=False)
-  dx: common.GatherConfig = _Gather(rows_ahead=True)
+  up_down: row_loops.GatherConfig = _Gather(rows_ahead=True)
+  down_dh: row_loops.GatherConfig = _Gather()
+  wgrads: row_loops.GatherConfig = _Gather()
+  dh: row_loops.GatherConfig = _Gather()       # the row-side dh (dh_in_columns=False)
+  dx: row_loops.GatherConfig = _Gather(rows_ahead=True)
 
   def __post_init__(self):
     if min(self.m, self.d, self.h, self.ell_width, self.tail_rows) < 1:

@@ -22,13 +22,11 @@ largest *non-overflowing* count among the warpgroup's 64 rows (~5 for ~30 active
 heavy rows cost nothing here.
 
 Work split: CTA tile 128 x 256 x tile_k; 2 compute warpgroups of 64 rows each (one wgmma
-m64n256 accumulator each, 128 f32 registers per thread); persistent grid over the SMs. Two
-kernels, same words bit for bit:
-  * ``_kernel_epilogue_wg`` (``GateConfig.epilogue_wg``, the default): the compute
-    warpgroups hand each finished tile to SMEM as bf16 and go on with the next tile; a
-    packing warpgroup packs it meanwhile, in 64-column chunks (0.499 ms on an H100).
-  * ``_kernel``: jax's warp-specialized pipeline with a TMA producer warpgroup; the compute
-    warpgroups pack their own tiles after the MMAs (the tensor cores idle meanwhile: 0.58 ms).
+m64n256 accumulator each, 128 f32 registers per thread); persistent grid over the SMs. The
+compute warpgroups hand each finished tile to SMEM as bf16 and go on with the next tile; a
+third, packing warpgroup packs it meanwhile, in 64-column chunks (``_kernel``; 0.499 ms on an
+H100, where compute warpgroups packing their own tiles after the MMAs took 0.58: the tensor
+cores idled meanwhile).
 With ``check=`` the packing warpgroup also scans other arrays of one size (the forward's
 w_up and w_down) for NaN / infinities, a few [64, 64] blocks before each of its tiles while
 the tensor cores run, and a bool says whether it found one (``_ScanPlan``).
@@ -47,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,30 +62,16 @@ class GateConfig:
   grid_tile_width: int = 8
   compression: int = 8
   # wgmma groups left in flight at the end of each K step (an SMEM stage is then released one
-  # step later): 0 serializes MMA issue and completion, 1 overlaps them. With the packing
-  # warpgroup 0.496 against 0.529 ms (H100, paper shape); with ``_kernel`` no faster.
+  # step later): 0 serializes MMA issue and completion, 1 overlaps them: 0.496 against 0.529
+  # ms (H100, paper shape).
   delay_release: int = 1
-  # 2-CTA clusters along M sharing each W tile through TMA multicast (halves W's L2 traffic;
-  # needs M % 256 == 0). Measured no faster at the paper shape. (``_kernel`` only.)
-  cluster_m: bool = False
-  # Extraction loop of the pack: 1 takes the row minimum over all 256 keys per slot; 2 first
-  # splits each row into column pairs (c, c + 128) kept as sorted 2-queues (head = min,
-  # tail = max) and takes the minimum over the 128 heads, popping the winning queue: half the
-  # elements per step. Same words (a multiway merge of sorted queues is the sorted order).
-  # 1 with the packing warpgroup: its three warpgroups share 168 registers and the 2-way
-  # queues spill there (0.59-0.64 ms against 0.532).
-  extract_ways: int = 1
-  # A packing warpgroup (``_kernel_epilogue_wg``) takes the place of the TMA producer: the
-  # compute warpgroups hand each finished tile over as bf16 through SMEM and go on with the
-  # next tile's MMAs, so the pack overlaps the tensor-core work instead of following it
-  # (0.532 ms against 0.58 for ``_kernel``, whose compute warpgroups pack their own tiles).
-  epilogue_wg: bool = True
-  # (epilogue_wg only) Columns the packing warpgroup packs at a time (``_pack_chunks``): fewer
-  # live keys per thread, fewer spills: 256 columns 0.551 ms (216 bytes of spills), 128 0.538
-  # (120), 64 0.533 (60).
+  # Columns the packing warpgroup packs at a time (``_pack_chunks``): fewer live keys per
+  # thread, fewer spills: 256 columns 0.551 ms (216 bytes of spills), 128 0.538 (120), 64
+  # 0.533 (60). (Its extraction loop takes the row minimum over all keys per slot; a 2-way
+  # queue merge halving the keys per step spilled: 0.59-0.64 ms.)
   pack_chunk: int = 64
-  # (epilogue_wg only) How the packer takes the max count over its 64 rows (``_row_max``):
-  # "reduce" 0 spills, 0.532 ms; "smem" 60 bytes, 0.533 ms.
+  # How the packer takes the max count over its 64 rows (``_row_max``): "reduce" 0 spills,
+  # 0.532 ms; "smem" 60 bytes, 0.533 ms.
   packer_row_max: str = "reduce"
 
   def __post_init__(self):
@@ -96,23 +81,19 @@ class GateConfig:
       raise ValueError(f"{self.compression=} must be 2, 4 or 8")
     if self.delay_release not in (0, 1):
       raise ValueError(f"{self.delay_release=} must be 0 or 1")
-    if self.extract_ways not in (1, 2):
-      raise ValueError(f"{self.extract_ways=} must be 1 or 2")
     if self.pack_chunk not in (64, 128, 256):
       raise ValueError(f"{self.pack_chunk=} must be 64, 128 or 256")
     if self.packer_row_max not in ("reduce", "smem"):
       raise ValueError(f"{self.packer_row_max=} must be 'reduce' or 'smem'")
     if self.max_concurrent_steps < 1:
       raise ValueError(f"{self.max_concurrent_steps=} must be >= 1")
-    if self.epilogue_wg and self.cluster_m:
-      raise ValueError(f"epilogue_wg does not support cluster_m; got {self}")
-    if self.epilogue_wg and self.smem_bytes() > _SMEM_BYTES:
+    if self.smem_bytes() > _SMEM_BYTES:
       raise ValueError(f"{self.max_concurrent_steps} SMEM stages of tile_k={self.tile_k} and "
                        f"the hand-over buffer need {self.smem_bytes()} bytes of SMEM, more "
                        f"than {_SMEM_BYTES}; got {self}")
 
   def smem_bytes(self) -> int:
-    """SMEM of ``_kernel_epilogue_wg``: the (x, w) stages, the bf16 hand-over buffer of both
+    """SMEM of ``_kernel``: the (x, w) stages, the bf16 hand-over buffer of both
     compute warpgroups and the words / counts staging buffers."""
     stage = (CTA_M + TILE_N) * self.tile_k * 2
     return (self.max_concurrent_steps * stage + 2 * WG_M * TILE_N * 2
@@ -146,12 +127,6 @@ def _handover_tile(acc):
   return jnp.where(acc > 0, acc.astype(jnp.bfloat16),
                    jnp.where(acc != acc, jnp.bfloat16(_POSITIVE_NAN),
                              jnp.bfloat16(_NOT_POSITIVE)))
-
-
-def _pack_tile(acc, cfg: GateConfig, cnt_smem):
-  """[64, 256] f32 (WGMMA layout) -> (words [64, S] int32, counts [64] int32)."""
-  vals = _handover_tile(acc)
-  return _pack_chunks(lambda _: vals, 1, cfg, cnt_smem)
 
 
 def _bits(vals):
@@ -213,30 +188,15 @@ def _pack_chunks(load, n_chunks: int, cfg: GateConfig, cnt_smem, after_loads=Non
     # (EMPTY as the 'true' case: Mosaic's select takes the signedness of the true case.)
     key = jnp.where(b < 0, common.EMPTY_WORD, col * 65536 + b)
     n_iter = _row_max(jnp.where(fits, cnt, 0), cnt_smem)
-    if cfg.extract_ways == 1:
-      def body(k, carry, base=base):
-        key, words = carry
-        kmin = jnp.min(key, axis=1)                                  # [64]
-        key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, width), (0,)),
-                        key, common.EMPTY_WORD)
-        return key, put(words, base + k, kmin)
 
-      _, words = lax.fori_loop(0, n_iter, body, (key, words))
-    else:
-      half = width // 2
-      lo, hi = key[:, :half], key[:, half:]
-      # Keys are unique per row except EMPTY, so min / max order each pair into a 2-queue.
-      heads, tails = jnp.minimum(lo, hi), jnp.maximum(lo, hi)
+    def body(k, carry, base=base):
+      key, words = carry
+      kmin = jnp.min(key, axis=1)                                    # [64]
+      key = jnp.where(key != lax.broadcast_in_dim(kmin, (WG_M, width), (0,)),
+                      key, common.EMPTY_WORD)
+      return key, put(words, base + k, kmin)
 
-      def body(k, carry, base=base):
-        heads, tails, words = carry
-        kmin = jnp.min(heads, axis=1)                                # [64]
-        keep = heads != lax.broadcast_in_dim(kmin, (WG_M, half), (0,))
-        # Pop the winner: its tail moves up and EMPTY takes the tail's place.
-        heads, tails = jnp.where(keep, heads, tails), jnp.where(keep, tails, common.EMPTY_WORD)
-        return heads, tails, put(words, base + k, kmin)
-
-      _, _, words = lax.fori_loop(0, n_iter, body, (heads, tails, words))
+    _, words = lax.fori_loop(0, n_iter, body, (key, words))
     base = base + cnt
   # Overflowing records: EMPTY (their row is computed elsewhere; a partial record would
   # depend on the loop bounds of the other rows).
@@ -332,79 +292,7 @@ def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gme
   plgpu.commit_smem_to_gmem_group()
 
 
-def _kernel(x_gmem, w_gmem, words_gmem, counts_gmem, *, cfg: GateConfig, tile_start: int):
-  m, k = x_gmem.shape
-  _, n = w_gmem.shape
-  slots = cfg.slots
-  tile_k = cfg.tile_k
-  csize = 2 if cfg.cluster_m else 1
-  m_iters, n_iters, k_iters = m // (CTA_M * csize), n // TILE_N - tile_start, k // tile_k
-  transforms, words_tr = _smem_transforms(cfg)
-
-  def get_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(k_iters,),
-        memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((CTA_M, tile_k), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM, delay_release=cfg.delay_release),
-            plgpu.BlockSpec((tile_k, TILE_N), lambda kk: (kk, 0), transforms=transforms,
-                            memory_space=plgpu.SMEM, delay_release=cfg.delay_release,
-                            collective_axes=("cluster",) if cfg.cluster_m else ()),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute_context,
-    )
-
-  ignore = lambda *_, **__: None
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
-      words_smem=plgpu.SMEM((2, WG_M, slots), jnp.int32, transforms=words_tr),
-      counts_smem=plgpu.SMEM((2, WG_M), jnp.int32),
-      cnt_smem=plgpu.SMEM((2, WG_M), jnp.int32),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, words_smem, counts_smem, cnt_smem):
-    wg = lax.axis_index("wg")
-
-    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-    def _tile_loop(info):
-      (lin,) = info.index
-      m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
-                                        cfg.grid_tile_width)
-      if cfg.cluster_m:
-        m_idx = m_idx * 2 + lax.axis_index("cluster")
-      rows = pl.ds(m_idx * CTA_M + wg * WG_M, WG_M)
-
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_M, TILE_N), jnp.float32))
-        def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)
-          words, counts = _pack_tile(acc_ref[...], cfg, cnt_smem.at[wg])
-          _store_packed(words, counts, words_smem.at[wg], counts_smem.at[wg],
-                        words_gmem, counts_gmem, rows, n_idx, (n_idx + tile_start) * TILE_N)
-
-      def mma_body(_, x_smem, w_smem, acc_ref):
-        plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_M, WG_M)], w_smem)
-        plgpu.wgmma_wait(cfg.delay_release)
-        return acc_ref
-
-      get_pipeline(mma_body, compute_context)(
-          x_gmem.at[pl.ds(m_idx * CTA_M, CTA_M), :],
-          w_gmem.at[:, pl.ds((n_idx + tile_start) * TILE_N, TILE_N)],
-          allocations=pipeline_allocs,
-      )
-
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _kernel_epilogue_wg(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int,
-                        scan: _ScanPlan | None):
+def _kernel(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int, scan: _ScanPlan | None):
   """Gate GEMM with a packing warpgroup (3 warpgroups, hand-written pipeline).
 
   Warpgroups 0 and 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers);
@@ -579,15 +467,14 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), ch
 
   ``check``: bf16 arrays of one size, a multiple of ``SCAN_BLOCK`` elements (None entries
   skipped), which the packing warpgroup checks for NaN / infinities while the tensor cores
-  run (``GateConfig.epilogue_wg`` only): then a third output, a bool scalar, True when one of
+  run: then a third output, a bool scalar, True when one of
   them holds such a value (``reference.any_nonfinite`` without a pass of its own)."""
   m, k = x.shape
   k2, n = w.shape
   if k != k2:
     raise ValueError(f"x {x.shape} and w {w.shape} do not contract")
-  m_mult = CTA_M * (2 if config.cluster_m else 1)
-  if m % m_mult or n % TILE_N or k % config.tile_k:
-    raise ValueError(f"gate_pack needs M % {m_mult} == 0, N % {TILE_N} == 0, "
+  if m % CTA_M or n % TILE_N or k % config.tile_k:
+    raise ValueError(f"gate_pack needs M % {CTA_M} == 0, N % {TILE_N} == 0, "
                      f"K % {config.tile_k} == 0; got {x.shape=} {w.shape=}")
   if col_start % TILE_N or not 0 <= col_start < n:
     raise ValueError(f"gate_pack needs col_start a multiple of {TILE_N} in [0, N={n}); "
@@ -595,31 +482,23 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), ch
   t = (n - col_start) // TILE_N
   check = tuple(a for a in check if a is not None)
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     grid = _grid(config)
     out_type = (jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
                 jax.ShapeDtypeStruct((t, m), jnp.int32))
-    kernel = functools.partial(_kernel, cfg=config, tile_start=col_start // TILE_N)
-    if config.epilogue_wg:
-      plan = _scan_plan(check, grid, _tiles(m, t))
-      kernel = functools.partial(_kernel_epilogue_wg, cfg=config,
-                                 tile_start=col_start // TILE_N, scan=plan)
-      if plan is not None:
-        out_type += (jax.ShapeDtypeStruct((grid, plan.slots), jnp.int32),)
-    elif check:
-      raise ValueError(f"gate_pack checks arrays only with the packing warpgroup "
-                       f"(GateConfig.epilogue_wg); got {config}")
+    plan = _scan_plan(check, grid, _tiles(m, t))
+    kernel = functools.partial(_kernel, cfg=config, tile_start=col_start // TILE_N, scan=plan)
+    if plan is not None:
+      out_type += (jax.ShapeDtypeStruct((grid, plan.slots), jnp.int32),)
     f = plgpu.kernel(
         kernel,
         out_type=out_type,
         grid=(grid,),
         grid_names=("sm",),
-        cluster=(2,) if config.cluster_m else (),
-        cluster_names=("cluster",) if config.cluster_m else (),
         num_threads=3,
         thread_name="wg",
         compiler_params=params,
-        interpret=common.interpret_params(interpret),
+        interpret=target.interpret_params(interpret),
         kernel_name="twell_gate_pack",
     )
     outs = common.call_kernel(f, x, w, *[a.reshape(-1, SCAN_COLS) for a in check])
@@ -635,14 +514,14 @@ def check_blocks_per_tile(size: int, m: int, n_tiles: int, config: GateConfig = 
   ``gate_pack(check=)`` reads before each of its tiles (x [m, K], ``n_tiles`` 256-column
   tiles): 0 when some CTA has no tile, which then reads its whole share after its tiles, one
   block after another."""
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     grid = _grid(config)
   return _ScanPlan.make(1, -(-size // SCAN_BLOCK), grid, _tiles(m, n_tiles)).per_tile
 
 
-def _grid(config: GateConfig) -> int:
-  """The persistent kernel's CTAs: one per SM, or per SM pair with ``cluster_m``."""
-  return common.num_sms() // (2 if config.cluster_m else 1)
+def _grid(config: GateConfig) -> int:  # pylint: disable=unused-argument
+  """The persistent kernel's CTAs: one per SM."""
+  return target.num_sms()
 
 
 def _tiles(m: int, n_tiles: int) -> int:

@@ -23,7 +23,7 @@ Kernels:
 All: one CTA (one warpgroup, 128 threads) per row or column, D-long f32 accumulators in
 registers (D/128 per thread), scalar GMEM reads for indices and coefficients issued one step
 ahead, D-long contiguous row reads, no atomics (every output row written once by its CTA), no
-tensor cores. Tuned choices per kernel: ``_common.GatherConfig``. Requires D % 128 == 0.
+tensor cores. Tuned choices per kernel: ``row_loops.GatherConfig``. Requires D % 128 == 0.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
+from pallas_kernels import _row_loops as row_loops
 
 _F32 = jnp.float32
 
@@ -51,11 +53,11 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
   r = lax.axis_index("r")
   n = n_gmem[r]
   c = c_gmem[0]
-  dy = common.hold_row(dy_gmem, r, dy_mode)
+  dy = row_loops.hold_row(dy_gmem, r, dy_mode)
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
-    ks = common.group_slots(gi, group, last)
+    ks = row_loops.group_slots(gi, group, last)
     return ([cols_gmem[r, k] for k in ks], [p_gmem[r, k].astype(_F32) for k in ks],
             [u_gmem[r, k].astype(_F32) for k in ks] if gated else None)
 
@@ -65,7 +67,7 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
     wds = [wd_gmem[j, :] for j in js]
     for q in range(group):
       h = (ps[q] * us[q]).astype(jnp.bfloat16).astype(_F32) if gated else ps[q]
-      dh = jnp.sum(common.row_at(dy, dy_gmem, r) * wds[q].astype(_F32)) + c * _sign(h)
+      dh = jnp.sum(row_loops.row_at(dy, dy_gmem, r) * wds[q].astype(_F32)) + c * _sign(h)
       dh = jnp.where(ps[q] > 0, dh, 0.0)
       if gated:
         du_gmem[r, ks[q]] = dh * ps[q]
@@ -74,7 +76,7 @@ def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
         dg_gmem[r, ks[q]] = dh
     return carry
 
-  common.prefetched_fori_loop((n + (group - 1)) // group, load, step, 0)
+  row_loops.prefetched_fori_loop((n + (group - 1)) // group, load, step, 0)
 
 
 def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, init_gmem, dx_gmem, *,
@@ -85,11 +87,11 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, init_gmem
   if has_init:
     acc0 = init_gmem[r, :].astype(_F32)
   else:
-    acc0 = common.zeros_like_row(wup_gmem[0, :])
+    acc0 = row_loops.zeros_like_row(wup_gmem[0, :])
   last = cols_gmem.shape[1] - 1
 
   def load(gi):
-    ks = common.group_slots(gi, group, last)
+    ks = row_loops.group_slots(gi, group, last)
     # Slots k >= n may hold anything (csc_down_dh does not write them): masked to 0.
     coef = lambda ref: [jnp.where(k < n, ref[r, k], 0.0) for k in ks]
     return [cols_gmem[r, k] for k in ks], coef(dg_gmem), coef(du_gmem) if gated else None
@@ -108,12 +110,12 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, init_gmem
         acc = acc + dgs[q] * wus[q].astype(_F32)
     return acc
 
-  acc = common.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0,
+  acc = row_loops.prefetched_fori_loop((n + (group - 1)) // group, load, step, acc0,
                                     fetch=fetch, fetch_ahead=rows_ahead)
   dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
 
 
-def ell_dh(dy, cols, p, u, n, c, w_down, *, config: common.GatherConfig = common.GatherConfig(),
+def ell_dh(dy, cols, p, u, n, c, w_down, *, config: row_loops.GatherConfig = row_loops.GatherConfig(),
            interpret=False):
   """(du [M, Wk] f32 or None (non-gated), dg [M, Wk] f32) on the row side: slots k >= n[r]
   are not written.
@@ -133,12 +135,12 @@ def ell_dh(dy, cols, p, u, n, c, w_down, *, config: common.GatherConfig = common
   if not gated:
     u = jnp.zeros((8, 8), p.dtype)              # unused placeholder operand
   coef_t = jax.ShapeDtypeStruct((m, wk), _F32)
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_dh_kernel, gated=gated, group=group, dy_mode=config.row_mode),
         out_type=(coef_t if gated else jax.ShapeDtypeStruct((1, 1), _F32), coef_t),
-        grid=(m,), grid_names=("r",), compiler_params=common.gather_kernel_params(),
-        interpret=common.interpret_params(interpret),
+        grid=(m,), grid_names=("r",), compiler_params=row_loops.gather_kernel_params(),
+        interpret=target.interpret_params(interpret),
         kernel_name="twell_train_bwd_dh" + ("" if gated else "_ng"))
     du, dg = common.call_kernel(f, dy, cols, p, u, n, c.astype(_F32).reshape(1), w_down)
   return (du if gated else None), dg
@@ -149,7 +151,7 @@ def _column_loads(rows_gmem, coef_refs, start, end, gi, group: int, last, via_gm
   ``coef_refs`` its coefficients [group] as f32, 0 past the column's end, None for a None ref;
   the indices they were read at [group]). Coefficients are read at the entry e itself, or at
   ``via_gmem[e]`` (e.g. the entry's ELL slot) when given."""
-  es, valid = common.column_slots(start, end, gi, group, last)
+  es, valid = row_loops.column_slots(start, end, gi, group, last)
   at = es if via_gmem is None else [via_gmem[e] for e in es]
   rows = [rows_gmem[e] for e in es]
   return rows, [None if ref is None else
@@ -166,7 +168,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
   start = ptr_gmem[j]
   end = ptr_gmem[j + 1]
   last = rows_gmem.shape[0] - 1
-  acc0 = (common.zeros_like_row(a_gmem[0, :]),) * n_out
+  acc0 = (row_loops.zeros_like_row(a_gmem[0, :]),) * n_out
 
   def load(gi):
     return _column_loads(rows_gmem, coefs, start, end, gi, group, last)[:2]
@@ -181,7 +183,7 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
     return tuple(accs)
 
   n_groups = (end - start + (group - 1)) // group
-  accs = common.prefetched_fori_loop(n_groups, load, step, acc0,
+  accs = row_loops.prefetched_fori_loop(n_groups, load, step, acc0,
                                      fetch=lambda loaded: [a_gmem[mm, :] for mm in loaded[0]],
                                      fetch_ahead=rows_ahead)
   for out, acc in zip(outs, accs):
@@ -206,7 +208,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   c = c_gmem[0]
   last = rows_gmem.shape[0] - 1
   wdj = wd_gmem[j, :].astype(_F32)
-  acc0 = common.zeros_like_row(wd_gmem[j, :])
+  acc0 = row_loops.zeros_like_row(wd_gmem[j, :])
 
   def load(gi):
     # p / u read at each entry's ELL slot (one step ahead, like every scalar here): no XLA
@@ -243,14 +245,14 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
     return acc
 
   n_groups = (end - start + (group - 1)) // group
-  acc = common.prefetched_fori_loop(n_groups, load, step, acc0,
+  acc = row_loops.prefetched_fori_loop(n_groups, load, step, acc0,
                                     fetch=lambda loaded: [dy_gmem[mm, :] for mm in loaded[0]],
                                     fetch_ahead=rows_ahead)
   dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
 
 
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
-                config: common.GatherConfig = common.GatherConfig(), out_dtype=_F32,
+                config: row_loops.GatherConfig = row_loops.GatherConfig(), out_dtype=_F32,
                 interpret=False):
   """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
   None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
@@ -280,15 +282,15 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
   u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
   coef_t = jax.ShapeDtypeStruct((e,), _F32)
   ell_t = jax.ShapeDtypeStruct((n_ell,), _F32)
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=config.group,
                           rows_ahead=config.rows_ahead),
         out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
                   coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
                   ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
-        grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
-        interpret=common.interpret_params(interpret),
+        grid=(hh,), grid_names=("j",), compiler_params=row_loops.gather_kernel_params(),
+        interpret=target.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
     dwd, du, dg, du_ell, dg_ell = common.call_kernel(f, dy, w_down, col_ptr, rows, p, u,
@@ -298,7 +300,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
 
 
 def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
-           config: common.GatherConfig = common.GatherConfig(), dx_dtype=_F32,
+           config: row_loops.GatherConfig = row_loops.GatherConfig(), dx_dtype=_F32,
            interpret=False):
   """dx [M, D] = dx_init + sum_{k < n[r]} du[r, k] W_up^T[j_k] + dg[r, k] W_gate^T[j_k] over
   the ELL entries (non-gated: du = w_gate_t = None and dx = sum_k dg[r, k] W_up^T[j_k]); slots
@@ -318,18 +320,18 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
     raise ValueError(f"ell_dx: {dx_init.shape=} must be {(m, d)}")
   if not has_init:
     dx_init = jnp.zeros((8, 128), w_up_t.dtype)   # unused placeholder operand
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_dx_kernel, gated=gated, group=group, rows_ahead=config.rows_ahead,
                           has_init=has_init),
         out_type=jax.ShapeDtypeStruct((m, d), dx_dtype), grid=(m,), grid_names=("r",),
-        compiler_params=common.gather_kernel_params(),
-        interpret=common.interpret_params(interpret),
+        compiler_params=row_loops.gather_kernel_params(),
+        interpret=target.interpret_params(interpret),
         kernel_name="twell_train_bwd_dx" + ("" if gated else "_ng"))
     return common.call_kernel(f, cols, n, du, dg, w_up_t, w_gate_t, dx_init)
 
 
-def column_sums(a, col_ptr, rows, *coefs, config: common.GatherConfig = common.GatherConfig(),
+def column_sums(a, col_ptr, rows, *coefs, config: row_loops.GatherConfig = row_loops.GatherConfig(),
                 out_dtype=_F32, name: str = "twell_train_column_sums", interpret=False):
   """out_i [H, D] ``out_dtype``, out_i[j] = sum_{col_ptr[j] <= e < col_ptr[j + 1]}
   coefs[i][e] a[rows[e]] (summed in f32 in entry order, rounded once as written).
@@ -344,12 +346,12 @@ def column_sums(a, col_ptr, rows, *coefs, config: common.GatherConfig = common.G
   if d % 128 or not coefs or any(c.shape != (e,) for c in coefs):
     raise ValueError(f"column_sums: bad shapes {a.shape=} {rows.shape=} "
                      f"{[c.shape for c in coefs]}")
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_one_kernel, n_out=len(coefs), group=config.group,
                           rows_ahead=config.rows_ahead),
         out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
-        grid=(hh,), grid_names=("j",), compiler_params=common.gather_kernel_params(),
-        interpret=common.interpret_params(interpret), kernel_name=name,
+        grid=(hh,), grid_names=("j",), compiler_params=row_loops.gather_kernel_params(),
+        interpret=target.interpret_params(interpret), kernel_name=name,
     )
     return common.call_kernel(f, a, col_ptr, rows, *coefs)

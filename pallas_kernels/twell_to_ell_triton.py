@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,7 @@ class ConvertConfig:
       raise ValueError(f"{self.rows_per_program=} must be a power of two")
     if self.tiles_per_step < 1:
       raise ValueError(f"{self.tiles_per_step=} must be >= 1")
-    common.check_triton_warps(self.num_warps)
+    target.check_triton_warps(self.num_warps)
 
 
 def entry_slots(width: int) -> int:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from absl.testing import parameterized
 
-from pallas_kernels import _common
+from pallas_kernels import _target as target
 from twell_jax.testing import ffn_inputs
 
 
@@ -30,7 +30,7 @@ def lower_for_cuda(f, *args, **kwargs):
   from jax._src.pallas.triton import gpu_info  # pylint: disable=import-outside-toplevel
   from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=import-outside-toplevel
   lowered = lambda: jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
-  if _common.on_hopper():
+  if target.on_hopper():
     return lowered()
   h100 = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
   with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", h100):
@@ -60,5 +60,5 @@ class KernelTestBase(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    if not self.INTERPRET and not _common.on_hopper():
+    if not self.INTERPRET and not target.on_hopper():
       self.skipTest("needs a Hopper GPU")

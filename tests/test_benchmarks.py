@@ -191,7 +191,7 @@ class ScalingSmokeTest(absltest.TestCase):
   def test_loop_layout_of_stacked_params(self):
     """`--scan_layers=false` runs scan-layout (cached) weights in the loop layout: the
     parameters the loop layout's init makes, with layer l's slice of every stacked leaf."""
-    from train import model as model_lib  # pylint: disable=import-outside-toplevel
+    from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
     from benchmarks import trained  # pylint: disable=import-outside-toplevel
     cfg = trained.config_for("tiny", batch=2)
     shapes = {}

@@ -7,7 +7,7 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train import data
+from train.data import pipeline as data
 from train.corpus import text_corpus
 
 

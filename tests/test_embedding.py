@@ -1,4 +1,4 @@
-"""train.embedding: the lookup's gradient (a blocked segment sum) against an f32 scatter-add."""
+"""train.models.embedding: the lookup's gradient (a blocked segment sum) against an f32 scatter-add."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import embedding
+from train.models import embedding
 
 
 def _reference(ids, rows, v):

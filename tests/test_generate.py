@@ -12,10 +12,10 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train import generate
-from train import inference
-from train import model as model_lib
-from train import train_lib
+from train.inference import generator as generate
+from train.inference import loading as inference
+from train.models import transformer as model_lib
+from train import errors
 
 
 def _random_model(scan_layers: bool, **model):
@@ -74,7 +74,7 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(kernels.stats["decode_attention"], "kernel")   # interpreted too
     self.assertEqual(out.stats["decode_attention"], "xla")          # the CPU, compiled
     self.assertEqual(kernels.tokens, out.tokens)
-    with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn='sparse': no GPU"):
+    with self.assertRaisesRegex(errors.ConfigError, "decode_ffn='sparse': no GPU"):
       generate.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)
 
   def test_recorded_gaps_are_the_top2_gaps_of_the_full_forward(self):
@@ -156,7 +156,7 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(set(draw(temperature=1.0, top_p=0.7)), {0, 1})  # 0.5 < 0.7 <= 0.8
     self.assertEqual(set(draw(temperature=1.0)), {0, 1, 2, 3})
     np.testing.assert_array_equal(draw(temperature=1.0), draw(temperature=1.0))
-    with self.assertRaisesRegex(train_lib.ConfigError, "top_p"):
+    with self.assertRaisesRegex(errors.ConfigError, "top_p"):
       generate.Sampling(top_p=0.0)
 
   def test_stops_at_eos_and_pads_after_it(self):
@@ -179,13 +179,13 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
   def test_prompt_longer_than_the_context_is_refused(self):
     cfg, _, params = _random_model(False)
     gen = generate.Generator(params, cfg)
-    with self.assertRaisesRegex(train_lib.ConfigError, "exceeds the context of 96"):
+    with self.assertRaisesRegex(errors.ConfigError, "exceeds the context of 96"):
       gen.generate_ids([[3] * 90], max_new_tokens=7)
-    with self.assertRaisesRegex(train_lib.ConfigError, "decode_ffn"):
+    with self.assertRaisesRegex(errors.ConfigError, "decode_ffn"):
       generate.Generator(params, cfg, decode_ffn="gather")
-    with self.assertRaisesRegex(train_lib.ConfigError, "decode_attention='flash'"):
+    with self.assertRaisesRegex(errors.ConfigError, "decode_attention='flash'"):
       generate.Generator(params, cfg, decode_attention="flash")
-    with self.assertRaisesRegex(train_lib.ConfigError, "decode_attention='kernel': no GPU"):
+    with self.assertRaisesRegex(errors.ConfigError, "decode_attention='kernel': no GPU"):
       generate.Generator(params, cfg, decode_attention="kernel")
 
   def test_text_api_and_cli_on_a_trained_checkpoint(self):

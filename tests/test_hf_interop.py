@@ -13,13 +13,14 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train import checkpointing
-from train import evaluate
-from train import export_hf
-from train import hf_format
-from train import import_hf
-from train import inference
-from train import train_lib
+from train.training import checkpointing
+from train.inference import hf_export as export_hf
+from train.hf import format as hf_format
+from train.training import hf_import as import_hf
+from train.inference import loading as inference
+from train.training import loop as train_lib
+from train.training import trainer as trainer_lib
+from train import errors
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None
                         for m in ("transformers", "torch"))
@@ -34,7 +35,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     cls.hf_dir = os.path.join(absltest.get_default_test_tmpdir(), "hf_interop_export")
     shutil.rmtree(cls.hf_dir, ignore_errors=True)
     cls.summary = export_hf.export(cls.workdir, cls.hf_dir)
-    cls.loss = evaluate.evaluate_checkpoint(cls.workdir)["loss"]
+    cls.loss = inference.evaluate_checkpoint(cls.workdir)["loss"]
 
   def _copy_of_export(self):
     path = os.path.join(self.create_tempdir().full_path, "hf")
@@ -72,7 +73,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
       wd = self.create_tempdir().full_path
       import_hf.import_checkpoint(self.hf_dir, wd, tu.micro_config(
           **{"model.scan_layers": scan}))
-      loss = evaluate.evaluate_checkpoint(wd)["loss"]
+      loss = inference.evaluate_checkpoint(wd)["loss"]
       if scan:  # the same weights through lax.scan: float32 rounding may differ
         self.assertAlmostEqual(loss, self.loss, places=5)
       else:
@@ -144,7 +145,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
       tensors = {n: np.array(get(n)) for n in names}
     tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:200]
     hf_format.save_tensors(os.path.join(hf, hf_format.WEIGHTS), tensors)
-    with self.assertRaisesRegex(train_lib.ConfigError, "tokenizer mismatch"):
+    with self.assertRaisesRegex(errors.ConfigError, "tokenizer mismatch"):
       import_hf.import_checkpoint(hf, self.create_tempdir().full_path, cfg())
     # Nothing is overwritten: a workdir with checkpoints, a non-empty export directory.
     with self.assertRaisesRegex(checkpointing.CheckpointError, "already holds checkpoints"):
@@ -165,7 +166,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
 
   def test_sentencepiece_tokenizer_goes_out_and_comes_back(self):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-    from train import model as model_lib  # pylint: disable=g-import-not-at-top
+    from train.models import transformer as model_lib  # pylint: disable=g-import-not-at-top
     from train.corpus import text_corpus  # pylint: disable=g-import-not-at-top
     texts = [t for _, t in list(text_corpus.iter_documents("train"))[:300]]
     spm_path = os.path.join(self.create_tempdir().full_path, "tiny.model")
@@ -178,7 +179,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
     params = lm.init_params(jax.random.key(0))
     hf = os.path.join(self.create_tempdir().full_path, "spm_hf")
-    export_hf.write_hf_dir(hf, params, cfg, train_lib.Trainer(cfg).tokenizer)
+    export_hf.write_hf_dir(hf, params, cfg, trainer_lib.Trainer(cfg).tokenizer)
     with open(os.path.join(hf, "tokenizer_config.json")) as f:
       self.assertEqual(json.load(f)["tokenizer_class"], "LlamaTokenizer")
     with open(os.path.join(hf, "config.json")) as f:
@@ -193,7 +194,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     # A vocabulary smaller than the tokenizer's: a clear error, nothing written.
     self._edit_config(hf, vocab_size=256)
     wd = self.create_tempdir().full_path
-    with self.assertRaisesRegex(train_lib.ConfigError, "tokenizer mismatch"):
+    with self.assertRaisesRegex(errors.ConfigError, "tokenizer mismatch"):
       import_hf.import_checkpoint(hf, wd, tu.micro_config())
     self.assertEmpty(os.listdir(wd))
 
@@ -201,7 +202,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
   def test_transformers_logits_match_ours(self):
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
-    from train import model as model_lib  # pylint: disable=g-import-not-at-top
+    from train.models import transformer as model_lib  # pylint: disable=g-import-not-at-top
     # A random model with non-default RoPE base, GQA and the scan layout, besides the
     # trained export.
     cfg = tu.micro_config(**{"model.rope_theta": 5e5, "model.n_heads": 4,
@@ -210,7 +211,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     params = jax.tree.map(lambda a: a * 3 if a.ndim >= 2 else a,
                           lm.init_params(jax.random.key(4)))
     random_dir = os.path.join(self.create_tempdir().full_path, "random")
-    export_hf.write_hf_dir(random_dir, params, cfg, train_lib.Trainer(cfg).tokenizer)
+    export_hf.write_hf_dir(random_dir, params, cfg, trainer_lib.Trainer(cfg).tokenizer)
     trained = inference.load_checkpoint(self.workdir)
     tokens = np.random.default_rng(0).integers(3, 259, (2, 24)).astype(np.int32)
     for hf_dir, lm, params in ((self.hf_dir, trained.trainer.lm, trained.params),

@@ -11,8 +11,10 @@ from absl.testing import absltest
 import numpy as np
 
 import train_test_util as tu
-from train import layer_choice
-from train import train_lib
+from train.training import layer_choice
+from train.training import loop as train_lib
+from train.training import trainer as trainer_lib
+from train.training import choice_steps
 
 
 class LayerChoiceTest(absltest.TestCase):
@@ -142,7 +144,7 @@ class StepBuildsTest(absltest.TestCase):
       built.append(key)
       return f"step{key}"
 
-    steps = layer_choice.StepBuilds(build)
+    steps = choice_steps.StepBuilds(build)
     try:
       steps.request(("a",))
       steps.request(("a",))                            # being built: not again
@@ -161,7 +163,7 @@ class StepBuildsTest(absltest.TestCase):
         raise RuntimeError("lowering failed")
       return key[0]
 
-    steps = layer_choice.StepBuilds(build)
+    steps = choice_steps.StepBuilds(build)
     try:
       steps.request(("bad",))
       with self.assertRaisesRegex(RuntimeError, "lowering failed"):
@@ -172,14 +174,14 @@ class StepBuildsTest(absltest.TestCase):
 
   def test_foreground_builds_in_request(self):
     built = []
-    steps = layer_choice.StepBuilds(lambda key: built.append(key) or key[0], background=False)
+    steps = choice_steps.StepBuilds(lambda key: built.append(key) or key[0], background=False)
     steps.request(("b",))
     self.assertEqual(built, [("b",)])
     self.assertEqual(steps.get(("b",)), "b")
     steps.close()
 
   def test_a_switch_is_built_only_when_it_pays_for_its_build(self):
-    no_payback = train_lib._no_payback  # pylint: disable=protected-access
+    no_payback = choice_steps.payback  # pylint: disable=protected-access
     h, tokens = 1024, 4096
     choice = layer_choice.LayerChoice(2, h)
     counts = np.zeros((2, h))
@@ -259,13 +261,13 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
                           learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
                              "layer_choice.every": 2, "layer_choice.landing_steps": 3})
-    compile_step = train_lib.Trainer.compile_train_step
+    compile_step = trainer_lib.Trainer.compile_train_step
     runs = []
     for delay in (0.0, 1.5):
       def slow(self, *a, delay=delay, **k):
         time.sleep(delay)
         return compile_step(self, *a, **k)
-      with absltest.mock.patch.object(train_lib.Trainer, "compile_train_step", slow):
+      with absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step", slow):
         with self.assertLogs(level="INFO") as logs:
           train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
       runs.append(self._decisions(logs))
@@ -280,77 +282,66 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
         self.assertEqual(running[first], choice)     # step `first` ran it
     self.assertIn("S", running[max(running)])
 
-  def test_a_pending_choice_lands_on_its_step_after_a_resume(self):
-    """Killed after a decision and before its choice lands: the resumed run lands it on the
-    same step (the checkpoint keeps it) and ends with the uninterrupted run's state."""
+  def _resume_after_losing(self, cfg, lost_steps, last_step):
+    """Trains `cfg` twice, deletes `lost_steps`' checkpoints from the second run (as if killed
+    before them), resumes it; asserts its state at `last_step` is the first run's, bit for bit.
+    Returns the resumed run's log lines."""
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
-    from train import checkpointing  # pylint: disable=g-import-not-at-top
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    self.enter_context(absltest.mock.patch.object(
-        layer_choice.features_lib, "hot_feature_count", lambda *a, **k: 0))
+    from train.training import checkpointing  # pylint: disable=g-import-not-at-top
+    ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
+    train_lib.train_and_evaluate(cfg, ref)
+    train_lib.train_and_evaluate(cfg, run)
+    for step in lost_steps:
+      shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(run), str(step)))
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, run)
+    tr = trainer_lib.Trainer(cfg)
+    states = []
+    for wd in (ref, run):
+      mngr = checkpointing.make_manager(wd, read_only=True)
+      states.append(jax.device_get(mngr.restore(last_step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(tr.abstract_state()))).state))
+      mngr.close()
+    self.assertTrue(tu.tree_equal(*states))
+    return logs.output
+
+  def _always_sparse(self):
     # Half of the micro model's features fire (from initialisation): every row is over the
-    # ELL width, which would keep the layers dense; this test is of the landing alone.
+    # ELL width, which would keep the layers dense; these tests are of the steps alone.
     self.enter_context(absltest.mock.patch.object(
         layer_choice.LayerChoice, "_heavy", lambda *a: 0.0))
     self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+
+  def test_a_pending_choice_lands_on_its_step_after_a_resume(self):
+    """Killed after a decision and before its choice lands: the resumed run lands it on the
+    same step (the checkpoint keeps it) and ends with the uninterrupted run's state."""
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.features_lib, "hot_feature_count", lambda *a, **k: 0))
+    self._always_sparse()
     # Decided after step 1 (sparse everywhere), running from step 1 + 3 + 1 = 5; killed after
     # the checkpoint of step 4.
     cfg = tu.micro_config(num_train_steps=8, checkpoint_every=2, keep_checkpoints=5,
                           **{"layer_choice.sparse": "xla", "layer_choice.every": 2,
                              "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
                              "layer_choice.landing_steps": 3})
-    ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
-    train_lib.train_and_evaluate(cfg, ref)
-    train_lib.train_and_evaluate(cfg, run)
-    for step in (6, 8):
-      shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(run), str(step)))
-    with self.assertLogs(level="INFO") as logs:
-      train_lib.train_and_evaluate(cfg, run)
-    self.assertTrue(any("Resumed from checkpoint step 4" in line for line in logs.output))
-    self.assertTrue(any("step 5: now running FFN per layer S S" in line
-                        for line in logs.output))
-    tr = train_lib.Trainer(cfg)
-    states = []
-    for wd in (ref, run):
-      mngr = checkpointing.make_manager(wd, read_only=True)
-      states.append(jax.device_get(mngr.restore(8, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(tr.abstract_state()))).state))
-      mngr.close()
-    self.assertTrue(tu.tree_equal(*states))
+    logs = self._resume_after_losing(cfg, (6, 8), 8)
+    self.assertTrue(any("Resumed from checkpoint step 4" in line for line in logs))
+    self.assertTrue(any("step 5: now running FFN per layer S S" in line for line in logs))
 
   def test_resumed_run_decides_and_sorts_on_the_same_steps(self):
     """A run resumed from step 2 ends with the uninterrupted run's state, bit for bit: its
     decisions (each sorts the features of the state) fall on the same steps. (A decision on
     the resumed run's first step sorted by that step's counts alone, and the two states then
     held the same model with its features in different orders.)"""
-    import shutil  # pylint: disable=g-import-not-at-top
-    import jax  # pylint: disable=g-import-not-at-top
-    from train import checkpointing  # pylint: disable=g-import-not-at-top
-    self.enter_context(absltest.mock.patch.object(
-        layer_choice.LayerChoice, "_heavy", lambda *a: 0.0))
-    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+    self._always_sparse()
     cfg = tu.micro_config(num_train_steps=6, checkpoint_every=2, keep_checkpoints=3,
                           **{"layer_choice.sparse": "xla", "layer_choice.every": 4,
                              "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
                              "layer_choice.background": False})
-    ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
-    train_lib.train_and_evaluate(cfg, ref)
-    train_lib.train_and_evaluate(cfg, run)
-    for step in (4, 6):   # as if killed after the checkpoint of step 2
-      shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(run), str(step)))
-    with self.assertLogs(level="INFO") as logs:
-      train_lib.train_and_evaluate(cfg, run)
-    self.assertTrue(any("Resumed from checkpoint step 2" in line for line in logs.output))
-    tr = train_lib.Trainer(cfg)
-    states = []
-    for wd in (ref, run):
-      mngr = checkpointing.make_manager(wd, read_only=True)
-      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-      states.append(jax.device_get(mngr.restore(6, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(tr.abstract_state()))).state))
-      mngr.close()
-    self.assertTrue(tu.tree_equal(*states))
+    logs = self._resume_after_losing(cfg, (4, 6), 6)
+    self.assertTrue(any("Resumed from checkpoint step 2" in line for line in logs))
 
   def test_sorting_the_state_keeps_the_function_and_the_optimizer_matched(self):
     """Trainer.sort_features permutes each layer's hidden features in the parameters, the
@@ -359,7 +350,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     cfg = tu.micro_config()
-    tr = train_lib.Trainer(cfg)
+    tr = trainer_lib.Trainer(cfg)
     state = tr.new_state(jax.random.key(0))
     batch = tr.put_batch(np.random.default_rng(0).integers(
         0, 200, (1, cfg.batch_size, cfg.data.seq_len + 1), np.int32), tr.batch_sharding)
@@ -384,11 +375,11 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
 
   def test_no_choice_for_an_explicit_implementation_or_a_dense_auto(self):
     cfg = tu.micro_config(**{"model.ffn_implementation": "xla"})
-    self.assertIsNone(train_lib.Trainer(cfg).layer_choice())
+    self.assertIsNone(trainer_lib.Trainer(cfg).layer_choice())
     cfg = tu.micro_config(**{"layer_choice.enabled": False})
-    self.assertIsNone(train_lib.Trainer(cfg).layer_choice())
+    self.assertIsNone(trainer_lib.Trainer(cfg).layer_choice())
     cfg = tu.micro_config()   # auto resolves to dense on the CPU: nothing to choose
-    self.assertIsNone(train_lib.Trainer(cfg).layer_choice())
+    self.assertIsNone(trainer_lib.Trainer(cfg).layer_choice())
 
 
 if __name__ == "__main__":

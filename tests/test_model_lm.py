@@ -8,7 +8,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import train_test_util as tu
-from train import model as model_lib
+from train.models import transformer as model_lib
 
 def _cfg(**kw):
   base = dict(vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -147,8 +147,8 @@ class DeterministicTrainingGpuTest(absltest.TestCase):
 
   @pytest.mark.gpu
   def test_loop_layout_trains_under_deterministic_ops(self):
-    from pallas_kernels import _common  # pylint: disable=import-outside-toplevel
-    if not _common.on_hopper():
+    from pallas_kernels import _target as target  # pylint: disable=import-outside-toplevel
+    if not target.on_hopper():
       self.skipTest("needs a Hopper GPU")
     wd = self.create_tempdir().full_path
     out = tu.run(tu.main_cmd(wd, "--config.model.dtype=bfloat16", "--config.num_train_steps=2",

@@ -10,11 +10,11 @@ from absl.testing import absltest
 
 import train_test_util as tu
 from configs import relufy
-from train import checkpointing
-from train import export_hf
-from train import metrics
-from train import report
-from train import train_lib
+from train.training import checkpointing
+from train.inference import hf_export as export_hf
+from train.training import metrics
+from train.inference import report
+from train.training import loop as train_lib
 
 PLOTS = ("active_per_token.png", "dead_fraction.png", "loss.png", "tokens_per_s.png",
          "feature_popularity.png", "row_length_hist.png")

@@ -18,21 +18,24 @@ import json
 import os
 import sys
 import textwrap
-import types
 
 from absl.testing import absltest
 import numpy as np
 import pytest
 
 import train_test_util as tu
-from train import sharding
+from train.runtime import mesh as sharding
+from train.runtime import hlo as hlo_lib
 
 _FOUR_DEVICES = textwrap.dedent("""
     import json, tempfile
     import jax, numpy as np
     jax.config.update("jax_disable_most_optimizations", True)
     import train_test_util as tu
-    from train import checkpointing, sharding, train_lib
+    from train.runtime import hlo as hlo_lib
+    from train.runtime import mesh as sharding
+    from train.training import checkpointing
+    from train.training import trainer as trainer_lib
 
     # 8 x 24 tokens: no activation axis has the length of a parameter's (32, 16, 256, 259).
     cfg = tu.micro_config(batch_size=8, **{"data.seq_len": 24})
@@ -42,7 +45,7 @@ _FOUR_DEVICES = textwrap.dedent("""
     def trainer(data, fsdp, shard_optimizer=False, reduction="auto"):
       cfg.mesh.update(data=data, fsdp=fsdp, shard_optimizer=shard_optimizer,
                       gradient_reduction=reduction)
-      return train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
+      return trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
 
     def steps(tr, state, batches):
       put = lambda t: tr.put_batch(t, tr.batch_sharding)
@@ -73,7 +76,7 @@ _FOUR_DEVICES = textwrap.dedent("""
           "param_diff": max(float(np.max(np.abs(a - b))) for a, b in
                             zip(jax.tree.leaves(params), jax.tree.leaves(ref))),
           "w_up_shard": list(w_up.addressable_shards[0].data.shape),
-          "collectives": sharding.collectives(hlo),
+          "collectives": hlo_lib.collectives(hlo),
           "param_shapes": [list(p.shape) for p in jax.tree.leaves(params)],
       }
       if (data, fsdp, zero) == (4, 1, 1):  # a checkpoint of step 3 on this mesh
@@ -95,7 +98,7 @@ _FOUR_DEVICES = textwrap.dedent("""
       out[f"restored_{data}x{fsdp}"] = {"equal": same, "laid_out": laid_out, "losses": losses}
       if (data, fsdp) == (2, 2):
         # Inference (train.generate, train.report) gathers a split model onto one device.
-        from train import inference
+        from train.inference import loading as inference
         inf = inference.inference_params(state["params"], tr.model_cfg)
         inference_devices = sorted({len(a.sharding.device_set) for a in jax.tree.leaves(inf)})
     # Two micro-batches a step (4 rows each): data parallel sums each device's micro-batches
@@ -111,8 +114,8 @@ _FOUR_DEVICES = textwrap.dedent("""
           "losses": losses, "params": params,
           "param_diff": max(float(np.max(np.abs(a - b))) for a, b in
                             zip(jax.tree.leaves(params), jax.tree.leaves(ref))),
-          "collectives": sharding.collectives(hlo),
-          "loop_collectives": sharding.loop_collectives(hlo),
+          "collectives": hlo_lib.collectives(hlo),
+          "loop_collectives": hlo_lib.loop_collectives(hlo),
           "param_shapes": [list(p.shape) for p in jax.tree.leaves(params)]}
     for v in out.values():
       v.pop("params", None)
@@ -175,7 +178,7 @@ class MeshRulesTest(absltest.TestCase):
     self.assertEqual(tuple(sharding.param_spec((2048, 5632), 1)), ())
 
   def test_when_processes_are_joined(self):
-    from train import distributed  # pylint: disable=g-import-not-at-top
+    from train.runtime import distributed  # pylint: disable=g-import-not-at-top
     args = distributed.initialize_args
     self.assertIsNone(args(None, None, None, False))             # one process
     self.assertIsNone(args("h:1234", 1, 0, False))               # one process, said so
@@ -192,13 +195,13 @@ class MeshRulesTest(absltest.TestCase):
         %all-reduce.7 = (f32[], f32[32,256]{1,0}, /*index=2*/s32[256]{0}) all-reduce(%a, %b, %c)
         %fusion = f32[4]{0} fusion(%all-gather.3), kind=kLoop
         """)
-    self.assertEqual(sharding.collectives(hlo), [
+    self.assertEqual(hlo_lib.collectives(hlo), [
         ("all-gather", [("bf16", (2048, 5632))]),
         ("all-gather", [("bf16", (8, 16)), ("bf16", (16, 16))]),
         ("all-reduce", [("f32", ()), ("f32", (32, 256)), ("s32", (256,))])])
-    found = sharding.collectives(hlo) + [("all-gather", [("bf16", (192, 32))]),
+    found = hlo_lib.collectives(hlo) + [("all-gather", [("bf16", (192, 32))]),
                                          ("all-to-all", [("f32", (8, 24, 2, 16))])]
-    self.assertEqual(sharding.non_weight_collectives(found, [(2048, 5632), (16,), (16, 8)]), [
+    self.assertEqual(hlo_lib.non_weight_collectives(found, [(2048, 5632), (16,), (16, 8)]), [
         ("all-gather", "bf16", (16, 16)),                       # (8, 16): (16, 8) transposed
         ("all-reduce", "f32", (32, 256)), ("all-gather", "bf16", (192, 32)),
         ("all-to-all", "f32", (8, 24, 2, 16))])
@@ -206,9 +209,9 @@ class MeshRulesTest(absltest.TestCase):
     shards = [("all-gather", [("bf16", (1024, 5632)), ("bf16", (2048, 5632))]),
               ("reduce-scatter", [("bf16", (2048, 2816))]),
               ("reduce-scatter", [("bf16", (2048, 1408))])]
-    self.assertEqual(sharding.non_weight_collectives(shards, [(2048, 5632)], fsdp=2),
+    self.assertEqual(hlo_lib.non_weight_collectives(shards, [(2048, 5632)], fsdp=2),
                      [("reduce-scatter", "bf16", (2048, 1408))])
-    self.assertLen(sharding.non_weight_collectives(shards, [(2048, 5632)]), 3)
+    self.assertLen(hlo_lib.non_weight_collectives(shards, [(2048, 5632)]), 3)
 
   def test_collective_overlap_parser(self):
     hlo = textwrap.dedent("""
@@ -234,7 +237,7 @@ class MeshRulesTest(absltest.TestCase):
           ROOT %t = f32[4]{0} add(%p, %p)
         }
         """)
-    self.assertEqual(sharding.collective_overlap(hlo), [
+    self.assertEqual(hlo_lib.collective_overlap(hlo), [
         {"kind": "all-reduce", "bytes": 4 * 4 + 16 * 2, "between": 2},
         {"kind": "all-gather", "bytes": 16 * 16 * 2, "between": 1},
         {"kind": "reduce-scatter", "bytes": 32, "between": 0}])   # waited for at once
@@ -243,7 +246,7 @@ class MeshRulesTest(absltest.TestCase):
                       "%all-reduce-start.1 = ((f32[4]{0}, bf16[2,8]{1,0}), f32[4]{0}, "
                       "bf16[2,8]{1,0}) all-reduce-start")
     self.assertNotEqual(gpu, hlo)
-    self.assertEqual(sharding.collective_overlap(gpu)[0],
+    self.assertEqual(hlo_lib.collective_overlap(gpu)[0],
                      {"kind": "all-reduce", "bytes": 4 * 4 + 16 * 2, "between": 2})
 
 
@@ -256,7 +259,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
   @pytest.mark.gpu
   def test_gradient_reductions_overlap_the_backward(self):
     import jax  # pylint: disable=import-outside-toplevel
-    from train import train_lib  # pylint: disable=import-outside-toplevel
+    from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
     from configs import tiny  # pylint: disable=import-outside-toplevel
@@ -268,14 +271,14 @@ class TwoGpuOverlapTest(absltest.TestCase):
     # XLA reducing the gradients inside the backward (the default reduces them per device
     # after it).
     cfg.mesh.update(data=2, fsdp=1, gradient_reduction="gspmd")
-    tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
+    tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
     state = tr.abstract_state()
     batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
                                  sharding=tr.batch_sharding)
     hlo = tr.jit_train_step().lower(state, batch).compile().as_text()
     # Reduce-scatters with the optimizer's moments split (mesh.shard_optimizer), all-reduces
     # without.
-    found = [o for o in sharding.collective_overlap(hlo)
+    found = [o for o in hlo_lib.collective_overlap(hlo)
              if o["kind"] in ("all-reduce", "reduce-scatter")]
     self.assertNotEmpty(found)
     total = sum(o["bytes"] for o in found)
@@ -288,7 +291,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     early; XLA's reassociation used to fold it into the lookup's, reducing one f32 [V, D]
     sum after the whole backward (losses._reduced_apart)."""
     import jax  # pylint: disable=import-outside-toplevel
-    from train import train_lib  # pylint: disable=import-outside-toplevel
+    from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
     from configs import tiny  # pylint: disable=import-outside-toplevel
@@ -300,7 +303,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     cfg.model.update(d_model=1024, n_heads=8, n_kv_heads=4, d_ff=1024, n_layers=2,
                      vocab_size=32768, ffn_implementation="dense", dtype="bfloat16")
     cfg.mesh.update(data=2, fsdp=1, gradient_reduction="gspmd")
-    tr = train_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
+    tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
     batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
                                  sharding=tr.batch_sharding)
     hlo = tr.jit_train_step().lower(tr.abstract_state(), batch).compile().as_text()
@@ -308,7 +311,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     # One set of dtypes per all-reduce that moves the table (an async start lists its
     # operand and its result).
     reduced = [{dt for dt, shape in shapes if shape == table}
-               for kind, shapes in sharding.collectives(hlo)
+               for kind, shapes in hlo_lib.collectives(hlo)
                if kind in ("all-reduce", "reduce-scatter")]
     reduced = [dts for dts in reduced if dts]
     self.assertEqual(reduced, [{"bf16"}, {"bf16"}])
@@ -337,7 +340,7 @@ class FourDevicesTest(absltest.TestCase):
       np.testing.assert_allclose(r["losses"], ref, rtol=1e-5, err_msg=mesh)
       self.assertLess(r["param_diff"], 1e-5, mesh)
       fsdp = int(mesh.split("x")[1])
-      self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"],
+      self.assertEqual(hlo_lib.non_weight_collectives(r["collectives"], r["param_shapes"],
                                                        fsdp, devices=4), [], mesh)
     # data=4: nothing inside the loop (with fsdp, GSPMD reduces over "fsdp" per micro-batch,
     # an all-reduce on the CPU, a reduce-scatter on GPUs).
@@ -371,7 +374,7 @@ class FourDevicesTest(absltest.TestCase):
       self.assertTrue(kinds & {"all-reduce", "reduce-scatter"}, mesh)   # the gradients
       # The activations ([8, 24, D], [192, D], [192, H], ...) match no parameter's shape.
       fsdp = int(mesh.split("x")[1][0])
-      self.assertEqual(sharding.non_weight_collectives(r["collectives"], r["param_shapes"],
+      self.assertEqual(hlo_lib.non_weight_collectives(r["collectives"], r["param_shapes"],
                                                        fsdp, devices=4), [], mesh)
     gathers = lambda mesh: [ops for kind, ops in self.out[mesh]["collectives"]
                             if kind == "all-gather"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kernel_test_util as ktu
-from pallas_kernels import _common as common
+from pallas_kernels import _row_loops as row_loops
 from pallas_kernels import sparse_backward_mgpu as bwd
 
 F32 = jnp.float32
@@ -109,8 +109,8 @@ class BackwardKernelsTestBase(ktu.KernelTestBase):
     rows_j = jnp.asarray(rows)
     runs = {}
     # group 2, and rows loaded one step ahead at group 1 (every column's loop runs past its end).
-    for name, cfg in (("", common.GatherConfig(group=2)),
-                      ("_ahead", common.GatherConfig(rows_ahead=True))):
+    for name, cfg in (("", row_loops.GatherConfig(group=2)),
+                      ("_ahead", row_loops.GatherConfig(rows_ahead=True))):
       runs["x" + name] = (functools.partial(
           lambda dt, cfg: bwd.column_sums(b16(x), col_ptr, rows_j, *args(du, dg), config=cfg,
                                           out_dtype=dt, interpret=self.INTERPRET), cfg=cfg),
@@ -146,7 +146,7 @@ class BackwardKernelsTestBase(ktu.KernelTestBase):
       bwd.column_sums(jnp.zeros((8, 100), jnp.bfloat16), jnp.zeros((5,), jnp.int32),
                       jnp.zeros((8,), jnp.int32), z, interpret=self.INTERPRET)
     with self.assertRaisesRegex(ValueError, "group"):
-      common.GatherConfig(group=0)
+      row_loops.GatherConfig(group=0)
 
 
 class BackwardKernelsInterpretTest(BackwardKernelsTestBase):

@@ -9,8 +9,10 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from configs import paper_0p5b, paper_1b, paper_1p5b, paper_2b, small, tiny
-from train import model as model_lib
-from train import train_lib
+from train.models import transformer as model_lib
+from train.training import trainer as trainer_lib
+from train import errors
+from train.runtime import compilation
 import train_test_util as tu
 
 
@@ -33,10 +35,10 @@ class ConfigsTest(parameterized.TestCase):
   )
   def test_size(self, cfg, lo, hi):
     if cfg.data.tokenizer == "sentencepiece":  # the paper configs name it on the command line
-      with self.assertRaisesRegex(train_lib.ConfigError, "config.data.spm_model=None"):
-        train_lib.check_config(cfg, n_devices=1, n_processes=1)
+      with self.assertRaisesRegex(errors.ConfigError, "config.data.spm_model=None"):
+        trainer_lib.check_config(cfg, n_devices=1, n_processes=1)
       cfg.data.spm_model = __file__   # any existing file passes the check
-    train_lib.check_config(cfg, n_devices=1, n_processes=1)
+    trainer_lib.check_config(cfg, n_devices=1, n_processes=1)
     n = _n_params(cfg)
     self.assertBetween(n, lo, hi)
 
@@ -50,7 +52,7 @@ class ConfigsTest(parameterized.TestCase):
 
   def test_large_paper_configs_split_their_state_over_fsdp(self):
     """On 8 devices each holds about 1/8 of the 1.5B / 2B params and AdamW moments."""
-    from train import sharding  # pylint: disable=g-import-not-at-top
+    from train.runtime import mesh as sharding  # pylint: disable=g-import-not-at-top
     for mod in (paper_1p5b, paper_2b):
       cfg = mod.get_config()
       self.assertEqual(sharding.mesh_shape(cfg.mesh, 8), {"data": 1, "fsdp": 8})
@@ -75,10 +77,10 @@ class ConfigsTest(parameterized.TestCase):
     c = tiny.get_config()
     c.grad_accum_steps = 3
     with self.assertRaisesRegex(ValueError, "grad_accum_steps"):
-      train_lib.check_config(c, 1, 1)
+      trainer_lib.check_config(c, 1, 1)
     c.grad_accum_steps = 1
     with self.assertRaisesRegex(ValueError, "devices"):
-      train_lib.check_config(c, 3, 1)
+      trainer_lib.check_config(c, 3, 1)
 
 
 def _with(**overrides):
@@ -97,11 +99,11 @@ class ConfigChangeTest(absltest.TestCase):
   def test_unrolling_the_scan_is_free_changing_the_layout_is_refused(self):
     """The unrolled scan keeps the stacked checkpoints: a free change on resume; the layer
     layout itself is not."""
-    from train import config_checks  # pylint: disable=import-outside-toplevel
+    from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
     stored = {"model": {"scan_layers": True, "scan_unroll": False}}
-    kinds = config_checks.changes(stored, {"model": {"scan_layers": True, "scan_unroll": True}})
+    kinds = workdir_config.changes(stored, {"model": {"scan_layers": True, "scan_unroll": True}})
     self.assertEqual(kinds["free"], [("model.scan_unroll", False, True)])
-    kinds = config_checks.changes(stored, {"model": {"scan_layers": False, "scan_unroll": False}})
+    kinds = workdir_config.changes(stored, {"model": {"scan_layers": False, "scan_unroll": False}})
     self.assertEqual(kinds["refused"], [("model.scan_layers", True, False)])
 
 
@@ -144,33 +146,33 @@ class ConfigCheckTest(parameterized.TestCase):
        r"config\.data\.spm_model='/no/such'"),
   )
   def test_bad_value_names_the_field(self, overrides, match):
-    with self.assertRaisesRegex(train_lib.ConfigError, match):
-      train_lib.check_config(_with(**overrides), n_devices=1, n_processes=1)
+    with self.assertRaisesRegex(errors.ConfigError, match):
+      trainer_lib.check_config(_with(**overrides), n_devices=1, n_processes=1)
 
   def test_implementation_against_the_backend(self):
     if jax.default_backend() == "gpu":
       self.skipTest("a GPU is present")
-    with self.assertRaisesRegex(train_lib.ConfigError,
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"config\.model\.ffn_implementation='mosaic_gpu' cannot run "
                                 r"here: no GPU backend .*--config\.model\.interpret=True"):
-      train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu"), 1, 1)
-    with self.assertRaisesRegex(train_lib.ConfigError,
+      trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu"), 1, 1)
+    with self.assertRaisesRegex(errors.ConfigError,
                                 r"config\.layer_choice\.sparse='mosaic_gpu' cannot run here"):
-      train_lib.check_config(_with(layer_choice__sparse="mosaic_gpu"), 1, 1)
+      trainer_lib.check_config(_with(layer_choice__sparse="mosaic_gpu"), 1, 1)
     # In the interpreter the kernels need bfloat16 (tiny computes in float32).
-    with self.assertRaisesRegex(train_lib.ConfigError, r"x must be bfloat16, got float32"):
-      train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
+    with self.assertRaisesRegex(errors.ConfigError, r"x must be bfloat16, got float32"):
+      trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
                                    model__interpret=True), 1, 1)
-    with self.assertRaisesRegex(train_lib.ConfigError, r"config\.model\.remat=True: JAX "
+    with self.assertRaisesRegex(errors.ConfigError, r"config\.model\.remat=True: JAX "
                                 r"refuses jax\.checkpoint"):
-      train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
+      trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
                                    model__interpret=True, model__dtype="bfloat16",
                                    model__remat=True), 1, 1)
-    train_lib.check_config(_with(model__ffn_implementation="mosaic_gpu", model__interpret=True,
+    trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu", model__interpret=True,
                                  model__dtype="bfloat16"), 1, 1)
-    with self.assertRaisesRegex(train_lib.ConfigError, r"config\.model\.attention='cudnn' "
+    with self.assertRaisesRegex(errors.ConfigError, r"config\.model\.attention='cudnn' "
                                 r"needs a GPU"):
-      train_lib.check_config(_with(model__attention="cudnn"), 1, 1)
+      trainer_lib.check_config(_with(model__attention="cudnn"), 1, 1)
 
 
 class CommandLineTest(absltest.TestCase):
@@ -213,20 +215,19 @@ if __name__ == "__main__":
 
 
 class CompilationCacheTest(absltest.TestCase):
-  """`train_lib.use_compilation_cache`: on for GPU runs at the config's directory, never over
+  """`compilation.use_compilation_cache`: on for GPU runs at the config's directory, never over
   a directory the user set, off on the CPU."""
 
   def test_where_the_cache_goes(self):
-    from train import train_lib  # pylint: disable=import-outside-toplevel
     before = jax.config.jax_compilation_cache_dir
     tmp = self.create_tempdir().full_path
     try:
       jax.config.update("jax_compilation_cache_dir", None)
-      self.assertIsNone(train_lib.use_compilation_cache(tmp + "/c", backend="cpu"))
-      self.assertIsNone(train_lib.use_compilation_cache("", backend="gpu"))
-      self.assertEqual(train_lib.use_compilation_cache(tmp + "/c", backend="gpu"), tmp + "/c")
+      self.assertIsNone(compilation.use_compilation_cache(tmp + "/c", backend="cpu"))
+      self.assertIsNone(compilation.use_compilation_cache("", backend="gpu"))
+      self.assertEqual(compilation.use_compilation_cache(tmp + "/c", backend="gpu"), tmp + "/c")
       self.assertEqual(jax.config.jax_compilation_cache_dir, tmp + "/c")
       # Set already (--jax_compilation_cache_dir): kept.
-      self.assertEqual(train_lib.use_compilation_cache(tmp + "/d", backend="gpu"), tmp + "/c")
+      self.assertEqual(compilation.use_compilation_cache(tmp + "/d", backend="gpu"), tmp + "/c")
     finally:
       jax.config.update("jax_compilation_cache_dir", before)

@@ -12,8 +12,10 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train import steps as steps_lib
-from train import train_lib
+from train.training import steps as steps_lib
+from train.training import loop as train_lib
+from train.training import trainer as trainer_lib
+from train import errors
 
 class TrainLoopTest(tu.FastCompile, absltest.TestCase):
 
@@ -48,7 +50,7 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
 
     # Same workdir, more steps (a change of the run, accepted): resumes at 30 and continues.
     cfg.num_train_steps = 32
-    with self.assertRaisesRegex(train_lib.ConfigError, "num_train_steps: 30 -> 32"):
+    with self.assertRaisesRegex(errors.ConfigError, "num_train_steps: 30 -> 32"):
       train_lib.train_and_evaluate(cfg, wd)
     cfg.profile.first_step, cfg.profile.steps = 30, 1   # a free change: traces step 31
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
@@ -66,7 +68,7 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
         np.int32)
     for accum in (1, 2):
       cfg = tu.micro_config(grad_accum_steps=accum, l1_coeff=1e-3)
-      tr = train_lib.Trainer(cfg)
+      tr = trainer_lib.Trainer(cfg)
       state = tr.init_state(jax.random.key(0))
       step = jax.jit(steps_lib.make_train_step(tr.lm, tr.tx, cfg))
       state, m = step(state, jnp.asarray(tokens.reshape(accum, 8 // accum,
@@ -83,14 +85,16 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
         import jax, numpy as np
         jax.config.update("jax_disable_most_optimizations", True)
         import train_test_util as tu
-        from train import train_lib
+        from train.training import loop as train_lib
+        from train.training import trainer as trainer_lib
+        from train import errors
         assert jax.device_count() == 4, jax.devices()
         cfg = tu.micro_config(batch_size=8)
         tokens = np.random.default_rng(0).integers(3, 259, (3, 1, 8, 33))
         params = []
         for devs in (jax.devices()[:1], jax.devices()):
           mesh = jax.sharding.Mesh(np.array(devs), ("data",))
-          tr = train_lib.Trainer(cfg, mesh=mesh)
+          tr = trainer_lib.Trainer(cfg, mesh=mesh)
           state = jax.jit(tr.init_state, out_shardings=tr.replicated)(
               jax.random.key(0))
           step = tr.jit_train_step()

@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest

@@ -7,11 +7,11 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import train_test_util as tu
-from train import model as model_lib
-from train import optim
-from train import sparsity
-from train import steps as steps_lib
-from train import train_lib
+from train.models import transformer as model_lib
+from train.training import optim
+from train.training import sparsity
+from train.training import steps as steps_lib
+from train.training import trainer as trainer_lib
 
 class L1AndCountersTest(absltest.TestCase):
 
@@ -62,7 +62,7 @@ class DeadReinitTest(tu.FastCompile, parameterized.TestCase):
                           l1_coeff=0.0, learning_rate=1e-3, warmup_steps=0)
     cfg.dead_window_tokens = cfg.batch_size * cfg.data.seq_len
     cfg.model.scan_layers = scan_layers
-    tr = train_lib.Trainer(cfg)
+    tr = trainer_lib.Trainer(cfg)
     state = tr.init_state(jax.random.key(0))
     j, n_layers = 17, cfg.model.n_layers
     ffn = lambda tree: model_lib.stacked_ffn(tree, n_layers)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _common as common
+from pallas_kernels import _target as target
 import twell_jax as tj
 from twell_jax.testing import ffn_inputs
 
@@ -28,7 +28,7 @@ F32 = jnp.float32
 TOL = {"y": 1.5e-2, "grad": 2.5e-2}   # bf16 operands, f32 accumulation (as tests/test_ffn.py)
 IMPLEMENTATIONS = ("dense", "xla", "mosaic_gpu", "decode")
 D, H, ELL_WIDTH, TAIL_ROWS = 128, 256, 16, 2
-INTERPRET = not common.on_hopper()   # the kernels compiled on a Hopper GPU, else interpreted
+INTERPRET = not target.on_hopper()   # the kernels compiled on a Hopper GPU, else interpreted
 
 
 def _options(impl):

@@ -16,6 +16,7 @@ import pytest
 
 import kernel_test_util as ktu
 from pallas_kernels import _common as common
+from pallas_kernels import _target as target
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import gate_pack_mgpu
 from pallas_kernels import twell_to_ell_triton as tte
@@ -128,7 +129,7 @@ class ConvertGpuTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    if not common.on_hopper():
+    if not target.on_hopper():
       self.skipTest("needs a Hopper GPU")
 
   @parameterized.parameters(0.0, 0.05)

@@ -111,7 +111,7 @@ def trained_workdir(kind: str = "relu") -> str:
   if kind not in _TRAINED:
     import atexit  # pylint: disable=g-import-not-at-top
     import shutil  # pylint: disable=g-import-not-at-top
-    from train import train_lib  # pylint: disable=g-import-not-at-top
+    from train.training import loop as train_lib  # pylint: disable=g-import-not-at-top
     wd = tempfile.mkdtemp(prefix=f"twell_trained_{kind}_")
     atexit.register(shutil.rmtree, wd, ignore_errors=True)
     if kind == "relu":

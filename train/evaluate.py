@@ -9,17 +9,12 @@ eval split as JSON on stdout; the same JSON goes to D/eval_step_<N>.json.
 
 import json
 import os
-import sys
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 
-from train import checkpointing
-from train import inference
-from train import metrics
-from train import train_lib
+from train import cli
+from train.inference import loading
 
 flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
@@ -30,29 +25,9 @@ flags.DEFINE_string("data_dir", None,
 flags.mark_flag_as_required("workdir")
 
 
-def evaluate_checkpoint(workdir: str, step: int | None = None,
-                        eval_batches: int | None = None,
-                        data_dir: str | None = None) -> dict:
-  """Returns the eval JSON dict for a checkpoint (see module docstring)."""
-  ck = inference.load_checkpoint(workdir, step, data_dir=data_dir)
-  if eval_batches:
-    ck.config.eval_batches = eval_batches
-  result = ck.trainer.evaluate(ck.params, ck.trainer.eval_batches())
-  return {"step": ck.step, "workdir": os.path.abspath(workdir),
-          "eval_split": ck.config.data.eval_split, **result}
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  metrics.quiet_library_logs()
+def main():
   f = flags.FLAGS
-  try:
-    result = evaluate_checkpoint(f.workdir, f.step, f.eval_batches,
-                                 f.data_dir)
-  except (checkpointing.CheckpointError, train_lib.ConfigError) as e:
-    logging.error("%s", e)
-    sys.exit(f"error: {e}")
+  result = loading.evaluate_checkpoint(f.workdir, f.step, f.eval_batches, f.data_dir)
   text = json.dumps(result, indent=1)
   print(text)
   if jax.process_index() == 0:
@@ -62,5 +37,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

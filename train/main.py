@@ -4,22 +4,17 @@ Override config values with --config.<field>=<value>. Rerunning the same
 command on the same workdir resumes from its latest checkpoint; SIGTERM stops
 after the current step with a checkpoint (exit status 143). Several hosts: the same
 command on each, with --coordinator_address, --num_processes and --process_id
-(train/distributed.py).
+(train/runtime/distributed.py).
 """
 
-import sys
-
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 from ml_collections import config_flags
 
-from train import checkpointing
-from train import distributed
-from train import metrics
-from train import preemption
-from train import train_lib
+from train import cli
+from train.runtime import distributed
+from train.training import loop
 
 config_flags.DEFINE_config_file("config", None, "Training config file.",
                                 lock_config=True)
@@ -34,27 +29,14 @@ flags.DEFINE_bool("allow_fresh_start", False,
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+def main():
   distributed.initialize_from_flags()
-  metrics.quiet_library_logs()
   logging.info("jax %s, process %d/%d, devices %s", jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())
   f = flags.FLAGS
-  try:
-    train_lib.train_and_evaluate(f.config, f.workdir,
-                                 accept_config_change=f.accept_config_change,
-                                 allow_fresh_start=f.allow_fresh_start)
-  except (checkpointing.CheckpointError, train_lib.ConfigError) as e:
-    logging.error("%s", e)
-    sys.exit(f"error: {e}")
-  except preemption.Preempted as e:
-    logging.warning("%s", e)
-    print(f"stopped: {e}", file=sys.stderr)
-    sys.exit(preemption.EXIT_CODE)
+  loop.train_and_evaluate(f.config, f.workdir, accept_config_change=f.accept_config_change,
+                          allow_fresh_start=f.allow_fresh_start)
 
 
 if __name__ == "__main__":
-  jax.config.config_with_absl()
-  app.run(main)
+  cli.run(main)

@@ -68,7 +68,7 @@ def sparse_work(feature_counts, tokens: int, hot_features: int, *,
                 break_even: float = BREAK_EVEN_RATE) -> float:
   """The sparse kernels' work per token, in features gathered per token, with the
   `hot_features` most popular features dense (each costs `break_even`): what decides between
-  the sparse and the dense FFN (`train.layer_choice`). Without hot features it is the mean
+  the sparse and the dense FFN (`train.training.layer_choice`). Without hot features it is the mean
   active features per token."""
   rates = _sorted_rates(feature_counts, tokens)
   return float(hot_features * break_even + np.sum(rates[hot_features:]))

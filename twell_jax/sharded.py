@@ -36,7 +36,6 @@ from typing import Sequence
 
 import jax
 from jax import lax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from twell_jax import api

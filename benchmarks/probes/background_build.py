@@ -2,14 +2,14 @@ r"""Probe: how long a train step takes to build, alone and on a thread beside tr
 
     python -m benchmarks.probes.background_build [--background=512:untuned,...] [--budget_s=240]
 
-The per-layer FFN choice (`train.layer_choice.BackgroundSteps`) compiles a new train step on a
+The per-layer FFN choice (`train.choice_steps.StepBuilds`) compiles a new train step on a
 worker thread while the current one keeps training. At the paper 0.5B shape
 (`benchmarks.trained.config_for`) this measures:
 
 * the dense step and a mixed-K sparse step (`--mixed`), each built in the foreground tuned
-  (XLA's defaults) and untuned (`train.train_lib.NO_AUTOTUNE`): trace, lowering and compile
+  (XLA's defaults) and untuned (`train.compilation.NO_AUTOTUNE`): trace, lowering and compile
   times, then step times in alternating chunks (what the untuned build costs);
-* per `--background` case `K:options`, a build through `BackgroundSteps` beside the dense
+* per `--background` case `K:options`, a build through `StepBuilds` beside the dense
   step's loop: how long it takes and the loop's step time meanwhile. K is one number of hot
   features for every layer or one per layer joined by `-` (layers with different K compile
   as separate groups); options `tuned`, `untuned` or `untuned_2threads` (XLA compiling on
@@ -26,8 +26,9 @@ import jax
 import numpy as np
 
 from benchmarks import trained
-from train import layer_choice
-from train import train_lib
+from train.training import trainer as trainer_lib
+from train.runtime import compilation
+from train.training import choice_steps
 
 _BACKGROUND = flags.DEFINE_list(
     "background", ["512-256-256-256-512-512-768-256:untuned",
@@ -35,9 +36,9 @@ _BACKGROUND = flags.DEFINE_list(
     "background builds, K:options (module docstring)")
 _MIXED = flags.DEFINE_string("mixed", "768-256-256-256-768-768-512-256",
                              "per-layer hot features of the foreground tuned/untuned pair")
-_OPTIONS = {"tuned": None, "untuned": train_lib.NO_AUTOTUNE,
+_OPTIONS = {"tuned": None, "untuned": compilation.NO_AUTOTUNE,
             # XLA's compile on two threads, not one per core: does the loop slow down less?
-            "untuned_2threads": {**train_lib.NO_AUTOTUNE,
+            "untuned_2threads": {**compilation.NO_AUTOTUNE,
                                  "xla_gpu_force_compilation_parallelism": 2}}
 _FOREGROUND = flags.DEFINE_bool("foreground", True, "also time the dense and --mixed steps "
                                 "built tuned and untuned in the foreground")
@@ -69,7 +70,7 @@ def main(argv):
   del argv
   cfg = trained.config_for("paper_0p5b")
   cfg.model.ffn_implementation = None
-  tr = train_lib.Trainer(cfg)
+  tr = trainer_lib.Trainer(cfg)
   n_layers = tr.model_cfg.n_layers
   state = tr.new_state(jax.random.key(0))
   like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
@@ -106,26 +107,24 @@ def main(argv):
   state, ms = _loop_ms(built["dense", "tuned"], state, batch, 20)
   print(f"dense step ms alone: {ms:.1f}", flush=True)
 
-  # The trainer's background builds (train.layer_choice.BackgroundSteps) beside the dense
-  # step's loop: the loop's step time while each builds, and how long it takes.
+  # The trainer's background builds (train.choice_steps.StepBuilds) beside the dense step's
+  # loop: the loop's step time while each builds, and how long it takes.
   dense_step = built["dense", "tuned"]
   for case in _BACKGROUND.value:
     k, opt_name = case.split(":")
-    steps = layer_choice.BackgroundSteps(
-        lambda key, autotune, o=_OPTIONS[opt_name]: _build(tr, key, specs, o))
+    steps = choice_steps.StepBuilds(
+        lambda key, o=_OPTIONS[opt_name]: _build(tr, key, specs, o))
     t0 = time.perf_counter()
     steps.request(sparse(k))
-    loop, handed = [], None
-    while handed is None and time.perf_counter() - t0 < _BUDGET.value and not steps.failures:
+    loop = []
+    while not steps.done(sparse(k)) and time.perf_counter() - t0 < _BUDGET.value:
       state, ms = _loop_ms(dense_step, state, batch, 10)
       loop.append(round(ms, 1))
-      handed = steps.ready()
     label = f"background sparse K={k} ({opt_name})"
-    if handed is not None:
-      show(f"{label} build", handed[1][1])
+    if steps.done(sparse(k)):
+      show(f"{label} build", steps.get(sparse(k))[1])
     else:
-      print(f"{label} build: not done after {time.perf_counter() - t0:.0f} s", steps.failures,
-            flush=True)
+      print(f"{label} build: not done after {time.perf_counter() - t0:.0f} s", flush=True)
     print("  dense step ms per 10 steps meanwhile:", loop, flush=True)
     steps.close()
 

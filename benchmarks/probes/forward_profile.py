@@ -77,8 +77,8 @@ def popularity(x, w_gate) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  from train import layer_choice  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   res = {"device": jax.devices()[0].device_kind}
   cfg, params = trained.trained_params("paper_0p5b", "paper", steps=fl.steps, extreme_steps=0,
                                        cache_dir=fl.cache_dir)

@@ -39,7 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from benchmarks import timing
-from pallas_kernels import _common as common
+from pallas_kernels import _target as target
+from pallas_kernels import _row_loops as row_loops
 
 
 def _define_flags():
@@ -67,7 +68,7 @@ def _row_index(c, i, u, *, steps: int, unroll: int, n_rows: int, order: str):
 def _probe_kernel(table_gmem, out_gmem, *, steps: int, unroll: int, order: str):
   n_rows = table_gmem.shape[0]
   c = lax.axis_index("c")
-  acc0 = common.zeros_like_row(table_gmem[0, :])
+  acc0 = row_loops.zeros_like_row(table_gmem[0, :])
 
   def body(i, acc):
     rows = [table_gmem[_row_index(c, i, u, steps=steps, unroll=unroll, n_rows=n_rows,
@@ -83,14 +84,14 @@ def probe(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random",
           interpret=False):
   """[n_ctas, D] f32: each CTA's sum of the rows it read (see the module docstring)."""
   d = table.shape[1]
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     return plgpu.kernel(
         functools.partial(_probe_kernel, steps=steps, unroll=unroll, order=order),
         out_type=jax.ShapeDtypeStruct((n_ctas, d), jnp.float32),
         grid=(n_ctas,),
         grid_names=("c",),
-        compiler_params=common.gather_kernel_params(),
-        interpret=common.interpret_params(interpret),
+        compiler_params=row_loops.gather_kernel_params(),
+        interpret=target.interpret_params(interpret),
         kernel_name="l2_probe",
     )(table)
 
@@ -124,7 +125,7 @@ def _tma_probe_kernel(table_gmem, out_gmem, rows_smem, ready, *, steps: int, unr
 
   issue(0, 0)
   # (zeros in the layout of a row read from SMEM: the loop carry must keep one layout)
-  out_gmem[c, :] = lax.fori_loop(0, steps, body, common.zeros_like_row(rows_smem[0, 0, :]))
+  out_gmem[c, :] = lax.fori_loop(0, steps, body, row_loops.zeros_like_row(rows_smem[0, 0, :]))
 
 
 def probe_tma(table, *, n_ctas: int, steps: int, unroll: int, order: str = "random",
@@ -134,7 +135,7 @@ def probe_tma(table, *, n_ctas: int, steps: int, unroll: int, order: str = "rand
   # Mosaic GPU's async copies take at most 256 elements per dimension.
   if d % chunk or not 0 < chunk <= 256:
     raise ValueError(f"probe_tma: {chunk=} must divide D={d} and be at most 256")
-  with common.interpret_context(bool(interpret)):
+  with target.interpret_context(bool(interpret)):
     return plgpu.kernel(
         functools.partial(_tma_probe_kernel, steps=steps, unroll=unroll, order=order,
                           chunk=chunk),
@@ -145,7 +146,7 @@ def probe_tma(table, *, n_ctas: int, steps: int, unroll: int, order: str = "rand
         grid=(n_ctas,),
         grid_names=("c",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=common.interpret_params(interpret),
+        interpret=target.interpret_params(interpret),
         kernel_name="l2_probe_tma",
     )(table)
 
@@ -169,7 +170,7 @@ def probe_reference(table, *, n_ctas: int, steps: int, unroll: int, order: str =
 def main(argv):
   del argv
   d = 2048
-  sms = common.num_sms()
+  sms = target.num_sms()
   print(f"device: {jax.devices()[0].device_kind}, {sms} SMs, jax {jax.__version__}")
   if unknown := set(flags.FLAGS.variants) - {"registers", "tma"}:
     raise app.UsageError(f"--variants: unknown {sorted(unknown)} (registers, tma)")

@@ -1,6 +1,6 @@
 """The Hugging Face Llama format of the model: tensor names, config.json and tokenizer files.
 
-The model (`train/model.py`) is a Llama: pre-norm RMSNorm blocks, RoPE, grouped-query
+The model (`train/models/transformer.py`) is a Llama: pre-norm RMSNorm blocks, RoPE, grouped-query
 attention, a gated FFN, no biases. Only the gate's activation differs (ReLU for the sparse
 model: `hidden_act: "relu"`, which transformers' Llama runs as is) and the embedding is tied
 (`tie_word_embeddings: true`). Tensors, for layer l (loop layout `params["blocks"][l]`; the
@@ -30,7 +30,7 @@ spells bytes), a SentencePiece model as `tokenizer.model`; `twell_tokenizer.json
 it is, and is what `train.import_hf` reads back.
 
 Problems with a directory (another architecture, missing or misshapen tensors, a tokenizer
-that does not fit) raise `checkpointing.CheckpointError` with the file and the field named.
+that does not fit) raise `train.errors.CheckpointError` with the file and the field named.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from train import checkpointing
-from train import data as data_lib
-from train import model as model_lib
+from train import errors
+from train.data import pipeline as data_lib
+from train.models import transformer as model_lib
 
-CheckpointError = checkpointing.CheckpointError
+CheckpointError = errors.CheckpointError
 
 TWELL_TOKENIZER = "twell_tokenizer.json"
 WEIGHTS = "model.safetensors"

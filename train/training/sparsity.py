@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import model as model_lib
+from train.models import transformer as model_lib
 
 _SATURATE = 1 << 30
 
@@ -61,7 +61,7 @@ def reinit_dead(params: dict, opt_state, tx, since: jax.Array, window: int,
                 key: jax.Array, init_std: float):
   """Redraws dead gate columns; returns (params, opt_state, since, n_reinit).
 
-  Works for both layer layouts of train.model (loop and scan): the FFN
+  Works for both layer layouts of train.models.transformer (loop and scan): the FFN
   weights are viewed stacked as [L, D, H] and written back.
   """
   n_layers = since.shape[0]

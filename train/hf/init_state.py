@@ -16,10 +16,10 @@ import shutil
 from absl import logging
 import jax
 
-from train import checkpointing
-from train import config_checks
-from train import data as data_lib
-from train import hf_format
+from train import errors
+from train.config import checks as config_checks
+from train.data import pipeline as data_lib
+from train.hf import format as hf_format
 
 ACTIVATIONS = ("hf", "relu", "silu", "gelu")
 TOKENIZERS = ("hf", "config")
@@ -28,13 +28,13 @@ TOKENIZERS = ("hf", "config")
 def read_hf_config(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(path):
-    raise checkpointing.CheckpointError(
+    raise errors.CheckpointError(
         f"{hf_dir} is not a Hugging Face model directory: no config.json")
   try:
     with open(path) as f:
       return json.load(f)
   except ValueError as e:
-    raise checkpointing.CheckpointError(f"{path} is not valid JSON ({e})") from None
+    raise errors.CheckpointError(f"{path} is not valid JSON ({e})") from None
 
 
 def _saved_config(workdir: str):
@@ -74,7 +74,7 @@ def configure(cfg, workdir: str):
   if hf.tokenizer == "hf":
     found = hf_format.read_tokenizer(hf.path)
     if found is None:
-      raise checkpointing.CheckpointError(
+      raise errors.CheckpointError(
           f"{hf.path} ships no tokenizer this trainer reads ({hf_format.TWELL_TOKENIZER} or "
           "a SentencePiece tokenizer.model); give one with --config.init_from_hf.tokenizer="
           "config and --config.data.tokenizer / --config.data.spm_model")
@@ -98,11 +98,11 @@ def configure(cfg, workdir: str):
 
 def initial_state(trainer, state: dict, hf_dir: str) -> dict:
   """A fresh train state whose params are the checkpoint's (optimizer state re-initialised);
-  `trainer` a `train.train_lib.Trainer`."""
+  `trainer` a `train.training.trainer.Trainer`."""
   with hf_format.open_tensors(hf_dir) as (get, names):
     params = hf_format.from_hf_tensors(get, names, trainer.model_cfg, where=hf_dir)
   if jax.tree.structure(params) != jax.tree.structure(state["params"]):
-    raise checkpointing.CheckpointError(
+    raise errors.CheckpointError(
         f"{hf_dir}: the imported parameters do not have the model's structure")
   params = jax.device_put(params, trainer.state_sharding["params"])
   opt_state = jax.jit(trainer.tx.init,

@@ -19,7 +19,7 @@ Two layer layouts (config `scan_layers`):
     `twell_jax.FeedForward` is used unchanged.
 `remat=True` wraps each block in `jax.checkpoint` to bound activation memory.
 
-On a device mesh (`train.sharding`) every weight is used whole (`twell_jax.sharded.gathered`:
+On a device mesh (`train.runtime.mesh`) every weight is used whole (`twell_jax.sharded.gathered`:
 under FSDP, one all-gather per weight at its use) and the FFN runs per device on its tokens
 (`twell_jax.sharded.ffn`), so activations stay split over the batch and are never gathered.
 
@@ -39,7 +39,7 @@ from flax import nnx
 import twell_jax
 from twell_jax import sharded
 
-from train import embedding
+from train.models import embedding
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
@@ -103,11 +103,11 @@ class ModelConfig:
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
   interpret: bool = False   # FFN kernels in the Mosaic GPU interpreter (CPU; slow)
   # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
-  # set by the trainer's per-layer choice (`train.layer_choice`), not by config files.
+  # set by the trainer's per-layer choice (`train.training.layer_choice`), not by config files.
   ffn_layer_implementations: tuple | None = None
   # Per-layer numbers of hot features (`twell_jax.ffn`'s hot_features: the first K hidden
   # features, the hottest once the features are sorted, run as dense GEMMs in the sparse
-  # kernels); None: 0 everywhere. Set with the features' order (`train.layer_choice`).
+  # kernels); None: 0 everywhere. Set with the features' order (`train.training.layer_choice`).
   ffn_layer_hot_features: tuple | None = None
 
   def __post_init__(self):
@@ -274,7 +274,7 @@ class Transformer(nnx.Module):
 
   def logits(self, x):
     """logits [B, T, V] f32 of the final hidden state x (normalized here): a compute-dtype
-    GEMM with f32 accumulation. Training never forms them (`train.losses`)."""
+    GEMM with f32 accumulation. Training never forms them (`train.models.losses`)."""
     x = self.final_norm(x)
     return jnp.einsum("btd,vd->btv", x, sharded.gathered(self.embed[...].astype(x.dtype)),
                       preferred_element_type=jnp.float32)
@@ -386,7 +386,7 @@ class LanguageModel:
 
   def hidden(self, params: dict, tokens: jax.Array):
     """(normalized final hidden state [B, T, D] in the compute dtype, per-layer FFNStats):
-    what the tied LM head multiplies by `params["embed"]` (see `train.losses`)."""
+    what the tied LM head multiplies by `params["embed"]` (see `train.models.losses`)."""
     outer, x, stats = self._features(params, tokens)
     return outer.final_norm(x), stats
 

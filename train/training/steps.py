@@ -46,13 +46,13 @@ import optax
 
 from twell_jax import sharded
 from twell_jax import stats as stats_lib
-from train import losses
-from train import optim
-from train import sparsity
+from train.models import losses
+from train.runtime import mesh as sharding_lib
+from train.training import optim
+from train.training import sparsity
 
 
 # `mesh.gradient_reduction` (see the module docstring).
-GRADIENT_REDUCTIONS = ("auto", "per_device", "gspmd")
 
 
 def _flat(h, tokens):
@@ -85,6 +85,91 @@ def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
       heavy_rows_by_hot=jnp.sum(st.heavy_rows_by_hot, 0))
 
 
+def _accumulate(grad_fn, params, tokens, l1_coeff, laid_out):
+  """(gradients summed over the micro-batches of `tokens` [A, b, T+1], (loss, ce, l1)
+  averaged over them, the stats folded over them); `laid_out` constrains the gradients'
+  layout (the moments')."""
+
+  def micro(grad_sum, toks):
+    (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
+    grad_sum = laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads)))
+    return grad_sum, (loss, ce, l1, stats)
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
+  return grad_sum, (jnp.mean(loss), jnp.mean(ce), jnp.mean(l1), _fold_micro_batches(stats))
+
+
+def _accumulate_per_device(grad_fn, params, tokens, l1_coeff, axes, grad_sharding,
+                           compute_dtype):
+  """`_accumulate` with each device of `axes` summing its own micro-batches and one
+  reduction of the sums (see the module docstring)."""
+  specs = (jax.tree.map(lambda _: P(), params) if grad_sharding is None else
+           jax.tree.map(lambda s: s.spec, grad_sharding,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)))
+  n_dev = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+  # One micro-batch: each matrix's gradient is a compute-dtype (bf16) product converted to
+  # f32; it is reduced in the compute dtype, half the bytes (as XLA reduces it in the
+  # GSPMD step). Sums of several micro-batches are reduced in f32.
+  low = jnp.dtype(compute_dtype) if tokens.shape[0] == 1 else None
+
+  def reduce(g, spec):
+    """The mean over the devices of `g`, onto this device's slice of `spec`."""
+    dtype = g.dtype
+    if low is not None and g.ndim >= 2 and low.itemsize < dtype.itemsize:
+      g = g.astype(low)
+    dims = [d for d, e in enumerate(spec) if e is not None]
+    if not dims:
+      return lax.pmean(g, axes).astype(dtype)
+    return (lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
+            / n_dev).astype(dtype)
+
+  def local(params, tokens, l1_coeff):
+    grad_sum, (loss, ce, l1, stats) = _accumulate(grad_fn, params, tokens, l1_coeff,
+                                                  lambda g: g)
+    # Equal token counts per device: the mean over devices of each device's mean loss
+    # is the loss of the whole batch, and its gradient the mean of theirs.
+    mean = lambda a: lax.pmean(a, axes)
+    return jax.tree.map(reduce, grad_sum, specs), (mean(loss), mean(ce), mean(l1),
+                                                   sharded.reduce_stats(stats, axes))
+
+  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=(P(), P(None, axes), P()), out_specs=(specs, P()),
+                       axis_names=frozenset(axes), check_vma=False)(params, tokens, l1_coeff)
+
+
+def _per_device(mode: str) -> bool:
+  """Whether the step runs per device with one reduction on the mesh in context (see the
+  module docstring)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  data_only = (shape.get("data", 1) > 1
+               and all(n == 1 for a, n in shape.items() if a != "data"))
+  return data_only and mode != "gspmd"
+
+
+def _dead_features(state, stats, params, opt_state, n_tokens: int, tx, cfg, init_std: float):
+  """(params, opt_state, tokens since each feature fired, dead fraction per layer, features
+  re-drawn): the counters updated by this step's firings, dead features measured before any
+  re-init (so the log shows what was found), then optionally revived (`dead_reinit`)."""
+  step = state["step"]
+  since = sparsity.update_since(state["since"], stats.fired, n_tokens)  # fired: [L, H]
+  dead_fraction = jnp.mean(sparsity.dead_mask(since, cfg.dead_window_tokens), axis=-1)
+  n_reinit = jnp.int32(0)
+  if cfg.dead_reinit:
+    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+
+    def do_reinit(args):
+      p, o, s = args
+      p, o, s, n = sparsity.reinit_dead(p, o, tx, s, cfg.dead_window_tokens, key, init_std)
+      return p, o, s, n.astype(jnp.int32)
+
+    params, opt_state, since, n_reinit = jax.lax.cond(
+        (step + 1) % cfg.dead_reinit_every == 0, do_reinit,
+        lambda args: (*args, jnp.int32(0)), (params, opt_state, since))
+  return params, opt_state, since, dead_fraction, n_reinit
+
+
 def make_train_step(lm, tx, cfg, grad_sharding=None):
   """Returns train_step(state, tokens [A, b, T+1]) -> (state, metrics).
 
@@ -92,112 +177,35 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   each micro-batch's gradients and their sum (FSDP or ZeRO-1: each device keeps and sums only
   its slice, and XLA reduces the gradients with reduce-scatters).
   """
-  loss_fn = make_loss_fn(lm, cfg)
+  grad_fn = jax.value_and_grad(make_loss_fn(lm, cfg), has_aux=True)
   lr_fn, l1_fn = optim.lr_schedule(cfg), optim.l1_schedule(cfg)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   constrain = ((lambda g: g) if grad_sharding is None else
                (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
-
-  def accumulate(params, tokens, l1_coeff, laid_out=constrain):
-    """(gradients summed over the micro-batches of `tokens` [A, b, T+1], (loss, ce, l1)
-    averaged over them, the stats folded over them)."""
-
-    def micro(grad_sum, toks):
-      (loss, (ce, l1, stats)), grads = grad_fn(params, toks, l1_coeff)
-      grad_sum = laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads)))
-      return grad_sum, (loss, ce, l1, stats)
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grad_sum, (loss, ce, l1, stats) = jax.lax.scan(micro, zeros, tokens)
-    return grad_sum, (jnp.mean(loss), jnp.mean(ce), jnp.mean(l1), _fold_micro_batches(stats))
-
-  def accumulate_per_device(params, tokens, l1_coeff, axes):
-    """`accumulate` with each device of `axes` summing its own micro-batches and one
-    reduction of the sums (see the module docstring)."""
-    specs = (jax.tree.map(lambda _: P(), params) if grad_sharding is None else
-             jax.tree.map(lambda s: s.spec, grad_sharding,
-                          is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)))
-    n_dev = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
-
-    # One micro-batch: each matrix's gradient is a compute-dtype (bf16) product converted to
-    # f32; it is reduced in the compute dtype, half the bytes (as XLA reduces it in the
-    # GSPMD step). Sums of several micro-batches are reduced in f32.
-    low = jnp.dtype(lm.cfg.dtype) if tokens.shape[0] == 1 else None
-
-    def reduce(g, spec):
-      """The mean over the devices of `g`, onto this device's slice of `spec`."""
-      dtype = g.dtype
-      if low is not None and g.ndim >= 2 and low.itemsize < dtype.itemsize:
-        g = g.astype(low)
-      dims = [d for d, e in enumerate(spec) if e is not None]
-      if not dims:
-        return lax.pmean(g, axes).astype(dtype)
-      return (lax.psum_scatter(g, spec[dims[0]], scatter_dimension=dims[0], tiled=True)
-              / n_dev).astype(dtype)
-
-    def local(params, tokens, l1_coeff):
-      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff, lambda g: g)
-      # Equal token counts per device: the mean over devices of each device's mean loss
-      # is the loss of the whole batch, and its gradient the mean of theirs.
-      mean = lambda a: lax.pmean(a, axes)
-      return jax.tree.map(reduce, grad_sum, specs), (mean(loss), mean(ce), mean(l1),
-                                                     sharded.reduce_stats(stats, axes))
-
-    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
-                         in_specs=(P(), P(None, axes), P()), out_specs=(specs, P()),
-                         axis_names=frozenset(axes), check_vma=False)(
-                             params, tokens, l1_coeff)
-
   mode = (cfg.get("mesh") or {}).get("gradient_reduction", "auto")
-  if mode not in GRADIENT_REDUCTIONS:
-    raise ValueError(f"mesh.gradient_reduction must be one of {GRADIENT_REDUCTIONS}; "
-                     f"got {mode!r}")
-
-  def per_device(shape):
-    """Whether the step runs per device with one reduction (see the module docstring)."""
-    data_only = (shape.get("data", 1) > 1
-                 and all(n == 1 for a, n in shape.items() if a != "data"))
-    return data_only and mode != "gspmd"
+  modes = sharding_lib.GRADIENT_REDUCTIONS
+  if mode not in modes:
+    raise ValueError(f"mesh.gradient_reduction must be one of {modes}; got {mode!r}")
 
   def train_step(state, tokens):
     params, step = state["params"], state["step"]
     l1_coeff = l1_fn(step)
-    n_micro = tokens.shape[0]
-    mesh = jax.sharding.get_abstract_mesh()
-    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
     # Parameters replicated on every device of the mesh (a data axis, no fsdp): the step
     # runs manual over all of its axes (partly manual regions would leave cuDNN attention's
     # custom partitioning an abstract mesh, which it cannot lower).
-    if per_device(shape):
-      grad_sum, (loss, ce, l1, stats) = accumulate_per_device(
-          params, tokens, l1_coeff, tuple(mesh.axis_names))
+    if _per_device(mode):
+      axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+      grad_sum, (loss, ce, l1, stats) = _accumulate_per_device(
+          grad_fn, params, tokens, l1_coeff, axes, grad_sharding, lm.cfg.dtype)
     else:
-      grad_sum, (loss, ce, l1, stats) = accumulate(params, tokens, l1_coeff)
-    grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
+      grad_sum, (loss, ce, l1, stats) = _accumulate(grad_fn, params, tokens, l1_coeff,
+                                                    constrain)
+    grads = jax.tree.map(lambda g: g / tokens.shape[0], grad_sum)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-
     n_tokens = tokens.shape[0] * tokens.shape[1] * (tokens.shape[2] - 1)
-    since = sparsity.update_since(state["since"], stats.fired, n_tokens)  # fired: [L, H]
-    # Measure dead features before any re-init so the log shows what was
-    # found, then optionally revive them.
-    dead_fraction = jnp.mean(
-        sparsity.dead_mask(since, cfg.dead_window_tokens), axis=-1)
-    n_reinit = jnp.int32(0)
-    if cfg.dead_reinit:
-      key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
-
-      def do_reinit(args):
-        p, o, s = args
-        p, o, s, n = sparsity.reinit_dead(
-            p, o, tx, s, cfg.dead_window_tokens, key, lm.cfg.init_std)
-        return p, o, s, n.astype(jnp.int32)
-
-      params, opt_state, since, n_reinit = jax.lax.cond(
-          (step + 1) % cfg.dead_reinit_every == 0, do_reinit,
-          lambda args: (*args, jnp.int32(0)), (params, opt_state, since))
-
+    params, opt_state, since, dead_fraction, n_reinit = _dead_features(
+        state, stats, params, opt_state, n_tokens, tx, cfg, lm.cfg.init_std)
     new_state = {**state, "params": params, "opt_state": opt_state,
                  "step": step + 1, "since": since}
     metrics = {

@@ -18,10 +18,11 @@ from typing import Any
 import jax
 import ml_collections
 
-from train import checkpointing
-from train import model as model_lib
-from train import sharding
-from train import train_lib
+from train.training import checkpointing
+from train.models import transformer as model_lib
+from train.runtime import mesh as sharding
+from train.training import trainer as trainer_lib
+from train import errors
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class Checkpoint:
   devices here, else replicated on them)."""
   step: int
   config: Any                      # the training ConfigDict saved with it
-  trainer: train_lib.Trainer       # model, tokenizer and eval data built from `config`
+  trainer: trainer_lib.Trainer       # model, tokenizer and eval data built from `config`
   params: dict
 
   @property
@@ -95,9 +96,9 @@ def load_checkpoint(workdir: str, step: int | None = None, *,
   except sharding.MeshError:  # the run's mesh does not fit the devices here: all of them
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
   try:
-    trainer = train_lib.Trainer(cfg)
+    trainer = trainer_lib.Trainer(cfg)
   except OSError as e:  # the SentencePiece model file named by the config is unreadable
-    raise train_lib.ConfigError(
+    raise errors.ConfigError(
         f"the tokenizer of the checkpoint's config cannot be loaded "
         f"(data.spm_model={cfg.data.get('spm_model')!r}): {e}") from None
   abstract = trainer.abstract_state()["params"]
@@ -125,3 +126,16 @@ def inference_params(params: dict, model_cfg: model_lib.ModelConfig) -> dict:
     return a if is_norm_scale else a.astype(dt)
 
   return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def evaluate_checkpoint(workdir: str, step: int | None = None,
+                        eval_batches: int | None = None,
+                        data_dir: str | None = None) -> dict:
+  """Held-out cross-entropy, perplexity and per-layer sparsity of a checkpoint's eval split
+  (`python -m train.evaluate`): the JSON dict it prints."""
+  ck = load_checkpoint(workdir, step, data_dir=data_dir)
+  if eval_batches:
+    ck.config.eval_batches = eval_batches
+  result = ck.trainer.evaluate(ck.params, ck.trainer.eval_batches())
+  return {"step": ck.step, "workdir": os.path.abspath(workdir),
+          "eval_split": ck.config.data.eval_split, **result}

@@ -35,11 +35,12 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
+from train import errors
+
 ITEMS = ("state", "data", "meta")
 
 
-class CheckpointError(Exception):
-  """A checkpoint problem the user must resolve; printed without traceback."""
+CheckpointError = errors.CheckpointError
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -350,3 +351,31 @@ def restore_params(workdir: str, abstract_params: Any, step: int):
     return out.state["params"]
   finally:
     mngr.close()
+
+
+def check_workdir(workdir: str, requested: dict, *, accept: bool) -> dict:
+  """`train.config.workdir.check_change` of `requested` against the run in `workdir`, if it
+  has checkpoints. The stored config is WORKDIR/config.json, else the one in the latest
+  checkpoint's metadata. A workdir without checkpoints has nothing to protect: no comparison.
+  """
+  from train.config import workdir as workdir_config  # pylint: disable=g-import-not-at-top
+  if not steps_on_disk(workdir):
+    return workdir_config.check_change(None, requested, accept=accept, where=workdir)
+  stored = workdir_config.read_workdir_config(workdir)
+  where = os.path.join(workdir, workdir_config.CONFIG_FILE)
+  if stored is None:
+    try:
+      step, meta = read_meta(workdir)
+    except CheckpointError:
+      stored = None   # the restore reports the damage
+    else:
+      stored, where = meta.get("config"), f"checkpoint step {step} of {workdir}"
+  return workdir_config.check_change(stored, requested, accept=accept, where=where)
+
+
+def meta(cfg, step: int, choice_meta: dict | None = None) -> dict:
+  """A checkpoint's metadata: the step, the config, the version and the per-layer choice
+  (`ChoiceSteps.meta`: a resumed run continues with it, the same numerics on the same steps)."""
+  import twell_jax  # pylint: disable=g-import-not-at-top
+  return {"step": int(step), "config": cfg.to_dict(),
+          "twell_jax_version": getattr(twell_jax, "__version__", "?"), **(choice_meta or {})}

@@ -31,7 +31,7 @@ With `update_from_counts`, each decision also picks every layer's K: a multiple 
 minimizes the prediction (a hot column is worth `CostModel.break_even` of the tokens), with
 hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`),
 and gives the popularity order of the features, which the trainer applies to the parameters
-(`train.model.permute_ffn_features`) so that the first K features are the hottest. Decisions
+(`train.models.transformer.permute_ffn_features`) so that the first K features are the hottest. Decisions
 run on the host, every `every` steps, from the step metrics; a step is recompiled only when
 an implementation or a sparse layer's K changes (a few times per run), and no conditional
 runs on the device. The reference implementation switches at 50 active features per token
@@ -41,11 +41,6 @@ every 20 forward calls.
 from __future__ import annotations
 
 import dataclasses
-import gc
-import sys
-import time
-
-from absl import logging
 
 import numpy as np
 
@@ -273,79 +268,3 @@ class LayerChoice:
     names, hot = key or self.key
     return " ".join(("S" + (str(k) if k else "")) if name == self.sparse else "D"
                     for name, k in zip(names, hot))
-
-
-class StepBuilds:
-  """Compiled train steps per `LayerChoice.key`, built on a worker thread.
-
-  `request(key)` starts building the step of `key` (tens of seconds at the paper's shape) while
-  the current one keeps training; `get(key)` returns it, waiting for its build if it is not
-  done (or building it in this thread if it was never requested). Which step runs from which
-  step on is the caller's decision, from step numbers alone (`train.train_lib`: a choice made
-  at step n runs from step n + `layer_choice.landing_steps` on), so a run's sequence of
-  choices and the steps they land on do not depend on how fast a build goes. Executables are
-  kept: going back to a choice built before costs nothing. `background=False` builds in
-  `request`.
-
-  Tracing and lowering are Python work that holds the GIL, and the training loop must not wait
-  behind it to dispatch its steps (the device would idle). While a build runs, the
-  interpreter's switch interval is shortened and the cyclic garbage collector is off: its
-  full collections over the objects a build creates stop every thread for 100-200 ms each,
-  three or four per build at the paper's shape.
-  """
-
-  _BUILD_SWITCH_INTERVAL_S = 2e-4
-
-  def __init__(self, build, background: bool = True):
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
-    self._build = build
-    self.background = background
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    self._futures: dict[tuple, object] = {}
-    self.build_s: dict[tuple, float] = {}   # seconds each build took
-
-  def _timed_build(self, key: tuple):
-    t0 = time.perf_counter()
-    step = self._build(key)
-    self.build_s[key] = time.perf_counter() - t0
-    logging.info("built the train step for %s in %.1f s", key, self.build_s[key])
-    return step
-
-  def _build_in_background(self, key: tuple):
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-      return self._timed_build(key)
-    finally:
-      if collecting:
-        gc.enable()
-      sys.setswitchinterval(interval)
-
-  def request(self, key: tuple) -> None:
-    """Starts building the step of `key` unless it is built or being built."""
-    if key in self._futures:
-      return
-    if self.background:
-      self._futures[key] = self._pool.submit(self._build_in_background, key)
-    else:
-      self.get(key)
-
-  def get(self, key: tuple):
-    """The step of `key`, waiting for its build (an exception of the build is raised here)."""
-    if key not in self._futures:
-      import concurrent.futures  # pylint: disable=import-outside-toplevel
-      done = concurrent.futures.Future()
-      try:
-        done.set_result(self._timed_build(key))
-      except Exception as e:  # pylint: disable=broad-except  # raised by result() below
-        done.set_exception(e)
-      self._futures[key] = done
-    return self._futures[key].result()
-
-  def close(self):
-    """Cancels the builds that have not started and waits for the one in flight."""
-    for future in self._futures.values():
-      future.cancel()
-    self._pool.shutdown(wait=True)

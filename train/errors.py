@@ -1,0 +1,12 @@
+"""The errors the commands report as one line (`train.cli`): a config that cannot run, a
+checkpoint or workdir that cannot be used. Raised by the library, caught by the commands."""
+
+
+class ConfigError(ValueError):
+  """A config that cannot run (a field out of range, a choice this backend lacks, a change a
+  workdir's checkpoints do not fit); the message names the field."""
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint or workdir that cannot be used: nothing to restore, damage found,
+  incompatible contents; the message says what was found and what to do."""

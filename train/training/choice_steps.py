@@ -1,0 +1,228 @@
+"""The per-layer FFN choice in a training run: its compiled steps, built in the background and
+switched on fixed steps.
+
+`StepBuilds` compiles the train step of a choice (`LayerChoice.key`) on a worker thread.
+`ChoiceSteps` runs the choice inside the loop: every `layer_choice.every` steps a decision
+from the step's feature counts (`LayerChoice.update_from_counts`) sorts each layer's
+features in the state and, when the choice changes and its build pays (`payback`), asks for
+its step, which runs from `layer_choice.landing_steps` steps later (the loop waits for a build
+not done by then; without `layer_choice.background`, built at once and running from the next
+step). What runs when therefore follows from the decisions alone: the same seed gives the same
+decisions and switches on the same steps on any machine, and a checkpoint keeps the choice in
+use and the one pending (`meta`, `restore`).
+"""
+
+import gc
+import sys
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from train.training import layer_choice as layer_choice_lib
+
+
+class StepBuilds:
+  """Compiled train steps per `LayerChoice.key`, built on a worker thread.
+
+  `request(key)` starts building the step of `key` (tens of seconds at the paper's shape) while
+  the current one keeps training; `get(key)` returns it, waiting for its build if it is not
+  done (or building it in this thread if it was never requested). Which step runs from which
+  step on is the caller's decision, from step numbers alone (`train.training.loop`: a choice made
+  at step n runs from step n + `layer_choice.landing_steps` on), so a run's sequence of
+  choices and the steps they land on do not depend on how fast a build goes. Executables are
+  kept: going back to a choice built before costs nothing. `background=False` builds in
+  `request`.
+
+  Tracing and lowering are Python work that holds the GIL, and the training loop must not wait
+  behind it to dispatch its steps (the device would idle). While a build runs, the
+  interpreter's switch interval is shortened and the cyclic garbage collector is off: its
+  full collections over the objects a build creates stop every thread for 100-200 ms each,
+  three or four per build at the paper's shape.
+  """
+
+  _BUILD_SWITCH_INTERVAL_S = 2e-4
+
+  def __init__(self, build, background: bool = True):
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    self._build = build
+    self.background = background
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._futures: dict[tuple, object] = {}
+    self.build_s: dict[tuple, float] = {}   # seconds each build took
+
+  def _timed_build(self, key: tuple):
+    t0 = time.perf_counter()
+    step = self._build(key)
+    self.build_s[key] = time.perf_counter() - t0
+    logging.info("built the train step for %s in %.1f s", key, self.build_s[key])
+    return step
+
+  def _build_in_background(self, key: tuple):
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+      return self._timed_build(key)
+    finally:
+      if collecting:
+        gc.enable()
+      sys.setswitchinterval(interval)
+
+  def request(self, key: tuple) -> None:
+    """Starts building the step of `key` unless it is built or being built."""
+    if key in self._futures:
+      return
+    if self.background:
+      self._futures[key] = self._pool.submit(self._build_in_background, key)
+    else:
+      self.get(key)
+
+  def done(self, key: tuple) -> bool:
+    """Whether the step of `key` is built (or its build failed)."""
+    return key in self._futures and self._futures[key].done()
+
+  def get(self, key: tuple):
+    """The step of `key`, waiting for its build (an exception of the build is raised here)."""
+    if key not in self._futures:
+      import concurrent.futures  # pylint: disable=import-outside-toplevel
+      done = concurrent.futures.Future()
+      try:
+        done.set_result(self._timed_build(key))
+      except Exception as e:  # pylint: disable=broad-except  # raised by result() below
+        done.set_exception(e)
+      self._futures[key] = done
+    return self._futures[key].result()
+
+  def close(self):
+    """Cancels the builds that have not started and waits for the one in flight."""
+    for future in self._futures.values():
+      future.cancel()
+    self._pool.shutdown(wait=True)
+
+
+def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
+            ffn_share: float) -> str | None:
+  """Why the choice's new step would not pay for its build (None: it would).
+
+  Saving: the predicted FFN time of the running step and of the new one
+  (`LayerChoice.costs`, over the dense FFN's), the FFN being `ffn_share` of a dense step,
+  over the steps left, in dense steps. Cost: `layer_choice.BUILD_COST_STEPS`. Steps, not
+  seconds, so that the decision is the same in every run of a seed."""
+  old = float(choice.costs(running, counts, tokens, heavy).mean())
+  new = float(choice.costs(choice.key, counts, tokens, heavy).mean())
+  saving = ffn_share * (old - new) * steps_left
+  if saving > layer_choice_lib.BUILD_COST_STEPS:
+    return None
+  return (f"predicted to save {saving:.1f} dense steps' time over the {steps_left} steps "
+          f"left, less than the {layer_choice_lib.BUILD_COST_STEPS:.0f} a build takes")
+
+
+class ChoiceSteps:
+  """The per-layer choice of one run (module docstring): `step_for(step)` before each step,
+  `after_step(done, metrics, state)` after it, `meta()` for its checkpoint."""
+
+  def __init__(self, tr, choice, state, meta: dict):
+    cfg = tr.cfg
+    self.tr, self.choice, self.cfg = tr, choice, cfg
+    # Compiled ahead of time for the state's and the batch's exact types (no retrace at a
+    # switch), without autotuning on a GPU: builds run beside training, where autotuning
+    # takes about 5x longer, and a resumed run must build each choice's step alike.
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    state_spec = jax.tree.map(like, state)
+    batch_spec = jax.ShapeDtypeStruct(
+        (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
+        np.int32, sharding=tr.batch_sharding)
+    self.builds = StepBuilds(
+        lambda key: tr.compile_train_step(key, state_spec, batch_spec, autotune=False),
+        background=cfg.layer_choice.background)
+    self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
+    self.pending = None   # (key, step): a choice decided, running from that step on
+    self._restore(meta)
+    self.train_step = self.builds.get(self.running)
+    mc = tr.model_cfg
+    self.ffn_share = layer_choice_lib.ffn_flop_share(
+        mc.d_model, mc.d_ff, mc.n_layers, mc.vocab_size, cfg.data.seq_len, mc.n_heads,
+        mc.n_kv_heads, mc.ffn_gated)
+    self.tokens_per_step = cfg.batch_size * cfg.data.seq_len
+    logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
+                 "below %g of the dense one's time (train.training.layer_choice), then %s "
+                 "(back above %g); decided every %d steps (features sorted by popularity), "
+                 "each choice running %d steps after its decision", choice.sparse_below,
+                 choice.sparse, choice.dense_above, cfg.layer_choice.every, self.lag)
+
+  def _restore(self, meta: dict) -> None:
+    """The choice in use and the one pending of a checkpoint's metadata (`meta`)."""
+    choice = self.choice
+    saved = meta.get("layer_implementations")
+    if saved is not None and len(saved) == choice.n_layers:
+      choice.current = list(saved)
+      choice.hot = list(meta.get("layer_hot_features") or [0] * choice.n_layers)
+    self.running = choice.key
+    if meta.get("pending_layer_choice"):
+      p = meta["pending_layer_choice"]
+      self.pending = ((tuple(p["implementations"]), tuple(p["hot_features"])), p["step"])
+      self.builds.request(self.pending[0])
+      choice.current, choice.hot = list(self.pending[0][0]), list(self.pending[0][1])
+
+  def meta(self) -> dict:
+    """What a checkpoint keeps of the choice (`ChoiceSteps.__init__` reads it back)."""
+    (names, hot), out = self.running, {}
+    out["layer_implementations"], out["layer_hot_features"] = list(names), list(hot)
+    if self.pending is not None:
+      (names, hot), land = self.pending
+      out["pending_layer_choice"] = {"implementations": list(names),
+                                     "hot_features": list(hot), "step": int(land)}
+    return out
+
+  def step_for(self, step: int):
+    """The train step that runs step `step` (0-based): a pending choice lands on its step,
+    waiting for its build if it is not done."""
+    if self.pending is not None and step >= self.pending[1]:
+      key, self.pending = self.pending[0], None
+      try:
+        self.train_step, self.running = self.builds.get(key), key
+        logging.info("step %d: now running FFN per layer %s (built in %.1f s)", step + 1,
+                     self.choice.describe(key), self.builds.build_s.get(key, 0.0))
+      except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
+        logging.exception("building the train step for %s failed (%s: %s); training goes on "
+                          "with %s", key, type(e).__name__, e, self.choice.describe(self.running))
+        self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
+    return self.train_step
+
+  def after_step(self, done: int, metrics: dict, state):
+    """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
+    layer's features sorted by this step's counts, the choice pending if it changed."""
+    cfg, choice = self.cfg, self.choice
+    if done % cfg.layer_choice.every and done != 1:
+      return state
+    # Decisions fall on the same steps in a resumed run as in an uninterrupted one (the
+    # choice in use and the one pending come back from the checkpoint), so both reorder the
+    # features alike and switch on the same steps.
+    counts, heavy = jax.device_get((metrics["feature_counts"], metrics["heavy_rows_by_hot"]))
+    target = self.running if self.pending is None else self.pending[0]
+    choice.current, choice.hot = list(target[0]), list(target[1])
+    _, order = choice.update_from_counts(counts, self.tokens_per_step, heavy)
+    state = self.tr.sort_features(state, order)
+    if choice.key == target:
+      return state
+    land = done + self.lag
+    why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
+               payback(choice, target, counts, heavy, self.tokens_per_step,
+                       cfg.num_train_steps - land, self.ffn_share))
+    if why_not:
+      logging.info("step %d: FFN per layer -> %s predicted, not built: %s", done,
+                   choice.describe(), why_not)
+      choice.current, choice.hot = list(target[0]), list(target[1])
+    else:
+      logging.info("step %d: FFN per layer -> %s (predicted %s), running from step %d",
+                   done, choice.describe(), " ".join(f"{r:.2f}" for r in choice.predicted),
+                   land + 1)
+      self.pending = (choice.key, land)
+      self.builds.request(choice.key)
+    return state
+
+  def close(self):
+    self.builds.close()

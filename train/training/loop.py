@@ -1,0 +1,254 @@
+"""The training loop: data -> jitted step -> metrics, eval and checkpoints.
+
+`train_and_evaluate(config, workdir)` trains `config.num_train_steps` steps.
+If DIR/checkpoints holds a usable checkpoint it resumes from it (params,
+optimizer state, step, RNG, dead-feature counters, data position and the per-layer
+FFN choice), so rerunning the same command after a crash continues the same run: on one
+machine the resumed run ends with bit-identical parameters, because every
+step is a pure function of (state, batch) and the batch stream is restored
+exactly. Each process reads its own share of the documents (`train.training.trainer`
+lays out the devices).
+"""
+
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from train import errors
+from train.config import workdir as workdir_config
+from train.data import pipeline as data_lib
+from train.hf import init_state as hf_init
+from train.models import transformer as model_lib
+from train.runtime import compilation
+from train.runtime import mesh as sharding_lib
+from train.training import checkpointing
+from train.training import metrics as metrics_lib
+from train.training import preemption
+from train.training import choice_steps
+from train.training import trainer as trainer_lib
+
+
+def _all_process_states(data_state: dict) -> list[dict]:
+  """Every process's data position, in process order (a collective).
+
+  Orbax writes JSON items from the primary process only, so positions are
+  gathered first: each process's JSON is sent as padded uint8 bytes.
+  """
+  if jax.process_count() == 1:
+    return [data_state]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  raw = np.frombuffer(json.dumps(data_state).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.int32(raw.size))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[:raw.size] = raw
+  every = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(every[i, :lengths[i]]).decode())
+          for i in range(jax.process_count())]
+
+
+def _my_data_state(saved: dict) -> dict:
+  states = saved["processes"]
+  if len(states) != jax.process_count():
+    raise errors.CheckpointError(
+        f"the checkpoint holds data positions of {len(states)} processes; "
+        f"resume with that many processes (now {jax.process_count()})")
+  return states[jax.process_index()]
+
+
+def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
+  act = np.asarray(m["active_per_token"])
+  dead = np.asarray(m["dead_fraction"])
+  return (f"{progress.eta_line(step)} | loss {float(m['loss']):.4f} "
+          f"ce {float(m['cross_entropy']):.4f} "
+          f"l1 {float(m['l1_term']):.3g}x{float(m['l1_coeff']):.2g} "
+          f"lr {float(m['learning_rate']):.2e} "
+          f"gnorm {float(m['grad_norm']):.3f} {tokens_per_s:,.0f} tok/s | "
+          f"active/token {' '.join(f'{a:.1f}' for a in act)} of {d_ff} "
+          f"max/tile {' '.join(str(int(x)) for x in m['max_tile_nnz'])} "
+          f"overflow {' '.join(str(int(x)) for x in m['overflow_rows'])} "
+          f"dead {' '.join(f'{x:.2f}' for x in dead)}")
+
+
+class _StepTracer:
+  """Traces steps [first_step, first_step + steps) of `cfg.profile` into workdir/profile."""
+
+  def __init__(self, profile_cfg, workdir: str):
+    profile_cfg = profile_cfg or {}
+    self.first = int(profile_cfg.get("first_step", 0))
+    self.last = self.first + int(profile_cfg.get("steps", 0))
+    self.dir = os.path.join(workdir, "profile")
+    self.on = False
+
+  def before(self, step: int) -> None:
+    if step == self.first and self.last > self.first and jax.process_index() == 0:
+      jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+      self.on = True
+
+  def after(self, done: int, outputs) -> None:
+    if self.on and done >= self.last:
+      jax.block_until_ready(outputs)
+      self.stop()
+      logging.info("traced steps %d-%d into %s", self.first + 1, done, self.dir)
+
+  def stop(self) -> None:
+    if self.on:
+      jax.profiler.stop_trace()
+      self.on = False
+
+
+def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
+                       allow_fresh_start: bool = False, hooks=()) -> dict:
+  """Trains (resuming if possible); returns the last logged metrics.
+
+  Before anything is built the config is checked (`train.config.checks.check`) and, on a
+  workdir with checkpoints, compared with the one it was trained with
+  (`train.training.checkpointing.check_workdir`; `accept_config_change` accepts changes of the
+  optimisation). `allow_fresh_start` lets a workdir whose checkpoints were all
+  quarantined start over. A SIGTERM from here on stops training after the current
+  step: the checkpoint of that step is written, then `preemption.Preempted` raised.
+  `hooks`: callables hook(trainer, step, state, layer_ffn) run after every step (`step` steps
+  done; `layer_ffn` the per-layer choice's key that step ran, or None), for measurements inside
+  a run (`benchmarks.activity_sweep`); they must not change the state.
+  """
+  watch = preemption.Watch().install()
+  try:
+    return _train_and_evaluate(cfg, workdir, watch, accept_config_change=accept_config_change,
+                               allow_fresh_start=allow_fresh_start, hooks=hooks)
+  finally:
+    watch.remove()
+
+
+def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start: bool):
+  """(config, Trainer, checkpoint manager, restored checkpoint or None, packer, first step,
+  state) of a run: the config checked against the workdir's, the checkpoint restored or a
+  fresh state made (from a Hugging Face checkpoint if the config names one)."""
+  os.makedirs(workdir, exist_ok=True)
+  compilation.use_compilation_cache(cfg.get("compilation_cache_dir"))
+  hf_dir = (cfg.get("init_from_hf") or {}).get("path")
+  if hf_dir:  # shapes and tokenizer of a Hugging Face checkpoint
+    cfg = hf_init.configure(cfg, workdir)
+  tr = trainer_lib.Trainer(cfg)
+  logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
+  changed = checkpointing.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
+  for path, old, new in changed["free"] + changed["acceptable"]:
+    logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
+  logging.info("%s", sharding_lib.describe(tr.mesh, tr.state_sharding["params"],
+                                           tr.grad_sharding))
+  mngr, restored = checkpointing.restore_latest(
+      workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
+      keep=cfg.keep_checkpoints, allow_fresh_start=allow_fresh_start)
+  if jax.process_index() == 0:  # The config of the run from here on (for the next resume).
+    workdir_config.write_workdir_config(workdir, cfg.to_dict())
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
+      seq_len=cfg.data.seq_len, rows=cfg.batch_size // jax.process_count(), seed=cfg.seed,
+      shard_index=jax.process_index(), shard_count=jax.process_count())
+  if restored is None:
+    start, state = 0, tr.new_state(jax.random.key(cfg.seed))
+    if hf_dir:
+      state = hf_init.initial_state(tr, state, hf_dir)
+  else:
+    start, state = restored["step"], restored["state"]
+    packer.set_state(_my_data_state(restored["data"]))
+    logging.info("Resumed from checkpoint step %d", start)
+  return cfg, tr, mngr, restored, packer, start, state
+
+
+def _step_metrics(m, tokens_per_s: float, n_params: int, ran) -> dict:
+  """A logged step's metrics on the host: the step's scalars and per-layer values, tokens/s,
+  the peak device memory and the per-layer choice that ran (`ran`, or None)."""
+  m = {k: v for k, v in jax.device_get(m).items()
+       if k not in ("feature_counts", "heavy_rows_by_hot")}
+  m = dict(m, tokens_per_s=tokens_per_s, params=n_params)
+  peak = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  if peak:
+    m["peak_memory_gib"] = peak / 2**30
+  if ran is not None:
+    m["sparse_layers"] = sum(name != "dense" for name in ran[0])
+    m["hot_features"] = np.asarray(ran[1])
+  return m
+
+
+def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
+                        accept_config_change: bool, allow_fresh_start: bool, hooks) -> dict:
+  cfg, tr, mngr, restored, packer, start, state = _prepare(
+      cfg, workdir, accept_config_change=accept_config_change,
+      allow_fresh_start=allow_fresh_start)
+  is_main = jax.process_index() == 0
+  n_params = model_lib.count_params(state["params"])
+  logging.info("Parameters: %s; FFN implementation: %s", f"{n_params:,}",
+               tr.ffn_implementation())
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  if start == 0 and is_main:
+    writer.write_text(0, "config", "```\n" + str(cfg) + "\n```")
+  eval_data = tr.eval_batches() if cfg.eval_every > 0 else None
+  prefetch = data_lib.Prefetcher(packer, depth=cfg.data.prefetch)
+  progress = metrics_lib.Progress(cfg.num_train_steps, start)
+  shape = (cfg.grad_accum_steps, cfg.batch_size // jax.process_count() // cfg.grad_accum_steps,
+           cfg.data.seq_len + 1)
+  choice = tr.layer_choice()
+  steps = None if choice is None else choice_steps.ChoiceSteps(
+      tr, choice, state, (restored or {}).get("meta") or {})
+  train_step = tr.jit_train_step() if steps is None else None
+  last, preempted = {}, None
+  t_last, tokens_since = time.time(), 0
+  tracer = _StepTracer(cfg.get("profile"), workdir)
+  try:
+    for step in range(start, cfg.num_train_steps):
+      if steps is not None:
+        train_step = steps.step_for(step)
+      ran = None if steps is None else steps.running
+      batch, data_state = next(prefetch)
+      tracer.before(step)
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
+                                                  tr.batch_sharding))
+      done = step + 1
+      tracer.after(done, m)
+      tokens_since += cfg.batch_size * cfg.data.seq_len
+      if steps is not None:
+        state = steps.after_step(done, m, state)
+      for hook in hooks:
+        hook(tr, done, state, ran)
+      if done % cfg.log_every == 0 or done == cfg.num_train_steps or done == start + 1:
+        now = time.time()   # the first step shows the starting point
+        m = _step_metrics(m, tokens_since / max(now - t_last, 1e-9), n_params, ran)
+        t_last, tokens_since = now, 0
+        if not np.isfinite(m["loss"]):
+          raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
+        logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, m["tokens_per_s"], progress)
+                     + ("" if ran is None else f" | ffn {choice.describe(ran)}"))
+        last = metrics_lib.flatten_metrics(m)
+        writer.write_scalars(done, last)
+      if eval_data is not None and (done % cfg.eval_every == 0
+                                    or done == cfg.num_train_steps):
+        t_eval = time.time()
+        ev = tr.evaluate(state["params"], eval_data)
+        logging.info("eval step %d: %s", done, json.dumps(ev))
+        writer.write_scalars(done, metrics_lib.flatten_metrics(
+            {f"eval/{k}": v for k, v in ev.items()}))
+        t_last += time.time() - t_eval  # Exclude eval time from tokens/s.
+      final, stop = done == cfg.num_train_steps, watch.stop_after(done)
+      # checkpoint_every <= 0 disables saving (benchmarks).
+      if cfg.checkpoint_every > 0 and (final or stop or mngr.should_save(done)):
+        checkpointing.save(mngr, done, state, {"processes": _all_process_states(data_state)},
+                           checkpointing.meta(cfg, done, None if steps is None else steps.meta()),
+                           force=final or stop)
+      if stop and not final:
+        preempted = preemption.Preempted(done, saved=cfg.checkpoint_every > 0)
+        break
+    writer.flush()
+  finally:
+    tracer.stop()
+    if steps is not None:
+      steps.close()
+    prefetch.close()
+    checkpointing.finish(mngr)
+    writer.close()
+  if preempted is not None:
+    raise preempted
+  return last

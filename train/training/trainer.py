@@ -1,0 +1,190 @@
+"""The trainer's parts built from a config: `Trainer` (mesh, model, tokenizer, optimizer,
+shardings, the jitted train step, evaluation), shared by the training loop (`train.training.
+loop`), evaluation and generation from checkpoints.
+
+Devices: a ("data", "fsdp") mesh over every device of every process (config `mesh`, see
+`train.runtime.mesh`): batches split over both axes, parameters and optimizer state split over
+"fsdp" (replicated with fsdp = 1: data parallel), the FFN and the loss run per device under
+`jax.shard_map`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from train import errors
+from train.config import checks as config_checks
+from train.data import pipeline as data_lib
+from train.models import ffn_choice
+from train.models import transformer as model_lib
+from train.runtime import compilation
+from train.runtime import mesh as sharding_lib
+from train.training import layer_choice as layer_choice_lib
+from train.training import optim
+from train.training import sparsity
+from train.training import steps as steps_lib
+
+def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
+  """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
+  try:
+    return sharding_lib.make_mesh(mesh_cfg)
+  except sharding_lib.MeshError as e:
+    raise errors.ConfigError(f"config.mesh: {e}") from e
+
+
+def check_config(cfg, n_devices: int, n_processes: int):
+  """Raises ConfigError naming the first bad field (`train.config.checks.check`)."""
+  config_checks.check(cfg, n_devices, n_processes)
+
+
+class Trainer:
+  """Everything built from the config that the loop and eval share."""
+
+  def __init__(self, cfg, mesh=None):
+    self.cfg = cfg
+    self.mesh = mesh or make_mesh(cfg.get("mesh"))
+    check_config(cfg, self.mesh.size, jax.process_count())
+    self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
+    self.lm = model_lib.LanguageModel(self.model_cfg)
+    self.tokenizer = data_lib.make_tokenizer(cfg.data)
+    if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+      raise errors.ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} is "
+                       f"below the tokenizer's {self.tokenizer.vocab_size}")
+    self.tx = optim.make_optimizer(cfg)
+    self.replicated = NamedSharding(self.mesh, P())
+    self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
+    self.eval_sharding = sharding_lib.eval_sharding(self.mesh)
+    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    # The optimizer's moments, and the gradients inside the step, share one layout.
+    self.grad_sharding = sharding_lib.moment_shardings(
+        shapes["params"], self.mesh, scan_layers=self.model_cfg.scan_layers,
+        shard_optimizer=bool((cfg.get("mesh") or {}).get("shard_optimizer", False)))
+    self.state_sharding = sharding_lib.state_shardings(
+        shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
+        moments=self.grad_sharding)
+
+  def init_state(self, key):
+    params = self.lm.init_params(key)
+    return {"params": params, "opt_state": self.tx.init(params),
+            "step": jnp.int32(0), "rng": jax.random.key_data(key),
+            "since": sparsity.init_since(self.model_cfg.n_layers,
+                                         self.model_cfg.d_ff)}
+
+  def new_state(self, key):
+    """A fresh train state, laid out on the mesh (`state_sharding`)."""
+    return jax.jit(self.init_state, out_shardings=self.state_sharding)(key)
+
+  def abstract_state(self):
+    """The state's shapes with their shardings on this mesh (the restore target)."""
+    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, self.state_sharding)
+
+  def jit_train_step(self, layer_ffn=None):
+    """The jitted step; `layer_ffn` (a `LayerChoice.key`: L implementation names and L
+    numbers of hot features) overrides the model's FFNs."""
+    lm = self.lm
+    if layer_ffn is not None:
+      names, hot = layer_ffn
+      lm = model_lib.LanguageModel(dataclasses.replace(
+          self.model_cfg, ffn_layer_implementations=tuple(names),
+          ffn_layer_hot_features=tuple(hot)))
+    step = steps_lib.make_train_step(lm, self.tx, self.cfg,
+                                     grad_sharding=self.grad_sharding)
+    return jax.jit(sharding_lib.traced_in(self.mesh, step),
+                   in_shardings=(self.state_sharding, self.batch_sharding),
+                   out_shardings=(self.state_sharding, self.replicated),
+                   donate_argnums=0)
+
+  def compile_train_step(self, layer_ffn, state_spec, batch_spec, *, autotune: bool = True):
+    """`jit_train_step(layer_ffn)` compiled ahead of time for these argument types (and
+    shardings); `autotune=False` compiles a GPU step with `compilation.NO_AUTOTUNE`."""
+    lowered = self.jit_train_step(layer_ffn).lower(state_spec, batch_spec)
+    untuned = not autotune and jax.default_backend() == "gpu"
+    return lowered.compile(compiler_options=compilation.NO_AUTOTUNE if untuned else None)
+
+  def tokens_per_call(self) -> int:
+    """Rows of one FFN call in a train step: a micro-batch's share of one device."""
+    return ffn_choice.tokens_per_call(self.cfg, self.mesh.size)
+
+  def ffn_implementation(self) -> str:
+    """The FFN implementation the model's layers run here (`train.models.ffn_choice`)."""
+    return ffn_choice.implementation(self.model_cfg, self.tokens_per_call())
+
+  def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
+    """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
+    lc, mc = self.cfg.get("layer_choice"), self.model_cfg
+    if (lc is None or not lc.enabled or mc.ffn_implementation is not None
+        or mc.ffn_activation != "relu"):
+      return None
+    tokens = self.tokens_per_call()
+    sparse = ffn_choice.implementation(mc, tokens, None if lc.sparse == "auto" else lc.sparse)
+    if sparse == "dense":
+      return None
+    return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff, sparse=sparse,
+                                        sparse_below=lc.sparse_below,
+                                        dense_above=lc.dense_above,
+                                        d_model=None if mc.interpret else mc.d_model,
+                                        tokens=tokens)
+
+  def sort_features(self, state, order):
+    """`state` with each layer's hidden features in `order` [L, H] (the parameters, the
+    optimizer state and the dead-feature counters alike: the model computes the same function,
+    the run continues the same optimization)."""
+    if not hasattr(self, "_sort_features"):
+      def permute(state, order):
+        since = jnp.take_along_axis(state["since"], order, axis=1)
+        return {**model_lib.permute_ffn_features(
+            {k: v for k, v in state.items() if k != "since"}, order), "since": since}
+      self._sort_features = jax.jit(permute, out_shardings=self.state_sharding,
+                                    donate_argnums=0)
+    return self._sort_features(state, jnp.asarray(order))
+
+  def put_batch(self, local: np.ndarray, sharding) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, local)
+
+  def eval_batches(self):
+    cfg = self.cfg
+    rows = cfg.batch_size // cfg.grad_accum_steps // jax.process_count()
+    return data_lib.eval_batches(
+        cfg.data, self.tokenizer, seq_len=cfg.data.seq_len, rows=rows,
+        num_batches=cfg.eval_batches, shard_index=jax.process_index(),
+        shard_count=jax.process_count())
+
+  def evaluate(self, params, batches) -> dict:
+    """Held-out loss, perplexity and per-layer sparsity over `batches`."""
+    if not hasattr(self, "_eval_step"):  # compile once per Trainer
+      self._eval_step = jax.jit(sharding_lib.traced_in(
+          self.mesh, steps_lib.make_eval_step(self.lm)))
+    eval_step = self._eval_step
+    tot = None
+    for b in batches:
+      out = eval_step(params, self.put_batch(b, self.eval_sharding))
+      out = jax.device_get(out)
+      if tot is None:
+        tot = {k: np.array(v, np.float64) for k, v in out.items()}
+        tot["fired"] = np.array(out["fired"], bool)
+        tot["max_tile_nnz"] = np.array(out["max_tile_nnz"])
+      else:
+        for k in ("ce_sum", "tokens", "active_per_token", "overflow_rows"):
+          tot[k] = tot[k] + out[k]
+        tot["max_tile_nnz"] = np.maximum(tot["max_tile_nnz"],
+                                         out["max_tile_nnz"])
+        tot["fired"] = tot["fired"] | np.asarray(out["fired"], bool)
+    n = len(batches)
+    loss = float(tot["ce_sum"] / tot["tokens"])
+    h = self.model_cfg.d_ff
+    active = tot["active_per_token"] / n
+    return {
+        "loss": loss, "perplexity": float(np.exp(min(loss, 80.0))),
+        "tokens": int(tot["tokens"]),
+        "active_per_token": [float(x) for x in active],
+        "sparsity": [float(1.0 - x / h) for x in active],
+        "max_tile_nnz": [int(x) for x in tot["max_tile_nnz"]],
+        "overflow_rows": [int(x) for x in tot["overflow_rows"]],
+        "never_fired_fraction": [float(x) for x in
+                                 1.0 - tot["fired"].mean(axis=-1)],
+    }
