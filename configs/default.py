@@ -97,7 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
       activation="hf",
       tokenizer="hf",
   ))
-  # Devices (train/sharding.py): a ("data", "fsdp") mesh over all devices of all processes;
+  # Devices (train/runtime/mesh.py): a ("data", "fsdp") mesh over all devices of all processes;
   # -1 takes the devices the other axis leaves. Batches are split over both axes; parameters
   # and optimizer state are split over "fsdp" (fsdp=1: replicated, plain data parallelism).
   # Several hosts: fsdp = devices per host keeps the weight gathers on the fast links.
@@ -106,7 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
   # f32): less memory per device, a slower step on 2 GPUs (docs/performance.md).
   # gradient_reduction (data-only meshes): "per_device" runs the step per device and reduces
   # the gradients once after the backward; "gspmd" lets XLA reduce them inside the backward
-  # as they appear; "auto" picks per_device (train/steps.py).
+  # as they appear; "auto" picks per_device (train/training/steps.py).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, shard_optimizer=False,
                                           gradient_reduction="auto"))
 

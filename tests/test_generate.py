@@ -14,6 +14,7 @@ from absl.testing import absltest
 import train_test_util as tu
 from train.inference import generator as generate
 from train.inference import loading as inference
+from train.inference import plan
 from train.models import transformer as model_lib
 from train import errors
 
@@ -129,22 +130,22 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     cfg, _, params = _random_model(True, dtype="bfloat16")
     h = cfg.model.d_ff
     auto = generate.Generator(params, cfg)
-    self.assertEqual(auto.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
+    self.assertEqual(auto.plan.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
     interpreted = copy.deepcopy(cfg)
     interpreted.model.interpret = True
     auto = generate.Generator(params, interpreted)
-    self.assertEqual(auto.decode_attention, "kernel")
+    self.assertEqual(auto.plan.decode_attention, "kernel")
     # Measured for 16-bit models only: an f32 model decodes dense with XLA's attention.
     interpreted.model.dtype = "float32"
     f32 = generate.Generator(params, interpreted)
-    self.assertEqual(f32.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
-    self.assertEqual(f32.decode_attention, "xla")
+    self.assertEqual(f32.plan.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
+    self.assertEqual(f32.plan.decode_attention, "xla")
     few, many = 0.02 * h, 0.6 * h
-    self.assertEqual(auto.decode_implementations(1, None, [few, many]), ("decode", "dense"))
+    self.assertEqual(auto.plan.decode_implementations(1, None, [few, many]), ("decode", "dense"))
     # 0.02 H per row: the union of 16 rows is ~28% of H, of 32 rows ~48%.
-    self.assertEqual(auto.decode_implementations(16, None, [few, few]), ("decode", "decode"))
-    self.assertEqual(auto.decode_implementations(32, None, [0.001 * h] * 2), ("dense", "dense"))
-    self.assertEqual(generate.DECODE_MAX_BATCH, 16)
+    self.assertEqual(auto.plan.decode_implementations(16, None, [few, few]), ("decode", "decode"))
+    self.assertEqual(auto.plan.decode_implementations(32, None, [0.001 * h] * 2), ("dense", "dense"))
+    self.assertEqual(plan.DECODE_MAX_BATCH, 16)
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))

@@ -1,4 +1,4 @@
-"""Tests for the Llama-style LM in train/model.py."""
+"""Tests for the Llama-style LM in train/models/transformer.py."""
 
 import jax
 import jax.numpy as jnp

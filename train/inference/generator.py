@@ -27,8 +27,8 @@ each FFN on B tokens (one per row), where the dense FFN streams W_gate, W_up and
 few rows: `decode_ffn="auto"` (the default) runs a layer on the few-row sparse kernels
 (`twell_jax.decode`: W_gate, then only the W_up and W_down rows of the features that fire in
 some row) when the features expected to fire in some row of the batch, from the layer's
-activity (logged, else measured by the prefill), are at most `DECODE_UNION_LIMIT` of H at
-batches up to `DECODE_MAX_BATCH` (measured: beyond, the kernels lose to dense), and the
+activity (logged, else measured by the prefill), are at most `plan.DECODE_UNION_LIMIT` of H at
+batches up to `plan.DECODE_MAX_BATCH` (measured: beyond, the kernels lose to dense), and the
 kernels run here (a GPU, or `model.interpret`); "sparse" runs them in every layer,
 "dense" none, "same" the prefill's per-layer choice.
 
@@ -52,27 +52,12 @@ import numpy as np
 
 from train.data import pipeline as data_lib
 from train.inference import loading as inference
-from train.training import layer_choice as layer_choice_lib
-from train.models import ffn_choice
+from train.inference import plan as plan_lib
 from train.models import transformer as model_lib
 from train import errors
 
 PROMPT_BUCKET = 64     # prompts are padded to a multiple of this (fewer recompiles)
 DEFAULT_MAX_NEW_TOKENS = 128
-DECODE_FFN = ("auto", "dense", "sparse", "same")
-# decode_ffn="auto" runs a layer's FFN sparse at a decode step of at most DECODE_MAX_BATCH rows
-# when the features expected to fire in some row of the batch are at most DECODE_UNION_LIMIT
-# of H. Measured on an H100 at the paper's 0.5B shape (`benchmarks.decode_ffn`,
-# benchmarks/results/h100/decode_ffn.json): the sparse FFN is faster than dense up to a union
-# of 0.49 H at 2 rows and 0.51 H at 16 (1.45x at 1-5%, 1.09-1.13x at 50%), and slower at
-# every union at 64 rows.
-DECODE_UNION_LIMIT = 0.45
-DECODE_MAX_BATCH = 16
-# Attention at a decode step: "kernel" (`pallas_kernels.decode_attention_triton`: attention and
-# the KV-cache write in one kernel per layer), "xla" (`jax.nn.dot_product_attention` and two
-# scatters: about ten small kernels per layer), "auto": the kernel where it runs (a GPU, or
-# `model.interpret`), supports the heads and the model computes in 16 bits (as measured).
-DECODE_ATTENTION = ("auto", "kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,18 +124,13 @@ class Generator:
       own prefill, which then runs dense.
     decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
       see the module docstring.
-    decode_attention: "auto", "kernel" or "xla" (`DECODE_ATTENTION`).
+    decode_attention: "auto", "kernel" or "xla" (`train.inference.plan.DECODE_ATTENTION`).
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
                prefill_ffn: str | Sequence[str] = "auto",
                active_per_token: Sequence[float] | None = None, decode_ffn: str = "auto",
                decode_attention: str = "auto"):
-    if decode_ffn not in DECODE_FFN:
-      raise errors.ConfigError(f"decode_ffn={decode_ffn!r} not in {DECODE_FFN}")
-    if decode_attention not in DECODE_ATTENTION:
-      raise errors.ConfigError(
-          f"decode_attention={decode_attention!r} not in {DECODE_ATTENTION}")
     try:
       mc = model_lib.ModelConfig.from_config(config.model)
     except (TypeError, ValueError) as e:  # bad or unknown model fields
@@ -165,83 +145,12 @@ class Generator:
     self.params = inference.inference_params(params, mc)
     self._lm = model_lib.LanguageModel(dataclasses.replace(
         self.model_cfg, scan_layers=True, ffn_layer_implementations=None))
-    self.prefill_ffn, self.decode_ffn = prefill_ffn, decode_ffn
-    self.decode_attention = self._attention_choice(decode_attention)
-    self.active_per_token = (None if active_per_token is None
-                             else [float(a) for a in active_per_token])
+    self.plan = plan_lib.Plan(self.model_cfg, prefill_ffn=prefill_ffn,
+                              active_per_token=active_per_token, decode_ffn=decode_ffn,
+                              decode_attention=decode_attention)
     self._compiled: dict[tuple, Any] = {}
     self._layers = None
     self._ffn_param_names = tuple(self.params["blocks"]["ffn"])
-
-  # ---- which FFN implementation each layer runs ----
-
-  def _sparse_here(self, tokens: int) -> str:
-    """The implementation `None` resolves to for an FFN call of `tokens` rows here."""
-    return ffn_choice.implementation(self.model_cfg, tokens, name="auto")
-
-  def prefill_implementations(self, tokens: int) -> tuple[str, ...] | None:
-    """Per-layer FFN implementations of a prefill of `tokens` tokens; None: not decided
-    yet (auto without a measured activity: this prefill runs dense and measures it)."""
-    n = self.model_cfg.n_layers
-    if not isinstance(self.prefill_ffn, str):
-      names = tuple(self.prefill_ffn)
-      if len(names) != n:
-        raise errors.ConfigError(f"prefill_ffn has {len(names)} names for {n} layers")
-      return names
-    if self.prefill_ffn != "auto":
-      return (self.prefill_ffn,) * n
-    sparse = self._sparse_here(tokens)
-    if sparse == "dense" or self.model_cfg.ffn_activation != "relu":
-      return ("dense",) * n
-    if self.active_per_token is None:
-      return None
-    return layer_choice_lib.LayerChoice.for_inference(
-        self.active_per_token, self.model_cfg.d_ff, sparse=sparse,
-        d_model=self.model_cfg.d_model, tokens=tokens).implementations
-
-  def _attention_choice(self, name: str) -> str:
-    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
-    mc = self.model_cfg
-    why_not = decode_attention_triton.supports(mc.n_heads, mc.n_kv_heads, mc.head_dim)
-    if why_not is None and jax.default_backend() != "gpu" and not mc.interpret:
-      why_not = f"no GPU (default backend {jax.default_backend()!r}) and model.interpret off"
-    if name == "kernel" and why_not is not None:
-      raise errors.ConfigError(f"decode_attention='kernel': {why_not}")
-    auto = name == "auto" and why_not is None and self._auto_measured()
-    return "kernel" if name == "kernel" or auto else "xla"
-
-  def _auto_measured(self) -> bool:
-    """The decode kernels' "auto" choices hold where they were measured: 16-bit models."""
-    return self.model_cfg.dtype in ("bfloat16", "float16")
-
-  def _decode_runs_here(self) -> str | None:
-    """None when the decode kernels run here, else why not."""
-    from twell_jax import registry  # pylint: disable=import-outside-toplevel
-    return registry.get("decode").unsupported(ffn_choice.call(self.model_cfg, 1, ell_width=1))
-
-  def decode_implementations(self, batch: int, prefill_names,
-                             active_per_token: Sequence[float]) -> tuple[str, ...]:
-    """Per-layer FFN implementations of the decode steps of `batch` rows: "decode" (the
-    few-row sparse kernels) or "dense"; "same" repeats the prefill's. "auto": sparse where
-    the kernels run here and the features expected to fire in some row of the batch (from
-    each layer's `active_per_token`, rows drawn independently: an overestimate, rows share
-    their hot features) are at most DECODE_UNION_LIMIT of H, at batches up to
-    DECODE_MAX_BATCH, for 16-bit models (as measured)."""
-    mc, n = self.model_cfg, self.model_cfg.n_layers
-    if self.decode_ffn == "same":
-      return tuple(prefill_names)
-    if self.decode_ffn == "dense":
-      return ("dense",) * n
-    why_not = self._decode_runs_here()
-    if self.decode_ffn == "sparse":
-      if why_not is not None:
-        raise errors.ConfigError(f"decode_ffn='sparse': {why_not}")
-      return ("decode",) * n
-    if why_not is not None or batch > DECODE_MAX_BATCH or not self._auto_measured():
-      return ("dense",) * n
-    h = mc.d_ff
-    union = [h * (1.0 - (1.0 - min(float(a), h) / h) ** batch) for a in active_per_token]
-    return tuple("decode" if u <= DECODE_UNION_LIMIT * h else "dense" for u in union)
 
   def _groups(self, names):
     """[(start, stop, name, hot features)]: runs of layers with one implementation and one
@@ -334,7 +243,7 @@ class Generator:
         block = lm.block_module(block_params)
         block.ffn.implementation, block.ffn.hot_features = name, hot
         q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
-        if self.decode_attention == "kernel":
+        if self.plan.decode_attention == "kernel":
           o, ck[l], cv[l] = decode_attention_triton.decode_attention(
               q[:, 0], k[:, 0], v[:, 0], ck[l], cv[l], pos, interpret=bool(cfg.interpret))
           o = o[:, None]
@@ -434,7 +343,7 @@ class Generator:
       batch[i, :len(p)] = p
     tokens, lens = jnp.asarray(batch), jnp.asarray(lengths)
 
-    names = self.prefill_implementations(batch.size)
+    names = self.plan.prefill_implementations(batch.size)
     measured = names is None
     run_names = ("dense",) * self.model_cfg.n_layers if measured else names
     prefill, prefill_compile_s = self._compile(
@@ -444,11 +353,11 @@ class Generator:
     logits, ck, cv, active = jax.block_until_ready(prefill(self.params, tokens, lens))
     prefill_s = time.perf_counter() - t0
     if measured:
-      self.active_per_token = [float(a) for a in np.asarray(active)]
-      names = self.prefill_implementations(batch.size)
+      self.plan.active_per_token = [float(a) for a in np.asarray(active)]
+      names = self.plan.prefill_implementations(batch.size)
 
-    activity = self.active_per_token or [float(a) for a in np.asarray(active)]
-    decode_names = self.decode_implementations(len(prompts), names or run_names, activity)
+    activity = self.plan.active_per_token or [float(a) for a in np.asarray(active)]
+    decode_names = self.plan.decode_implementations(len(prompts), names or run_names, activity)
     key = jax.random.key(seed)
     outer_params = {k: v for k, v in self.params.items() if k != "blocks"}
     args = (outer_params, self._layer_params(decode_names), logits, ck, cv, lens, key)
@@ -478,7 +387,7 @@ class Generator:
         "decode_ms_per_step": 1e3 * decode_s / steps if steps else 0.0,
         "compile_s": prefill_compile_s + decode_compile_s,
         "prefill_ffn": describe(run_names), "decode_ffn": describe(decode_names),
-        "decode_attention": self.decode_attention,
+        "decode_attention": self.plan.decode_attention,
         "ffn_implementations": sorted(set(run_names) | set(decode_names)),
         "prefill_active_per_token": [float(a) for a in np.asarray(active)],
     }
