@@ -58,11 +58,12 @@ def capture(cfg, params):
   """(FFN inputs [L, M, D], stacked FFN weights {w_gate, w_up, w_down} [L, ...]) in the
   compute dtype, for one held-out batch of cfg.batch_size x cfg.data.seq_len tokens."""
   from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   mc = model_lib.ModelConfig.from_config(cfg.model)
   lm = model_lib.LanguageModel(mc)
   packer = data_lib.PackedBatches(
-      data_lib.make_source(cfg.data, cfg.data.eval_split), data_lib.make_tokenizer(cfg.data),
+      data_lib.make_source(cfg.data, cfg.data.eval_split), tokenizer_lib.make_tokenizer(cfg.data),
       seq_len=cfg.data.seq_len, rows=cfg.batch_size, seed=cfg.seed + 1)
   tokens = jnp.asarray(packer.next_batch()[:, :-1])
   xs = jax.jit(lm.ffn_inputs)(params, tokens)

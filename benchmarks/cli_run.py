@@ -21,9 +21,15 @@ DEFAULT_DATASET = "twell_python_source_site"
 
 def tokenizer_record(path: str, dataset: str) -> dict | None:
   """The SentencePiece model at `path`.model, trained offline on `dataset` if missing
-  (`train.corpus.build_tokenizer`); None for "byte"."""
+  (`train.corpus.build_tokenizer`); a `path` ending in .model is taken as it is; None for
+  "byte"."""
   if path == "byte":
     return None
+  if path.endswith(".model"):
+    from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    size = tokenizer_lib.SentencePieceTokenizer(os.path.expanduser(path)).vocab_size
+    return {"model": os.path.abspath(os.path.expanduser(path)),
+            "options": {"vocab_size": size}}
   from train.corpus import build_tokenizer  # pylint: disable=import-outside-toplevel
   print(f"tokenizer: {path}.model (trained on {dataset} if missing)", flush=True)
   return build_tokenizer.build(path, dataset=dataset)

@@ -134,8 +134,9 @@ def _state(lm, tx, params, n_layers, seed=0):
 
 def batches(cfg, rows: int, n: int):
   from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   packer = data_lib.PackedBatches(
-      data_lib.make_source(cfg.data, cfg.data.train_split), data_lib.make_tokenizer(cfg.data),
+      data_lib.make_source(cfg.data, cfg.data.train_split), tokenizer_lib.make_tokenizer(cfg.data),
       seq_len=cfg.data.seq_len, rows=rows, seed=cfg.seed + 7)
   return [jnp.asarray(packer.next_batch()) for _ in range(n)]
 

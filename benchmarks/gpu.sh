@@ -17,6 +17,10 @@
 #             ($WHOLE_RUN_FLAGS)
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
 #             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS)
+#   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
+#             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
+#             training one), then the paper 0.5B shape trained through train.main on those
+#             parquet shards with that tokenizer.json ($DATA_STEPS steps; the log's data wait)
 #   tests     the GPU tests (pytest -m gpu)
 #   registers ptxas register / spill report of every kernel
 #   l2        the L2 row-gather ceiling probe
@@ -92,6 +96,18 @@ for part in "${parts[@]}"; do
         | tee /tmp/twell_whole_run.log | grep -E "^  |^wall|rror"
       cp /tmp/twell_whole_run.log /tmp/twell_whole_run/whole_run.log
       tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;
+    data)
+      timeout ${T_DATA:-300} python3 -m benchmarks.data_pipeline --out="$OUT/data_pipeline.json" \
+        --keep=/tmp/twell_data_files $([ -n "$SPM_MODEL" ] && echo --spm_model=$SPM_MODEL) \
+        2>&1 | tee "$OUT/data_pipeline.log" | grep -E "workers|rror"
+      timeout ${T_DATA_RUN:-400} python3 -m train.main --config=configs/paper_0p5b.py \
+        --workdir=/tmp/twell_data_run --config.data.files='/tmp/twell_data_files/part-*.parquet' \
+        --config.data.tokenizer=hf --config.data.tokenizer_file=/tmp/twell_data_files/tokenizer.json \
+        --config.model.vocab_size=32000 --config.num_train_steps=${DATA_STEPS:-300} \
+        --config.batch_size=8 --config.log_every=25 --config.eval_every=${DATA_STEPS:-300} \
+        --config.checkpoint_every=0 --config.learning_rate=1e-3 --config.warmup_steps=100 \
+        --config.l1_coeff=3e-5 2>&1 | tee "$OUT/data_run.log" | grep -E "data wait|eval step|rror" \
+        | cut -c1-220 ;;
     activity_sweep)
       timeout ${T_ACTIVITY:-590} python3 -m benchmarks.activity_sweep \
         --out="$OUT/activity_sweep.json" ${SWEEP_FLAGS} 2>&1 | tee "$OUT/activity_sweep.log" \

@@ -33,13 +33,29 @@ def get_config() -> ml_collections.ConfigDict:
                               # slow; with ffn_implementation=mosaic_gpu and bfloat16)
   ))
 
+  # Input (train/data/): local files (`files`) or a dataset by name (`dataset`), a tokenizer,
+  # packed rows of seq_len + 1 tokens.
   c.data = ml_collections.ConfigDict(dict(
       dataset="twell_stdlib_text",  # or any prepared TFDS text dataset (lm1b)
       data_dir=config_dict.placeholder(str),  # TFDS data_dir
       use_tfds=True,          # offline corpus: prepare/read it through TFDS
+      # Local files instead of `dataset`: comma-separated globs of .jsonl, .jsonl.gz,
+      # .parquet and .txt files (train/data/files.py). Held out: the files of `eval_files`,
+      # else the last `eval_fraction` of the documents (files in sorted order).
+      files="", eval_files="", eval_fraction=0.01,
+      text_unit="paragraph",  # a .txt file's documents: "paragraph" (blank-line separated),
+                              # "line" or "file"
       text_key="text", train_split="train", eval_split="validation",
-      tokenizer="byte",       # or "sentencepiece" with spm_model=path
+      # "byte"; "sentencepiece" with spm_model=PATH.model; "hf" with
+      # tokenizer_file=PATH/tokenizer.json (eos_token: the end-of-document token, if the
+      # file's tokenizer_config.json does not name it)
+      tokenizer="byte",
       spm_model=config_dict.placeholder(str),
+      tokenizer_file=config_dict.placeholder(str),
+      eos_token=config_dict.placeholder(str),
+      # Processes that tokenize (train/data/workers.py); -1: auto (none for the byte
+      # tokenizer, else half the CPU cores up to 16). The token stream is the same at any count.
+      workers=-1,
       seq_len=512,
       prefetch=2,
   ))

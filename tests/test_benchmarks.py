@@ -415,5 +415,24 @@ class ActivitySweepSmokeTest(absltest.TestCase):
       self.assertAlmostEqual(p["ratio"], p["sparse_ms"] / p["dense_ms"])
 
 
+class DataPipelineSmokeTest(absltest.TestCase):
+  """`benchmarks.data_pipeline --smoke`: parquet shards through the packer with a
+  tokenizer.json, in the packer's thread and in worker processes, one cell each."""
+
+  def test_smoke(self):
+    out = os.path.join(self.create_tempdir().full_path, "d.json")
+    _run_module("benchmarks.data_pipeline", "--smoke", "--tokenizers=hf", "--max_docs=300",
+                "--seq_len=255", "--workers=0,2", f"--out={out}")
+    with open(out) as f:
+      r = json.load(f)
+    self.assertEqual(r["format"], "parquet")
+    self.assertEqual([c["workers"] for c in r["cells"]], [0, 2])
+    for c in r["cells"]:
+      self.assertGreater(c["batches"], 0)
+      # "seconds" is rounded to 10 ms in the JSON
+      self.assertAlmostEqual(c["tokens_per_s"] * c["seconds"] / (c["batches"] * 8 * 256), 1,
+                             delta=0.02)
+
+
 if __name__ == "__main__":
   absltest.main()

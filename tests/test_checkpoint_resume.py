@@ -32,18 +32,10 @@ FLAGS = (f"--config.num_train_steps={STEPS}", "--config.checkpoint_every=10",
 
 
 def _final_params(workdir):
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  from train.training import checkpointing  # pylint: disable=g-import-not-at-top
-  from train.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
-  cfg = tiny.get_config()
-  abstract = trainer_lib.Trainer(cfg).abstract_state()["params"]
-  return checkpointing.restore_params(workdir, abstract, STEPS)
+  return tu.restore_params(workdir, STEPS)
 
 
-def _steps(workdir):
-  d = os.path.join(workdir, "checkpoints")
-  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if (
-      os.path.isdir(d)) else []
+_steps = tu.checkpoint_steps
 
 
 def _corrupt(workdir, step):

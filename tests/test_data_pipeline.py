@@ -8,6 +8,7 @@ from absl.testing import absltest
 
 import train_test_util as tu
 from train.data import pipeline as data
+from train.data import tokenizer as tokenizer_lib
 from train.corpus import text_corpus
 
 
@@ -21,7 +22,7 @@ def _data_cfg(use_tfds: bool):
 class ByteTokenizerTest(absltest.TestCase):
 
   def test_round_trip_and_range(self):
-    tok = data.ByteTokenizer()
+    tok = tokenizer_lib.ByteTokenizer()
     text = "héllo, wörld\n\tend"
     ids = tok.encode(text)
     self.assertEqual(ids.dtype, np.int32)
@@ -43,7 +44,7 @@ class SentencePieceTokenizerTest(absltest.TestCase):
           minloglevel=2)
     cfg = _data_cfg(False)
     cfg.update(tokenizer="sentencepiece", spm_model=path)
-    tok = data.make_tokenizer(cfg)
+    tok = tokenizer_lib.make_tokenizer(cfg)
     self.assertEqual(tok.vocab_size, 300)
     self.assertEqual(tok.eos_id, 1)
     text = "Return the number of items in a container."
@@ -69,7 +70,7 @@ class OfflineCorpusTest(absltest.TestCase):
     self.assertTrue(all(len(t) >= text_corpus.MIN_CHARS for _, t in val))
 
   def test_tfds_and_generator_readers_agree(self):
-    tok = data.ByteTokenizer()
+    tok = tokenizer_lib.ByteTokenizer()
     batches = []
     for use_tfds in (True, False):
       src = data.make_source(_data_cfg(use_tfds), "validation")
@@ -97,7 +98,7 @@ class SourceCorpusTest(absltest.TestCase):
     self.assertGreater(text_corpus.fingerprint(name, "train")["bytes"], 10 << 20)
 
   def test_tfds_and_generator_readers_agree(self):
-    tok = data.ByteTokenizer()
+    tok = tokenizer_lib.ByteTokenizer()
     batches = []
     for use_tfds in (True, False):
       cfg = _data_cfg(use_tfds)
@@ -121,7 +122,7 @@ class BuildTokenizerTest(absltest.TestCase):
     self.assertEqual(rec["corpus"], text_corpus.fingerprint(text_corpus.SOURCE_NAME, "train"))
     cfg = _data_cfg(False)
     cfg.update(tokenizer="sentencepiece", spm_model=rec["model"])
-    tok = data.make_tokenizer(cfg)
+    tok = tokenizer_lib.make_tokenizer(cfg)
     self.assertEqual((tok.vocab_size, tok.eos_id), (600, 1))
     texts = [t for _, t in text_corpus.iter_documents("validation", text_corpus.SOURCE_NAME)]
     texts.append("def f(x):\n\t  return x  # \u00e9\u4e2d \U0001f600\n\n\n")
@@ -169,12 +170,12 @@ class TfdsByNameTest(absltest.TestCase):
                                 policy=tfds.testing.MockPolicy.USE_CODE):
       src = data.make_source(cfg, "train")
       self.assertLen(src, 16)
-      packer = data.PackedBatches(src, data.ByteTokenizer(), seq_len=15,
+      packer = data.PackedBatches(src, tokenizer_lib.ByteTokenizer(), seq_len=15,
                                   rows=2, seed=0, shard_index=1,
                                   shard_count=2)
       batch = packer.next_batch()
     self.assertEqual(batch.shape, (2, 16))
-    self.assertIn(data.EOS_ID, batch)
+    self.assertIn(tokenizer_lib.EOS_ID, batch)
 
 
 class PackingTest(absltest.TestCase):
@@ -182,7 +183,7 @@ class PackingTest(absltest.TestCase):
   def setUp(self):
     super().setUp()
     self.src = data.make_source(_data_cfg(False), "validation")
-    self.tok = data.ByteTokenizer()
+    self.tok = tokenizer_lib.ByteTokenizer()
 
   def _packer(self, **kw):
     args = dict(seq_len=15, rows=3, seed=0)
@@ -195,7 +196,7 @@ class PackingTest(absltest.TestCase):
     self.assertEqual(b.shape, (3, 16))
     self.assertEqual(b.dtype, np.int32)
     first = self.tok.encode(self.src.get_many([0])[0])
-    expected = np.concatenate([first, [data.EOS_ID]])[:48]
+    expected = np.concatenate([first, [tokenizer_lib.EOS_ID]])[:48]
     np.testing.assert_array_equal(b.reshape(-1)[:len(expected)], expected)
 
   def test_seeded_shuffle_is_deterministic_and_seed_dependent(self):

@@ -124,7 +124,8 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     self._edit_config(hf, attention_bias=True)
     cases.append((hf, "no biases"))
     hf = self._copy_of_export()
-    os.remove(os.path.join(hf, "twell_tokenizer.json"))
+    for name in ("twell_tokenizer.json", "tokenizer.json"):
+      os.remove(os.path.join(hf, name))
     cases.append((hf, "ships no tokenizer"))
     hf = self._copy_of_export()
     with hf_format.open_tensors(hf) as (get, names):

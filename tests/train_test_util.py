@@ -49,6 +49,13 @@ def micro_config(**overrides):
   return c
 
 
+def write_bpe_tokenizer(path: str, texts, vocab_size: int, **kwargs) -> str:
+  """`build_tokenizer.build_bpe_json`: a byte-level BPE tokenizer.json (and its
+  tokenizer_config.json) trained on `texts` into the directory `path`."""
+  from train.corpus import build_tokenizer  # pylint: disable=g-import-not-at-top
+  return build_tokenizer.build_bpe_json(path, texts, vocab_size, **kwargs)
+
+
 def main_cmd(workdir: str, *flags: str) -> list[str]:
   """Command line for `python -m train.main` on the tiny config."""
   return [sys.executable, "-m", "train.main", "--config=configs/tiny.py",
@@ -67,6 +74,18 @@ def run_env(**extra) -> dict:
 def run(cmd, timeout=300, **env) -> subprocess.CompletedProcess:
   return subprocess.run(cmd, cwd=REPO, env=run_env(**env), timeout=timeout,
                         capture_output=True, text=True)
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The steps of the checkpoints in `workdir`, ascending."""
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def restore_params(workdir: str, step: int):
+  """The parameters of a workdir's checkpoint `step`, built from its own stored config."""
+  from train.inference import loading  # pylint: disable=g-import-not-at-top
+  return loading.load_checkpoint(workdir, step).params
 
 
 def tree_equal(a, b) -> bool:

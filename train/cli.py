@@ -2,7 +2,7 @@
 
 Every command (`train.main`, `train.evaluate`, `train.generate`, `train.export_hf`,
 `train.import_hf`, `train.report`) parses its absl flags, quiets the libraries' logs and
-runs its `main()`; a `ConfigError` or `CheckpointError` (`train.errors`) stops it with one
+runs its `main()`; a `ConfigError`, `CheckpointError` or `DataError` (`train.errors`) stops it with one
 line, `error: ...` (exit status 1), and a stop on SIGTERM (`preemption.Preempted`, after the
 current step's checkpoint) with `stopped: ...` and exit status 143. Anything else is a bug
 and keeps its traceback.
@@ -29,7 +29,7 @@ def run(main, define_flags=None) -> None:
     metrics.quiet_library_logs()
     try:
       main()
-    except (errors.ConfigError, errors.CheckpointError) as e:
+    except (errors.ConfigError, errors.CheckpointError, errors.DataError) as e:
       logging.error("%s", e)
       sys.exit(f"error: {e}")
     except preemption.Preempted as e:

@@ -10,3 +10,8 @@ class ConfigError(ValueError):
 class CheckpointError(RuntimeError):
   """A checkpoint or workdir that cannot be used: nothing to restore, damage found,
   incompatible contents; the message says what was found and what to do."""
+
+
+class DataError(ValueError):
+  """Input data that cannot be read (a glob matching nothing, a missing text field, an empty
+  file, invalid UTF-8); the message names the file and, where it can, the line or row."""

@@ -5,10 +5,12 @@ r"""Brings a Hugging Face Llama checkpoint in as a training checkpoint.
 
 DIR is a Llama-architecture directory: config.json (model_type "llama", no biases, default
 RoPE), model.safetensors or a sharded model.safetensors.index.json, and a tokenizer this
-trainer reads (`twell_tokenizer.json` as `train.export_hf` writes it, or a SentencePiece
-`tokenizer.model`). The model's shapes come from config.json, the training settings from
---config (default configs/default.py); W gets a step-0 checkpoint (the imported weights, a
-fresh optimizer state, the data stream at its start) and its config.json, so that
+trainer reads (`twell_tokenizer.json` as `train.export_hf` writes it, a SentencePiece
+`tokenizer.model`, or a Hugging Face `tokenizer.json`, whose end-of-document token is
+--config.data.eos_token, else the `eos_token` of its `tokenizer_config.json`). The model's
+shapes come from config.json, the training settings from --config (default
+configs/default.py); W gets a step-0 checkpoint (the imported weights, a fresh optimizer
+state, the data stream at its start) and its config.json, so that
 
   python -m train.evaluate --workdir=W                       # reads it
   python -m train.main --config=C --workdir=W                # resumes from it (same shapes)
@@ -20,11 +22,11 @@ a ReLU and fine-tune it with the L1 penalty (ReLUfication).
 
 `init_from_hf.activation`: "hf" keeps the checkpoint's hidden_act, "relu" (or "silu")
 replaces it. `init_from_hf.tokenizer`: "hf" takes the directory's tokenizer (a SentencePiece
-model is copied into the workdir), "config" keeps data.tokenizer as configured. Anything that
-does not fit (another architecture, missing or misshapen tensors, an untied LM head, a
-tokenizer the model's vocabulary cannot hold, a workdir that already holds checkpoints)
-stops with a `CheckpointError` or `ConfigError` naming the problem, before anything is
-written.
+model or a tokenizer.json is copied into the workdir, and data.eos_token set), "config"
+keeps data.tokenizer as configured. Anything that does not fit (another architecture,
+missing or misshapen tensors, an untied LM head, a tokenizer the model's vocabulary cannot
+hold, a workdir that already holds checkpoints) stops with a `CheckpointError` or
+`ConfigError` naming the problem, before anything is written.
 """
 
 import json

@@ -14,6 +14,8 @@ import os
 import jax
 
 from train import errors
+from train.data import files as files_lib
+from train.data import tokenizer as tokenizer_lib
 from train.models import ffn_choice
 from train.models import transformer as model_lib
 
@@ -42,7 +44,7 @@ _INT_MIN = {
     "checkpoint_every": 0, "keep_checkpoints": 1,
     "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
     "model.n_kv_heads": 1, "model.d_ff": 1,
-    "data.seq_len": 1, "data.prefetch": 1, "layer_choice.every": 1,
+    "data.seq_len": 1, "data.prefetch": 1, "data.workers": -1, "layer_choice.every": 1,
     "layer_choice.landing_steps": 0,
     "profile.first_step": 0, "profile.steps": 0,
 }
@@ -61,6 +63,7 @@ _FLOAT_RANGE = {
     "model.init_std": (0.0, math.inf, False, False),
     "layer_choice.sparse_below": (0.0, math.inf, True, False),
     "layer_choice.dense_above": (0.0, math.inf, True, False),
+    "data.eval_fraction": (0.0, 1.0, False, False),
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
@@ -78,7 +81,8 @@ def _choices() -> dict[str, tuple]:
       "model.dtype": tuple(model_lib.DTYPES),
       "model.param_dtype": tuple(model_lib.DTYPES),
       "model.attention": model_lib.ATTENTION_IMPLEMENTATIONS,
-      "data.tokenizer": ("byte", "sentencepiece"),
+      "data.tokenizer": tokenizer_lib.TOKENIZERS,
+      "data.text_unit": files_lib.TEXT_UNITS,
       "layer_choice.sparse": ("auto", *api.IMPLEMENTATIONS),
       "mesh.gradient_reduction": mesh.GRADIENT_REDUCTIONS,
   }
@@ -134,6 +138,10 @@ def _check_consistency(cfg, n_devices: int, n_processes: int):
                                                    and os.path.isfile(cfg.data.spm_model)):
     raise ConfigError(f"config.data.spm_model={cfg.data.spm_model!r}: "
                       "tokenizer='sentencepiece' needs the path of a SentencePiece model file")
+  if cfg.data.tokenizer == "hf" and not (cfg.data.get("tokenizer_file")
+                                         and os.path.isfile(cfg.data.tokenizer_file)):
+    raise ConfigError(f"config.data.tokenizer_file={cfg.data.get('tokenizer_file')!r}: "
+                      "tokenizer='hf' needs the path of a tokenizer.json")
 
 
 def _sparse_implementation(cfg, model_cfg, tokens: int) -> tuple[str, str]:

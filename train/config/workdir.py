@@ -28,7 +28,7 @@ CONFIG_FILE = "config.json"
 
 # Changes applied without asking (observation and execution, not the computation).
 _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-         "data.data_dir", "data.use_tfds", "data.prefetch", "data.eval_split",
+         "data.data_dir", "data.use_tfds", "data.prefetch", "data.workers", "data.eval_split",
          "model.ffn_implementation", "model.attention", "model.remat", "model.scan_unroll",
          "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir",
          "profile.")
@@ -36,7 +36,9 @@ _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_ch
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",
                "grad_accum_steps", "l1_coeff", "l1_warmup_steps", "l1_normalization",
-               "dead_window_tokens", "dead_reinit", "dead_reinit_every", "model.dtype")
+               "dead_window_tokens", "dead_reinit", "dead_reinit_every", "model.dtype",
+               # Where the files are: the same files elsewhere continue the same stream.
+               "data.files", "data.eval_files", "data.tokenizer_file")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -17,6 +17,9 @@ of it (documents taken in a fixed, hashed order, so the same corpus gives the sa
 Special ids: 0 pad, 1 eos, 2 unk, no bos (the trainer's packer appends eos to each
 document). `<out>.json` records the corpus (`text_corpus.fingerprint`), the options and
 the time the training took.
+
+`build_bpe_json` trains a Hugging Face `tokenizer.json` instead (byte-level BPE, GPT-2 /
+Llama 3 style, through the `tokenizers` library) on given texts, for `data.tokenizer=hf`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,28 @@ def build(out: str, *, dataset: str = text_corpus.SITE_NAME, vocab_size: int = 3
   with open(record_path, "w") as f:
     json.dump(record, f, indent=1)
   return record
+
+
+def build_bpe_json(out_dir: str, texts, vocab_size: int,
+                   special_tokens=("<pad>", "<s>", "<|endoftext|>"),
+                   eos_token: str = "<|endoftext|>") -> str:
+  """A byte-level BPE tokenizer.json trained on `texts`, written into `out_dir` with a
+  tokenizer_config.json naming `eos_token`, as Hugging Face model directories ship them;
+  returns the tokenizer.json's path. The special tokens take the first ids."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import pre_tokenizers  # pylint: disable=import-outside-toplevel
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  os.makedirs(out_dir, exist_ok=True)
+  out = os.path.join(out_dir, "tokenizer.json")
+  tok.save(out)
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token}, f)
+  return out
 
 
 def main(argv):

@@ -1,6 +1,8 @@
 """Input pipeline: documents -> tokens -> packed fixed-length rows -> batches.
 
 Sources (random access by document index):
+  * local files, `data.files` (`.jsonl`, `.jsonl.gz`, `.parquet`, `.txt`; `train/data/files.py`),
+    held out by `data.eval_files` or `data.eval_fraction`;
   * any prepared TFDS dataset, read with `tfds.data_source(name, split=...)`
     (ArrayRecord; no TensorFlow needed), text from feature `text_key`;
   * the offline corpora `text_corpus.CORPORA` (`twell_stdlib_text`, the default; the
@@ -11,84 +13,40 @@ Sources (random access by document index):
 
 Packing (concatenation, as in GPT-style pre-training): per epoch e, the
 document order is a seeded permutation (numpy PCG64 seeded with (seed, e); 4
-bytes per document). Process p of P takes every P-th document of it, which is
-the per-process split. Each document becomes tokens + [EOS] and is appended to
-a stream that is cut into rows of seq_len + 1 tokens (inputs are row[:-1],
-targets row[1:]); leftover tokens carry into the next batch. Attention is not
-masked at document boundaries.
+bytes per document; local files permute blocks and the documents inside them,
+`files.FileSource.epoch_order`). Process p of P takes every P-th document of it
+(every P-th block of files), which is the per-process split. Each document becomes
+tokens + [EOS] and is appended to a stream that is cut into rows of seq_len + 1
+tokens (inputs are row[:-1], targets row[1:]); leftover tokens carry into the
+next batch. Attention is not masked at document boundaries.
 
-Iterator state is the JSON dict {"epoch", "cursor", "carry"}: resuming from it
-continues the exact token stream. Grain is not used: its data position would
-not survive on machines without grain, and this packer is the same code
-everywhere. Tokenization is byte-level (UTF-8 bytes + 3 special ids) by
-default; a SentencePiece model file is optional (needs `sentencepiece`).
+Documents are read `CHUNK_DOCS` at a time and tokenized in the packer's thread or,
+with `data.workers`, by worker processes (`train/data/workers.py`) a few chunks
+ahead; chunks join the stream in order, so the stream and the states are the same
+at any worker count. Iterator state is the JSON dict {"epoch", "cursor", "carry"}
+(cursor: documents of this process's order consumed, a whole number of chunks):
+resuming from it continues the exact token stream. Grain is not used: its data
+position would not survive on machines without grain, and this packer is the
+same code everywhere. Tokenizers: `train/data/tokenizer.py`.
 """
 
+import collections
 import dataclasses
 import importlib.util
 import queue
 import threading
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
+from train import errors
 from train.corpus import text_corpus
+from train.data import files as files_lib
+from train.data import tokenizer as tokenizer_lib
+from train.data import workers as workers_lib
 
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-
-
-class Tokenizer(Protocol):
-  vocab_size: int
-  eos_id: int
-
-  def encode(self, text: str | bytes) -> np.ndarray: ...
-  def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class ByteTokenizer:
-  """UTF-8 bytes shifted by 3 (0 pad, 1 bos, 2 eos): vocab 259, no files."""
-  vocab_size = 259
-  eos_id = EOS_ID
-
-  def encode(self, text):
-    if isinstance(text, str):
-      text = text.encode("utf-8")
-    return np.frombuffer(text, np.uint8).astype(np.int32) + 3
-
-  def decode(self, ids):
-    b = bytes(int(i) - 3 for i in ids if int(i) >= 3)
-    return b.decode("utf-8", errors="replace")
-
-
-class SentencePieceTokenizer:
-  """A SentencePiece model file (optional dependency `sentencepiece`)."""
-
-  def __init__(self, model_path: str):
-    try:
-      import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError("tokenizer='sentencepiece' needs `pip install "
-                        "sentencepiece`; the default is 'byte'.") from e
-    self._sp = spm.SentencePieceProcessor(model_file=model_path)
-    self.vocab_size = self._sp.get_piece_size()
-    self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else 0
-
-  def encode(self, text):
-    if isinstance(text, bytes):
-      text = text.decode("utf-8", errors="replace")
-    return np.asarray(self._sp.encode(text), np.int32)
-
-  def decode(self, ids):
-    return self._sp.decode([int(i) for i in ids])
-
-
-def make_tokenizer(data_cfg) -> Tokenizer:
-  if data_cfg.tokenizer == "byte":
-    return ByteTokenizer()
-  if data_cfg.tokenizer == "sentencepiece":
-    return SentencePieceTokenizer(data_cfg.spm_model)
-  raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}: expected 'byte' "
-                   "or 'sentencepiece'")
+CHUNK_DOCS = 16          # documents read (and tokenized) together
+_AHEAD_PER_WORKER = 4    # chunks in flight per tokenizing worker
 
 
 def tfds_available() -> bool:
@@ -123,8 +81,37 @@ class _ListSource:
     return [self._docs[i] for i in indices]
 
 
+def document_order(source, seed: int, epoch: int, shard_index: int, shard_count: int,
+                   shuffle: bool) -> np.ndarray:
+  """This process's document order for `epoch`: the source's own (`epoch_order`, local
+  files), else a seeded permutation of every document, every P-th one for process p."""
+  if hasattr(source, "epoch_order"):
+    return source.epoch_order(seed, epoch, shard_index, shard_count, shuffle)
+  n = len(source)
+  order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+  return order[shard_index::shard_count]
+
+
+_FILE_SPLITS: dict = {}
+
+
+def _file_splits(data_cfg):
+  """(train, held-out) `files.FileSource`s of `data.files`, opened once per process (the
+  files are indexed when they open)."""
+  key = tuple(str(data_cfg.get(k)) for k in (
+      "files", "eval_files", "eval_fraction", "text_key", "text_unit"))
+  if key not in _FILE_SPLITS:
+    _FILE_SPLITS.clear()
+    _FILE_SPLITS[key] = files_lib.open_splits(data_cfg)
+  return _FILE_SPLITS[key]
+
+
 def make_source(data_cfg, split: str):
-  """Returns an object with __len__ and get_many(indices) -> texts."""
+  """Returns an object with __len__ and get_many(indices) -> texts: the `data.files` (train
+  or held out, `split` being data.train_split or data.eval_split), else the dataset."""
+  if data_cfg.get("files"):
+    train, held = _file_splits(data_cfg)
+    return held if split == data_cfg.eval_split and split != data_cfg.train_split else train
   name = data_cfg.dataset
   use_tfds = data_cfg.use_tfds and tfds_available()
   if name in text_corpus.CORPORA and not use_tfds:
@@ -162,17 +149,19 @@ class PackedBatches:
 
   Args:
     source: from `make_source`.
-    tokenizer: from `make_tokenizer`.
+    tokenizer: from `tokenizer.make_tokenizer`.
     seq_len: T; rows hold T + 1 tokens.
     rows: rows per batch on this process.
     seed: shuffle seed; `shuffle=False` keeps the source order (eval).
     shard_index, shard_count: this process's share of the documents.
     repeat: False stops after one epoch (eval).
+    workers: tokenizing worker processes (0: tokenize in the calling thread); the batches
+      and states are the same at any count. `close()` stops them.
   """
 
-  def __init__(self, source, tokenizer: Tokenizer, *, seq_len: int, rows: int,
+  def __init__(self, source, tokenizer: tokenizer_lib.Tokenizer, *, seq_len: int, rows: int,
                seed: int, shard_index: int = 0, shard_count: int = 1,
-               shuffle: bool = True, repeat: bool = True):
+               shuffle: bool = True, repeat: bool = True, workers: int = 0):
     if len(source) < shard_count:
       raise ValueError(f"source has {len(source)} documents, fewer than "
                        f"{shard_count} processes")
@@ -182,30 +171,51 @@ class PackedBatches:
     self._shard = (shard_index, shard_count)
     self.state = PackerState()
     self._order_epoch, self._order = None, None
+    self._pool = workers_lib.EncoderPool(tokenizer, workers) if workers > 0 else None
+    # Chunks read and sent to the workers, not yet in the stream: (future, epoch, cursor
+    # after the chunk); `_read` is where reading stands (ahead of `state`).
+    self._pending: collections.deque = collections.deque()
+    self._read = (0, 0)
 
   def _doc_order(self, epoch: int) -> np.ndarray:
     if self._order_epoch != epoch:
-      n = len(self._source)
-      if self._shuffle:
-        order = np.random.default_rng([self._seed, epoch]).permutation(n)
-      else:
-        order = np.arange(n)
-      self._order = order[self._shard[0]::self._shard[1]]
+      self._order = document_order(self._source, self._seed, epoch, *self._shard,
+                                   shuffle=self._shuffle)
+      if not len(self._order):
+        raise ValueError(f"process {self._shard[0]} of {self._shard[1]} has no documents")
       self._order_epoch = epoch
     return self._order
 
-  def _next_docs(self, k: int = 16) -> list:
-    """Up to k next documents; advances epoch/cursor. [] at the end (no repeat)."""
-    order = self._doc_order(self.state.epoch)
-    if self.state.cursor >= len(order):
+  def _read_chunk(self, epoch: int, cursor: int):
+    """(documents, epoch, cursor) of the chunk at (epoch, cursor); no documents at the end
+    of a non-repeating epoch."""
+    order = self._doc_order(epoch)
+    if cursor >= len(order):
       if not self._repeat:
-        return []
-      self.state.epoch += 1
-      self.state.cursor = 0
-      order = self._doc_order(self.state.epoch)
-    idx = order[self.state.cursor:self.state.cursor + k]
-    self.state.cursor += len(idx)
-    return self._source.get_many([int(i) for i in idx])
+        return [], epoch, cursor
+      epoch, cursor = epoch + 1, 0
+      order = self._doc_order(epoch)
+    idx = order[cursor:cursor + CHUNK_DOCS]
+    return self._source.get_many([int(i) for i in idx]), epoch, cursor + len(idx)
+
+  def _next_chunk(self) -> list[np.ndarray]:
+    """The next chunk's token arrays ([] at the end); moves `state` past it."""
+    if self._pool is None:
+      docs, self.state.epoch, self.state.cursor = self._read_chunk(self.state.epoch,
+                                                                   self.state.cursor)
+      return tokenizer_lib.encode_many(self._tok, docs)
+    if not self._pending:
+      self._read = (self.state.epoch, self.state.cursor)
+    while len(self._pending) < _AHEAD_PER_WORKER * len(self._pool):
+      docs, epoch, cursor = self._read_chunk(*self._read)
+      if not docs:
+        break
+      self._pending.append((self._pool.submit(docs), epoch, cursor))
+      self._read = (epoch, cursor)
+    if not self._pending:
+      return []
+    future, self.state.epoch, self.state.cursor = self._pending.popleft()
+    return future.result()
 
   def next_batch(self) -> np.ndarray | None:
     """[rows, seq_len + 1] int32, or None when a non-repeating epoch is done."""
@@ -214,11 +224,10 @@ class PackedBatches:
     have = len(self.state.carry)
     eos = np.array([self._tok.eos_id], np.int32)
     while have < need:
-      docs = self._next_docs()
-      if not docs:
+      chunk = self._next_chunk()
+      if not chunk:
         return None
-      for doc in docs:
-        ids = self._tok.encode(doc)
+      for ids in chunk:
         pieces += [ids, eos]
         have += len(ids) + 1
     stream = np.concatenate(pieces)
@@ -230,6 +239,14 @@ class PackedBatches:
 
   def set_state(self, d: dict) -> None:
     self.state = PackerState.from_json(d)
+    for future, _, _ in self._pending:
+      future.cancel()
+    self._pending.clear()
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
 
 
 class Prefetcher:
@@ -277,6 +294,7 @@ class Prefetcher:
   def close(self):
     self._stop.set()
     self._thread.join(timeout=5)
+    self._packer.close()
 
 
 def eval_batches(data_cfg, tokenizer, *, seq_len: int, rows: int,
@@ -294,6 +312,6 @@ def eval_batches(data_cfg, tokenizer, *, seq_len: int, rows: int,
       break
     out.append(batch)
   if not out:
-    raise ValueError(f"eval split {data_cfg.eval_split!r} is too small for one"
-                     f" batch of {rows} x {seq_len + 1} tokens")
+    raise errors.DataError(f"eval split {data_cfg.eval_split!r} is too small for one"
+                           f" batch of {rows} x {seq_len + 1} tokens")
   return out

@@ -26,8 +26,10 @@ scale attention by E^-1/2 and compute the RMSNorm in f32.
 Tokenizers: the byte tokenizer (UTF-8 bytes + 3; 0 pad, 1 bos, 2 eos) is written as a
 `tokenizer.json` that `transformers.AutoTokenizer` loads (a BPE without merges whose 256
 `<0xNN>` byte tokens take every byte through byte fallback, the way Llama's own tokenizer
-spells bytes), a SentencePiece model as `tokenizer.model`; `twell_tokenizer.json` names which
-it is, and is what `train.import_hf` reads back.
+spells bytes), a SentencePiece model as `tokenizer.model`, a Hugging Face `tokenizer.json`
+("hf") as a copy of itself; `twell_tokenizer.json` names which it is (and the end-of-document
+token), and is what `train.import_hf` reads back. A directory without it is read by its
+`tokenizer.model`, else its `tokenizer.json`.
 
 Problems with a directory (another architecture, missing or misshapen tensors, a tokenizer
 that does not fit) raise `train.errors.CheckpointError` with the file and the field named.
@@ -44,7 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from train import errors
-from train.data import pipeline as data_lib
+from train.data import tokenizer as tokenizer_lib
 from train.models import transformer as model_lib
 
 CheckpointError = errors.CheckpointError
@@ -67,6 +69,11 @@ LAYER_TENSORS = (
 )
 # Tensors some Llama checkpoints carry that hold nothing to import (RoPE's fixed frequencies).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# Start and padding tokens of common tokenizer.json files (Llama 3, Llama 2, Gemma),
+# for config.json's bos / pad ids; the end-of-document token is the tokenizer's own.
+HF_BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
+HF_PAD_TOKENS = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>")
 
 # Our activation -> transformers' `hidden_act` (the same function; jax.nn.gelu is the tanh form).
 HF_ACTIVATIONS = {"relu": "relu", "silu": "silu", "gelu": "gelu_pytorch_tanh"}
@@ -292,10 +299,20 @@ def _byte_tokenizer_json() -> dict:
   }
 
 
+def _hf_special_tokens(tokenizer) -> dict:
+  """bos / eos / pad token names of an "hf" tokenizer: its end-of-document token, and the
+  first of the common start and padding tokens its vocabulary holds (else None)."""
+  first = lambda names: next((t for t in names if tokenizer.token_to_id(t) is not None), None)
+  return {"bos": first(HF_BOS_TOKENS), "eos": tokenizer.eos_token, "pad": first(HF_PAD_TOKENS)}
+
+
 def special_ids(data_cfg, tokenizer) -> dict:
-  """bos / eos / pad ids of the tokenizer a config names (for config.json)."""
+  """bos / eos / pad ids of the tokenizer a config names (for config.json; None: it has none)."""
   if data_cfg.tokenizer == "byte":
-    return {"bos": data_lib.BOS_ID, "eos": data_lib.EOS_ID, "pad": data_lib.PAD_ID}
+    return {"bos": tokenizer_lib.BOS_ID, "eos": tokenizer_lib.EOS_ID, "pad": tokenizer_lib.PAD_ID}
+  if data_cfg.tokenizer == "hf":
+    return {k: (None if t is None else tokenizer.token_to_id(t))
+            for k, t in _hf_special_tokens(tokenizer).items()}
   sp = tokenizer._sp  # pylint: disable=protected-access
   ids = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
   return {k: (v if v >= 0 else None) for k, v in ids.items()}
@@ -310,9 +327,19 @@ def write_tokenizer(out_dir: str, data_cfg, tokenizer, context: int) -> list[str
       json.dump(_byte_tokenizer_json(), f)
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
                "eos_token": "</s>", "pad_token": "<pad>", **common}
-    ours = {"type": "byte", "offset": 3, "pad_id": data_lib.PAD_ID,
-            "bos_id": data_lib.BOS_ID, "eos_id": data_lib.EOS_ID,
+    ours = {"type": "byte", "offset": 3, "pad_id": tokenizer_lib.PAD_ID,
+            "bos_id": tokenizer_lib.BOS_ID, "eos_id": tokenizer_lib.EOS_ID,
             "vocab_size": tokenizer.vocab_size}
+    files = ["tokenizer.json"]
+  elif data_cfg.tokenizer == "hf":
+    shutil.copyfile(data_cfg.tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
+    # The file's own post-processor decides what special tokens encoding adds: no
+    # add_bos_token / add_eos_token here to override it.
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
+               **{f"{k}_token": t for k, t in _hf_special_tokens(tokenizer).items()},
+               "model_max_length": int(context), "clean_up_tokenization_spaces": False}
+    ours = {"type": "hf", "file": "tokenizer.json", "eos_token": tokenizer.eos_token,
+            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
     files = ["tokenizer.json"]
   else:
     shutil.copyfile(data_cfg.spm_model, os.path.join(out_dir, "tokenizer.model"))
@@ -331,27 +358,40 @@ def write_tokenizer(out_dir: str, data_cfg, tokenizer, context: int) -> list[str
   return files + ["tokenizer_config.json", TWELL_TOKENIZER]
 
 
-def read_tokenizer(hf_dir: str) -> tuple[str, str | None] | None:
-  """("byte", None) or ("sentencepiece", model path) for the tokenizer a directory ships,
-  None when it ships none this trainer reads (e.g. only a tokenizer.json of another kind)."""
+def read_tokenizer(hf_dir: str) -> dict | None:
+  """The `data` config fields of the tokenizer a directory ships (`tokenizer` and its file:
+  `spm_model` or `tokenizer_file`, and `eos_token` where twell_tokenizer.json names it), None
+  when it ships none this trainer reads.
+
+  In order: twell_tokenizer.json (what `write_tokenizer` wrote), a SentencePiece
+  tokenizer.model (Llama 2 ships both it and a tokenizer.json of the same vocabulary), a
+  tokenizer.json (the `tokenizers` library; its end-of-document token as `HFTokenizer` finds
+  it).
+  """
   ours = os.path.join(hf_dir, TWELL_TOKENIZER)
   if os.path.isfile(ours):
     with open(ours) as f:
       desc = json.load(f)
     if desc.get("type") == "byte":
-      expected = {"offset": 3, "pad_id": data_lib.PAD_ID, "bos_id": data_lib.BOS_ID,
-                  "eos_id": data_lib.EOS_ID}
+      expected = {"offset": 3, "pad_id": tokenizer_lib.PAD_ID, "bos_id": tokenizer_lib.BOS_ID,
+                  "eos_id": tokenizer_lib.EOS_ID}
       got = {k: desc.get(k) for k in expected}
       if got != expected:
         raise _error(ours, f"a byte tokenizer with ids {got}, not this trainer's {expected}")
-      return "byte", None
-    if desc.get("type") == "sentencepiece":
-      path = os.path.join(hf_dir, desc.get("file", "tokenizer.model"))
+      return {"tokenizer": "byte"}
+    if desc.get("type") in ("sentencepiece", "hf"):
+      default = "tokenizer.model" if desc["type"] == "sentencepiece" else "tokenizer.json"
+      path = os.path.join(hf_dir, desc.get("file", default))
       if not os.path.isfile(path):
         raise _error(ours, f"names {path}, which is missing")
-      return "sentencepiece", path
+      if desc["type"] == "sentencepiece":
+        return {"tokenizer": "sentencepiece", "spm_model": path}
+      return {"tokenizer": "hf", "tokenizer_file": path, "eos_token": desc.get("eos_token")}
     raise _error(ours, f"unknown tokenizer type {desc.get('type')!r}")
   path = os.path.join(hf_dir, "tokenizer.model")
   if os.path.isfile(path):
-    return "sentencepiece", path
+    return {"tokenizer": "sentencepiece", "spm_model": path}
+  path = os.path.join(hf_dir, "tokenizer.json")
+  if os.path.isfile(path):
+    return {"tokenizer": "hf", "tokenizer_file": path}
   return None

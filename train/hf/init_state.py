@@ -18,11 +18,16 @@ import jax
 
 from train import errors
 from train.config import checks as config_checks
-from train.data import pipeline as data_lib
 from train.hf import format as hf_format
+from train.training import trainer as trainer_lib
 
 ACTIVATIONS = ("hf", "relu", "silu", "gelu")
 TOKENIZERS = ("hf", "config")
+# The data fields that name a tokenizer (what a resumed workdir keeps).
+_TOKENIZER_FIELDS = ("tokenizer", "spm_model", "tokenizer_file", "eos_token")
+# data.tokenizer -> (the field naming its file, the name of the workdir's copy).
+_WORKDIR_COPIES = {"sentencepiece": ("spm_model", "tokenizer.model"),
+                   "hf": ("tokenizer_file", "tokenizer.json")}
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -64,7 +69,7 @@ def configure(cfg, workdir: str):
     cfg.model.update({k: saved["model"][k] for k in (
         "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
         "norm_eps", "ffn_gated", "ffn_activation")})
-    cfg.data.update({k: saved["data"][k] for k in ("tokenizer", "spm_model")})
+    cfg.data.update({k: saved["data"].get(k) for k in _TOKENIZER_FIELDS})
     return cfg
   where = os.path.join(hf.path, "config.json")
   fields = hf_format.model_fields(read_hf_config(hf.path), where)
@@ -75,24 +80,26 @@ def configure(cfg, workdir: str):
     found = hf_format.read_tokenizer(hf.path)
     if found is None:
       raise errors.CheckpointError(
-          f"{hf.path} ships no tokenizer this trainer reads ({hf_format.TWELL_TOKENIZER} or "
-          "a SentencePiece tokenizer.model); give one with --config.init_from_hf.tokenizer="
-          "config and --config.data.tokenizer / --config.data.spm_model")
-    cfg.data.tokenizer, path = found
-    if path is not None:
-      cfg.data.spm_model = path
-  tokenizer = data_lib.make_tokenizer(cfg.data)
+          f"{hf.path} ships no tokenizer this trainer reads ({hf_format.TWELL_TOKENIZER}, "
+          "a SentencePiece tokenizer.model or a tokenizer.json); give one with "
+          "--config.init_from_hf.tokenizer=config and --config.data.tokenizer / "
+          "--config.data.spm_model / --config.data.tokenizer_file")
+    cfg.data.update(found)
+  tokenizer = trainer_lib.make_tokenizer(cfg.data)
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise config_checks.ConfigError(
         f"tokenizer mismatch: the {cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "
         f"ids, more than the checkpoint's vocab_size {cfg.model.vocab_size} ({where})")
-  if hf.tokenizer == "hf" and cfg.data.tokenizer == "sentencepiece":
+  if hf.tokenizer == "hf" and cfg.data.tokenizer in _WORKDIR_COPIES:
     # The workdir keeps its own copy: it stays usable when DIR moves or goes.
+    field, name = _WORKDIR_COPIES[cfg.data.tokenizer]
     os.makedirs(workdir, exist_ok=True)
-    dst = os.path.join(os.path.abspath(workdir), "tokenizer.model")
-    if not (os.path.isfile(dst) and filecmp.cmp(cfg.data.spm_model, dst, shallow=False)):
-      shutil.copyfile(cfg.data.spm_model, dst)
-    cfg.data.spm_model = dst
+    dst = os.path.join(os.path.abspath(workdir), name)
+    if not (os.path.isfile(dst) and filecmp.cmp(cfg.data[field], dst, shallow=False)):
+      shutil.copyfile(cfg.data[field], dst)
+    cfg.data[field] = dst
+    if cfg.data.tokenizer == "hf":  # the copy has no tokenizer_config.json beside it
+      cfg.data.eos_token = tokenizer.eos_token
   return cfg
 
 

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.data import pipeline as data_lib
+from train.data import tokenizer as tokenizer_lib
 from train.inference import loading as inference
 from train.inference import plan as plan_lib
 from train.models import transformer as model_lib
@@ -137,7 +137,7 @@ class Generator:
       raise errors.ConfigError(f"config.model: {e}") from e
     self.model_cfg = dataclasses.replace(mc, remat=False)
     self.context = int(config.data.seq_len)
-    self.tokenizer = tokenizer or data_lib.make_tokenizer(config.data)
+    self.tokenizer = tokenizer or tokenizer_lib.make_tokenizer(config.data)
     if self.tokenizer.vocab_size > mc.vocab_size:
       raise errors.ConfigError(
           f"the tokenizer has {self.tokenizer.vocab_size} ids, more than the model's "
@@ -364,7 +364,7 @@ class Generator:
     decode, decode_compile_s = self._compile(
         "decode", self._decode_fn, args,
         names=decode_names, steps=max_new_tokens, sampling=sampling,
-        eos_id=int(self.tokenizer.eos_id), pad_id=data_lib.PAD_ID, stop_at_eos=stop_at_eos,
+        eos_id=int(self.tokenizer.eos_id), pad_id=tokenizer_lib.PAD_ID, stop_at_eos=stop_at_eos,
         record_gaps=record_gaps)
     t0 = time.perf_counter()
     out, steps, gaps = jax.block_until_ready(decode(*args))

@@ -5,7 +5,8 @@ and `train.report` start from: it reads the config saved with the checkpoint (so
 self-describing), rebuilds the model and the tokenizer from it and restores only the
 parameters, read-only. Problems the user must fix come out as `CheckpointError` (no
 checkpoint, not one of ours, unreadable) or `ConfigError` (its config cannot be rebuilt here,
-e.g. the SentencePiece model file it names is gone), which the CLIs print without a traceback.
+e.g. the SentencePiece model or tokenizer.json it names is gone or unreadable), which the
+CLIs print without a traceback.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from train.training import checkpointing
 from train.models import transformer as model_lib
 from train.runtime import mesh as sharding
 from train.training import trainer as trainer_lib
-from train import errors
 
 
 @dataclasses.dataclass
@@ -95,12 +95,7 @@ def load_checkpoint(workdir: str, step: int | None = None, *,
     sharding.mesh_shape(cfg.get("mesh"), jax.device_count())
   except sharding.MeshError:  # the run's mesh does not fit the devices here: all of them
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
-  try:
-    trainer = trainer_lib.Trainer(cfg)
-  except OSError as e:  # the SentencePiece model file named by the config is unreadable
-    raise errors.ConfigError(
-        f"the tokenizer of the checkpoint's config cannot be loaded "
-        f"(data.spm_model={cfg.data.get('spm_model')!r}): {e}") from None
+  trainer = trainer_lib.Trainer(cfg)  # ConfigError names a tokenizer file it cannot load
   abstract = trainer.abstract_state()["params"]
   params = checkpointing.restore_params(workdir, abstract, step)
   return Checkpoint(step=step, config=cfg, trainer=trainer, params=params)

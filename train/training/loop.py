@@ -21,6 +21,7 @@ import numpy as np
 from train import errors
 from train.config import workdir as workdir_config
 from train.data import pipeline as data_lib
+from train.data import workers as workers_lib
 from train.hf import init_state as hf_init
 from train.models import transformer as model_lib
 from train.runtime import compilation
@@ -66,7 +67,8 @@ def _log_line(step, m, d_ff, tokens_per_s, progress) -> str:
           f"ce {float(m['cross_entropy']):.4f} "
           f"l1 {float(m['l1_term']):.3g}x{float(m['l1_coeff']):.2g} "
           f"lr {float(m['learning_rate']):.2e} "
-          f"gnorm {float(m['grad_norm']):.3f} {tokens_per_s:,.0f} tok/s | "
+          f"gnorm {float(m['grad_norm']):.3f} {tokens_per_s:,.0f} tok/s "
+          f"data wait {100 * m.get('data_wait_fraction', 0.0):.1f}% | "
           f"active/token {' '.join(f'{a:.1f}' for a in act)} of {d_ff} "
           f"max/tile {' '.join(str(int(x)) for x in m['max_tile_nnz'])} "
           f"overflow {' '.join(str(int(x)) for x in m['overflow_rows'])} "
@@ -133,6 +135,8 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
     cfg = hf_init.configure(cfg, workdir)
   tr = trainer_lib.Trainer(cfg)
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
+  # The data opens (and local files are checked) before the workdir records anything.
+  source = data_lib.make_source(cfg.data, cfg.data.train_split)
   changed = checkpointing.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
   for path, old, new in changed["free"] + changed["acceptable"]:
     logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
@@ -144,9 +148,10 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
   if jax.process_index() == 0:  # The config of the run from here on (for the next resume).
     workdir_config.write_workdir_config(workdir, cfg.to_dict())
   packer = data_lib.PackedBatches(
-      data_lib.make_source(cfg.data, cfg.data.train_split), tr.tokenizer,
+      source, tr.tokenizer,
       seq_len=cfg.data.seq_len, rows=cfg.batch_size // jax.process_count(), seed=cfg.seed,
-      shard_index=jax.process_index(), shard_count=jax.process_count())
+      shard_index=jax.process_index(), shard_count=jax.process_count(),
+      workers=workers_lib.auto_count(cfg.data))
   if restored is None:
     start, state = 0, tr.new_state(jax.random.key(cfg.seed))
     if hf_dir:
@@ -195,14 +200,16 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       tr, choice, state, (restored or {}).get("meta") or {})
   train_step = tr.jit_train_step() if steps is None else None
   last, preempted = {}, None
-  t_last, tokens_since = time.time(), 0
+  t_last, tokens_since, data_wait = time.time(), 0, 0.0
   tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
     for step in range(start, cfg.num_train_steps):
       if steps is not None:
         train_step = steps.step_for(step)
       ran = None if steps is None else steps.running
+      t_wait = time.perf_counter()
       batch, data_state = next(prefetch)
+      data_wait += time.perf_counter() - t_wait
       tracer.before(step)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
@@ -217,7 +224,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if done % cfg.log_every == 0 or done == cfg.num_train_steps or done == start + 1:
         now = time.time()   # the first step shows the starting point
         m = _step_metrics(m, tokens_since / max(now - t_last, 1e-9), n_params, ran)
-        t_last, tokens_since = now, 0
+        m["data_wait_fraction"] = data_wait / max(now - t_last, 1e-9)
+        t_last, tokens_since, data_wait = now, 0, 0.0
         if not np.isfinite(m["loss"]):
           raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
         logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, m["tokens_per_s"], progress)

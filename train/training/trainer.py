@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from train import errors
 from train.config import checks as config_checks
 from train.data import pipeline as data_lib
+from train.data import tokenizer as tokenizer_lib
 from train.models import ffn_choice
 from train.models import transformer as model_lib
 from train.runtime import compilation
@@ -35,6 +36,20 @@ def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
     raise errors.ConfigError(f"config.mesh: {e}") from e
 
 
+# data.tokenizer -> the field that names its file.
+_TOKENIZER_FILES = {"sentencepiece": "spm_model", "hf": "tokenizer_file"}
+
+
+def make_tokenizer(data_cfg):
+  """The config's tokenizer; one that cannot be loaded is a ConfigError naming its file."""
+  try:
+    return tokenizer_lib.make_tokenizer(data_cfg)
+  except (OSError, RuntimeError, ValueError) as e:  # unreadable; (hf) no end-of-document token
+    field = _TOKENIZER_FILES.get(data_cfg.tokenizer, "tokenizer")
+    raise errors.ConfigError(f"config.data.{field}: the {data_cfg.tokenizer} tokenizer cannot "
+                             f"be loaded: {e}") from None  # both libraries name the file
+
+
 def check_config(cfg, n_devices: int, n_processes: int):
   """Raises ConfigError naming the first bad field (`train.config.checks.check`)."""
   config_checks.check(cfg, n_devices, n_processes)
@@ -49,7 +64,7 @@ class Trainer:
     check_config(cfg, self.mesh.size, jax.process_count())
     self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
     self.lm = model_lib.LanguageModel(self.model_cfg)
-    self.tokenizer = data_lib.make_tokenizer(cfg.data)
+    self.tokenizer = make_tokenizer(cfg.data)
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
       raise errors.ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} is "
                        f"below the tokenizer's {self.tokenizer.vocab_size}")
