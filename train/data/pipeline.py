@@ -312,6 +312,8 @@ def eval_batches(data_cfg, tokenizer, *, seq_len: int, rows: int,
       break
     out.append(batch)
   if not out:
+    more = ("hold out more documents (config.data.eval_fraction or config.data.eval_files)"
+            if data_cfg.get("files") else "use a larger split")
     raise errors.DataError(f"eval split {data_cfg.eval_split!r} is too small for one"
-                           f" batch of {rows} x {seq_len + 1} tokens")
+                           f" batch of {rows} x {seq_len + 1} tokens: {more}")
   return out

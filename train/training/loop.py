@@ -126,8 +126,9 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
 
 def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start: bool):
   """(config, Trainer, checkpoint manager, restored checkpoint or None, packer, first step,
-  state) of a run: the config checked against the workdir's, the checkpoint restored or a
-  fresh state made (from a Hugging Face checkpoint if the config names one)."""
+  state, held-out batches) of a run: the config checked against the workdir's, the
+  checkpoint restored or a fresh state made (from a Hugging Face checkpoint if the config
+  names one)."""
   os.makedirs(workdir, exist_ok=True)
   compilation.use_compilation_cache(cfg.get("compilation_cache_dir"))
   hf_dir = (cfg.get("init_from_hf") or {}).get("path")
@@ -135,8 +136,10 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
     cfg = hf_init.configure(cfg, workdir)
   tr = trainer_lib.Trainer(cfg)
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
-  # The data opens (and local files are checked) before the workdir records anything.
+  # The data opens (local files are checked, the held-out batches made) before the workdir
+  # records anything.
   source = data_lib.make_source(cfg.data, cfg.data.train_split)
+  eval_data = tr.eval_batches() if cfg.eval_every > 0 else None
   changed = checkpointing.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
   for path, old, new in changed["free"] + changed["acceptable"]:
     logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
@@ -160,7 +163,7 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
     start, state = restored["step"], restored["state"]
     packer.set_state(_my_data_state(restored["data"]))
     logging.info("Resumed from checkpoint step %d", start)
-  return cfg, tr, mngr, restored, packer, start, state
+  return cfg, tr, mngr, restored, packer, start, state, eval_data
 
 
 def _step_metrics(m, tokens_per_s: float, n_params: int, ran) -> dict:
@@ -180,7 +183,7 @@ def _step_metrics(m, tokens_per_s: float, n_params: int, ran) -> dict:
 
 def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                         accept_config_change: bool, allow_fresh_start: bool, hooks) -> dict:
-  cfg, tr, mngr, restored, packer, start, state = _prepare(
+  cfg, tr, mngr, restored, packer, start, state, eval_data = _prepare(
       cfg, workdir, accept_config_change=accept_config_change,
       allow_fresh_start=allow_fresh_start)
   is_main = jax.process_index() == 0
@@ -190,7 +193,6 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   if start == 0 and is_main:
     writer.write_text(0, "config", "```\n" + str(cfg) + "\n```")
-  eval_data = tr.eval_batches() if cfg.eval_every > 0 else None
   prefetch = data_lib.Prefetcher(packer, depth=cfg.data.prefetch)
   progress = metrics_lib.Progress(cfg.num_train_steps, start)
   shape = (cfg.grad_accum_steps, cfg.batch_size // jax.process_count() // cfg.grad_accum_steps,
