@@ -7,7 +7,7 @@ from the step's feature counts (`LayerChoice.update_from_counts`) sorts each lay
 features in the state and, when the choice changes and its build pays (`payback`), asks for
 its step, which runs from `layer_choice.landing_steps` steps later (the loop waits for a build
 not done by then; without `layer_choice.background`, built at once and running from the next
-step). What runs when therefore follows from the decisions alone: the same seed gives the same
+step). While a choice is pending no other is decided: each decision lands. What runs when therefore follows from the decisions alone: the same seed gives the same
 decisions and switches on the same steps on any machine, and a checkpoint keeps the choice in
 use and the one pending (`meta`, `restore`).
 """
@@ -206,7 +206,12 @@ class ChoiceSteps:
     choice.current, choice.hot = list(target[0]), list(target[1])
     _, order = choice.update_from_counts(counts, self.tokens_per_step, heavy)
     state = self.tr.sort_features(state, order)
-    if choice.key == target:
+    if choice.key == target or self.pending is not None:
+      # One decision in flight at a time: a pending choice lands on its step, never replaced
+      # by a later decision (decisions every `every` steps, each landing `landing_steps`
+      # later, would otherwise supersede one another and none would land while activity
+      # moves); the next decision comes after it lands.
+      choice.current, choice.hot = list(target[0]), list(target[1])
       return state
     land = done + self.lag
     why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
