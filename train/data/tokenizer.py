@@ -18,6 +18,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from train import errors
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 TOKENIZERS = ("byte", "sentencepiece", "hf")
 # End-of-text tokens of common tokenizer.json files (Llama 3, Qwen2.5, GPT-2 / SmolLM2, Llama 2).
@@ -146,7 +148,10 @@ def encode_many(tokenizer: Tokenizer, texts: list) -> list[np.ndarray]:
   return [tokenizer.encode(t) for t in texts]
 
 
-def make_tokenizer(data_cfg) -> Tokenizer:
+_FILE_FIELDS = {"sentencepiece": "spm_model", "hf": "tokenizer_file"}
+
+
+def _load(data_cfg) -> Tokenizer:
   kind = data_cfg.tokenizer
   if kind == "byte":
     return ByteTokenizer()
@@ -154,4 +159,16 @@ def make_tokenizer(data_cfg) -> Tokenizer:
     return SentencePieceTokenizer(data_cfg.spm_model)
   if kind == "hf":
     return HFTokenizer(data_cfg.get("tokenizer_file"), data_cfg.get("eos_token") or None)
-  raise ValueError(f"data.tokenizer={kind!r}: expected one of {TOKENIZERS}")
+  raise errors.ConfigError(f"config.data.tokenizer={kind!r}: must be one of {TOKENIZERS}")
+
+
+def make_tokenizer(data_cfg) -> Tokenizer:
+  """The config's tokenizer; one that cannot be loaded is a ConfigError naming its field."""
+  try:
+    return _load(data_cfg)
+  except errors.ConfigError:
+    raise
+  except (OSError, RuntimeError, ValueError) as e:  # unreadable; (hf) no end-of-document token
+    field = _FILE_FIELDS.get(data_cfg.tokenizer, "tokenizer")
+    raise errors.ConfigError(f"config.data.{field}: the {data_cfg.tokenizer} tokenizer cannot "
+                             f"be loaded: {e}") from None  # both libraries name the file

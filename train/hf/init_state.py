@@ -19,7 +19,7 @@ import jax
 from train import errors
 from train.config import checks as config_checks
 from train.hf import format as hf_format
-from train.training import trainer as trainer_lib
+from train.data import tokenizer as tokenizer_lib
 
 ACTIVATIONS = ("hf", "relu", "silu", "gelu")
 TOKENIZERS = ("hf", "config")
@@ -85,7 +85,7 @@ def configure(cfg, workdir: str):
           "--config.init_from_hf.tokenizer=config and --config.data.tokenizer / "
           "--config.data.spm_model / --config.data.tokenizer_file")
     cfg.data.update(found)
-  tokenizer = trainer_lib.make_tokenizer(cfg.data)
+  tokenizer = tokenizer_lib.make_tokenizer(cfg.data)
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise config_checks.ConfigError(
         f"tokenizer mismatch: the {cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} "

@@ -37,19 +37,6 @@ def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
 
 
 # data.tokenizer -> the field that names its file.
-_TOKENIZER_FILES = {"sentencepiece": "spm_model", "hf": "tokenizer_file"}
-
-
-def make_tokenizer(data_cfg):
-  """The config's tokenizer; one that cannot be loaded is a ConfigError naming its file."""
-  try:
-    return tokenizer_lib.make_tokenizer(data_cfg)
-  except (OSError, RuntimeError, ValueError) as e:  # unreadable; (hf) no end-of-document token
-    field = _TOKENIZER_FILES.get(data_cfg.tokenizer, "tokenizer")
-    raise errors.ConfigError(f"config.data.{field}: the {data_cfg.tokenizer} tokenizer cannot "
-                             f"be loaded: {e}") from None  # both libraries name the file
-
-
 def check_config(cfg, n_devices: int, n_processes: int):
   """Raises ConfigError naming the first bad field (`train.config.checks.check`)."""
   config_checks.check(cfg, n_devices, n_processes)
@@ -64,7 +51,7 @@ class Trainer:
     check_config(cfg, self.mesh.size, jax.process_count())
     self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
     self.lm = model_lib.LanguageModel(self.model_cfg)
-    self.tokenizer = make_tokenizer(cfg.data)
+    self.tokenizer = tokenizer_lib.make_tokenizer(cfg.data)
     if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
       raise errors.ConfigError(f"model.vocab_size={self.model_cfg.vocab_size} is "
                        f"below the tokenizer's {self.tokenizer.vocab_size}")
