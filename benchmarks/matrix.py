@@ -56,6 +56,10 @@ SHORT = {
     "paper_0p5b": ["--config.batch_size=16", "--config.grad_accum_steps=2",
                    "--config.data.dataset=twell_stdlib_text", "--config.data.tokenizer=byte"],
 }
+# The 1.5B and 2B configs (28 and 38 layers, fsdp over every device, remat): the same short run,
+# on a node (`--configs=paper_1p5b,paper_2b --meshes=fsdp,data=2,fsdp=2`; not in `CONFIGS`: a
+# checkpoint of each holds 18-24 GB).
+SHORT["paper_1p5b"] = SHORT["paper_2b"] = SHORT["paper_0p5b"]
 # Two checkpoints kept: the one the killed run resumes from and the last (a paper_0p5b
 # checkpoint holds 6 GB of parameters and AdamW state).
 COMMON = [f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every={EVERY}",
