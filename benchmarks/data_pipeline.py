@@ -8,7 +8,9 @@ batches of `--rows` x (`--seq_len` + 1) tokens, with 0 (the packer's own thread)
 (`benchmarks.cli_run.DEFAULT_TOKENIZER`, trained offline if missing) and a 32k byte-level BPE
 `tokenizer.json` trained here with the `tokenizers` library.
 
-    python -m benchmarks.data_pipeline --out=benchmarks/results/h100/data_pipeline.json
+    python -m benchmarks.data_pipeline --out=benchmarks/results/h100/data_pipeline.json \
+        --plot=docs/images/data_pipeline.png
+    python -m benchmarks.data_pipeline --replot=RESULTS.json --plot=PNG   # the plot of a result
 
 Reference: one H100 trains the sparse 0.5B model at ~180k tokens/s and the `small` config at
 ~370k tokens/s; 4 H100s on `small` need ~1.5M tokens/s, 8 need ~3M.
@@ -28,6 +30,8 @@ from benchmarks import cli_run
 
 def _define_flags():
   flags.DEFINE_string("out", None, "results JSON")
+  flags.DEFINE_string("plot", None, "PNG of tokens/s by worker count against what GPUs consume")
+  flags.DEFINE_string("replot", None, "draw --plot from this results JSON and exit")
   flags.DEFINE_list("workers", None, "worker counts (default 0, 1, 2, 4, ... up to the cores)")
   flags.DEFINE_list("tokenizers", ["sentencepiece", "hf"], "sentencepiece and/or hf")
   flags.DEFINE_string("spm_model", None, "a SentencePiece .model to use instead of training "
@@ -83,9 +87,40 @@ def _measure(source, tokenizer, workers: int, rows: int, seq_len: int,
           "tokens_per_s": round(n * rows * (seq_len + 1) / dt)}
 
 
+# Tokens/s a training run consumes (README, docs/performance.md): the sparse 0.5B model on one
+# H100, and the `small` config on 4 and on 8 H100s.
+CONSUMERS = (("0.5B sparse, 1 H100", 180e3), ("small, 4 H100", 1.5e6), ("small, 8 H100", 3e6))
+
+
+def plot(result: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for name in dict.fromkeys(c["tokenizer"] for c in result["cells"]):
+    cells = [c for c in result["cells"] if c["tokenizer"] == name]
+    ax.plot([c["workers"] for c in cells], [c["tokens_per_s"] / 1e6 for c in cells], "o-",
+            label=name)
+  for label, rate in CONSUMERS:
+    ax.axhline(rate / 1e6, color="grey", lw=0.8, ls="--")
+    ax.text(0, rate / 1e6, f" {label}", va="bottom", fontsize=8, color="grey")
+  ax.set_xlabel("tokenizing worker processes (0: the packer's thread)")
+  ax.set_ylabel("million tokens/s, packed")
+  ax.set_title(f"Input pipeline, {result['format']} shards: {result['device']}, "
+               f"{result['cpus']} cores", fontsize=10)
+  ax.legend(loc="upper left", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
+  if fl.replot:
+    with open(fl.replot) as f:
+      plot(json.load(f), fl.plot)
+    return
   from train.corpus import text_corpus  # pylint: disable=import-outside-toplevel
   from train.data import files as files_lib  # pylint: disable=import-outside-toplevel
   from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
@@ -139,6 +174,8 @@ def main(argv):
     os.makedirs(os.path.dirname(os.path.abspath(fl.out)), exist_ok=True)
     with open(fl.out, "w") as f:
       json.dump(result, f, indent=1)
+  if fl.plot:
+    plot(result, fl.plot)
 
 
 if __name__ == "__main__":

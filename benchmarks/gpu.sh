@@ -98,6 +98,7 @@ for part in "${parts[@]}"; do
       tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;
     data)
       timeout ${T_DATA:-300} python3 -m benchmarks.data_pipeline --out="$OUT/data_pipeline.json" \
+        --plot="$OUT/data_pipeline.png" \
         --keep=/tmp/twell_data_files $([ -n "$SPM_MODEL" ] && echo --spm_model=$SPM_MODEL) \
         2>&1 | tee "$OUT/data_pipeline.log" | grep -E "workers|rror"
       timeout ${T_DATA_RUN:-400} python3 -m train.main --config=configs/paper_0p5b.py \
