@@ -88,7 +88,14 @@ class _Worker:
         future.set_exception(WorkerError(f"tokenizing worker {self.index}: {value}"))
 
   def close(self):
-    self.closing = True  # tasks still queued are dropped
+    self.closing = True  # tasks still queued are cancelled
+    while True:
+      try:
+        item = self.tasks.get_nowait()
+      except queue.Empty:
+        break
+      if item is not None:
+        item[1].cancel()
     self.tasks.put(None)
     self.thread.join(timeout=30)
     try:
