@@ -10,7 +10,8 @@ the tokenizing worker processes.
   or non-text field, an empty file, invalid UTF-8, an unknown extension, eval files that are
   also training files.
 * Worker processes give the same batches and states as tokenizing in the packer's thread, and
-  a stream resumed from a state continues it exactly, at any worker count.
+  a stream resumed from a state continues it exactly, at any worker count; a worker that
+  fails is an error in the packer, not a hang.
 * Through the CLI: train on jsonl + parquet + txt + jsonl.gz files with a tokenizer.json and
   two workers, SIGKILL, rerun: the final parameters equal an uninterrupted run's; the log
   shows the data wait. A glob matching nothing and a tokenizer larger than model.vocab_size
@@ -35,6 +36,7 @@ from train import errors
 from train.data import files as files_lib
 from train.data import pipeline as data_lib
 from train.data import tokenizer as tokenizer_lib
+from train.data import workers as workers_lib
 
 
 def _documents(n: int, seed: int = 0) -> list[str]:
@@ -183,6 +185,17 @@ class WorkersTest(absltest.TestCase):
     rest, rest_state = stream(3, 25, mid)
     np.testing.assert_array_equal(np.stack(rest), np.stack(ref[5:]))
     self.assertEqual(rest_state, ref_state)
+
+  def test_a_worker_that_fails_is_an_error_not_a_hang(self):
+    d = self.create_tempdir().full_path
+    tok = tokenizer_lib.HFTokenizer(tu.write_bpe_tokenizer(d, _documents(20), 280))
+    os.remove(tok.path)   # the worker rebuilds the tokenizer from its file: it cannot
+    pool = workers_lib.EncoderPool(tok, 1)
+    try:
+      with self.assertRaisesRegex(workers_lib.WorkerError, "tokenizing worker 0 exited"):
+        pool.submit(["some text"]).result(timeout=60)
+    finally:
+      pool.close()
 
 
 STEPS = 8
