@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
       # .parquet and .txt files (train/data/files.py). Held out: the files of `eval_files`,
       # else the last `eval_fraction` of the documents (files in sorted order).
       files="", eval_files="", eval_fraction=0.01,
+      index_cache_dir="~/.cache/twell_jax/jsonl_index",  # .jsonl line indexes ("": none)
       text_unit="paragraph",  # a .txt file's documents: "paragraph" (blank-line separated),
                               # "line" or "file"
       text_key="text", train_split="train", eval_split="validation",

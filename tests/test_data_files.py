@@ -118,6 +118,21 @@ class FileSourceTest(parameterized.TestCase):
     with self.assertRaisesRegex(errors.DataError, "c.parquet"):
       files_lib.open_splits(cfg)
 
+  def test_jsonl_index_is_kept_until_the_file_changes(self):
+    d, cache = self.create_tempdir().full_path, self.create_tempdir().full_path
+    path = os.path.join(d, "k.jsonl")
+    with open(path, "w") as f:
+      f.writelines(json.dumps({"text": t}) + "\n" for t in self.docs[:30])
+    self.assertLen(files_lib.FileSource(path, index_dir=cache), 30)
+    self.assertLen(os.listdir(cache), 1)
+    with absltest.mock.patch.object(files_lib._Jsonl, "_index", side_effect=AssertionError):
+      self.assertEqual(files_lib.FileSource(path, index_dir=cache).get_many(range(30)),
+                       self.docs[:30])   # read from the cache, not scanned
+    with open(path, "a") as f:
+      f.write(json.dumps({"text": "one more"}) + "\n")
+    src = files_lib.FileSource(path, index_dir=cache)   # size changed: scanned again
+    self.assertEqual(src.get_many([30]), ["one more"])
+
   def _bad(self, name: str, content: bytes | None = None, **kwargs):
     d = self.create_tempdir().full_path
     path = os.path.join(d, name)

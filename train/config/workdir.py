@@ -29,6 +29,7 @@ CONFIG_FILE = "config.json"
 # Changes applied without asking (observation and execution, not the computation).
 _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
          "data.data_dir", "data.use_tfds", "data.prefetch", "data.workers", "data.eval_split",
+         "data.index_cache_dir",
          "model.ffn_implementation", "model.attention", "model.remat", "model.scan_unroll",
          "model.interpret", "layer_choice.", "mesh.", "init_from_hf.", "compilation_cache_dir",
          "profile.")

@@ -9,7 +9,8 @@ file in sorted path order.
   reference implementation of the format, columnar: only the text column is decoded). A row
   group is one block.
 * `.jsonl`: one JSON object per line, text in field `text_key`; blank lines skipped. The line
-  starts are indexed with numpy when the file opens; a block is `JSONL_BLOCK` lines.
+  starts are indexed with numpy when the file first opens (kept in `data.index_cache_dir`
+  under the file's path, size and modification time); a block is `JSONL_BLOCK` lines.
 * `.jsonl.gz`: as `.jsonl`, gzip-compressed; the whole file is one block (gzip cannot seek).
 * `.txt`: UTF-8 text; `text_unit` "paragraph" (blank-line separated), "line" or "file". The
   whole file is one block.
@@ -31,6 +32,7 @@ import bisect
 import collections
 import glob
 import gzip
+import hashlib
 import json
 import os
 import time
@@ -95,8 +97,17 @@ def _record_text(line: bytes | str, path: str, line_no, key: str) -> str:
 class _Jsonl:
   """A .jsonl file: line starts indexed once, read a block of lines at a time."""
 
-  def __init__(self, path: str, key: str):
+  def __init__(self, path: str, key: str, index_dir: str | None = None):
     self.path, self._key = path, key
+    self.starts, self.ends = _cached(path, index_dir, self._index)
+    self.count = len(self.starts)
+    self.blocks = [min(JSONL_BLOCK, self.count - b) for b in range(0, self.count, JSONL_BLOCK)]
+    if self.count:
+      self.read_block(0, limit=1)  # the first record's text field, before anything trains
+
+  def _index(self) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) byte offsets of the non-blank lines, UTF-8 checked on the way."""
+    path = self.path
     starts, ends, base, line = [], [], 0, 1
     with open(path, "rb") as f:
       carry = b""
@@ -107,7 +118,7 @@ class _Jsonl:
           break
         cut = buf.rfind(b"\n") + 1 if chunk else len(buf)
         body, carry = buf[:cut], buf[cut:]
-        _decode(body, path, line)  # UTF-8 checked while indexing
+        _decode(body, path, line)
         arr = np.frombuffer(body, np.uint8)
         nl = np.flatnonzero(arr == 10)
         line += len(nl)
@@ -116,12 +127,9 @@ class _Jsonl:
         starts.append(base + s[keep])
         ends.append(base + e[keep])
         base += len(body)
-    self.starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    self.ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
-    self.count = len(self.starts)
-    self.blocks = [min(JSONL_BLOCK, self.count - b) for b in range(0, self.count, JSONL_BLOCK)]
-    if self.count:
-      self.read_block(0, limit=1)  # the first record's text field, before anything trains
+    empty = np.zeros(0, np.int64)
+    return (np.concatenate(starts) if starts else empty,
+            np.concatenate(ends) if ends else empty)
 
   def _line_of(self, offset: int) -> int:
     with open(self.path, "rb") as f:
@@ -137,6 +145,31 @@ class _Jsonl:
     return [_record_text(raw[s - base:e - base], self.path, lambda s=s: self._line_of(s),
                          self._key)
             for s, e in zip(self.starts[lo:hi].tolist(), self.ends[lo:hi].tolist())]
+
+
+def _cached(path: str, index_dir: str | None, build):
+  """`build()`'s line index of `path`, kept in `index_dir` under the file's path, size and
+  modification time (each process of a run, and each resume, reads it instead of scanning
+  the file again); None: no cache."""
+  if not index_dir:
+    return build()
+  st = os.stat(path)
+  key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+  where = os.path.join(os.path.expanduser(index_dir), key + ".npz")
+  try:
+    with np.load(where) as z:
+      return z["starts"], z["ends"]
+  except (OSError, KeyError, ValueError):
+    pass
+  starts, ends = build()
+  try:
+    os.makedirs(os.path.dirname(where), exist_ok=True)
+    tmp = f"{where}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, starts=starts, ends=ends)
+    os.replace(tmp, where)
+  except OSError:  # a read-only cache: the next start indexes again
+    pass
+  return starts, ends
 
 
 def _blank_lines(arr: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -224,11 +257,11 @@ class _Parquet:
     return texts
 
 
-def _open(path: str, key: str, text_unit: str):
+def _open(path: str, key: str, text_unit: str, index_dir: str | None):
   if path.endswith(".parquet"):
     f = _Parquet(path, key)
   elif path.endswith(".jsonl"):
-    f = _Jsonl(path, key)
+    f = _Jsonl(path, key, index_dir)
   else:
     f = _WholeFile(path, key, text_unit)
   if not f.count:
@@ -240,13 +273,13 @@ class FileSource:
   """Documents [lo, hi) of the files `patterns` name, by global index (module docstring)."""
 
   def __init__(self, patterns, *, text_key: str = "text", text_unit: str = "paragraph",
-               field: str = "data.files", files: list | None = None,
-               lo: int = 0, hi: int | None = None):
+               field: str = "data.files", index_dir: str | None = None,
+               files: list | None = None, lo: int = 0, hi: int | None = None):
     if text_unit not in TEXT_UNITS:
       raise errors.DataError(f"config.data.text_unit={text_unit!r}: one of {TEXT_UNITS}")
     self.paths = expand(patterns, field) if files is None else [f.path for f in files]
     t0 = time.perf_counter()
-    self._files = files or [_open(p, text_key, text_unit) for p in self.paths]
+    self._files = files or [_open(p, text_key, text_unit, index_dir) for p in self.paths]
     # Blocks as (file, block in file, first global document, documents).
     blocks, first = [], 0
     for i, f in enumerate(self._files):
@@ -313,10 +346,11 @@ class FileSource:
 def open_splits(data_cfg) -> tuple[FileSource, FileSource]:
   """(train, held-out) sources of `data.files` (module docstring; config/default.py)."""
   key, unit = data_cfg.text_key, data_cfg.get("text_unit", "paragraph")
-  train = FileSource(data_cfg.files, text_key=key, text_unit=unit)
+  index_dir = data_cfg.get("index_cache_dir")
+  train = FileSource(data_cfg.files, text_key=key, text_unit=unit, index_dir=index_dir)
   if data_cfg.get("eval_files"):
     held = FileSource(data_cfg.eval_files, text_key=key, text_unit=unit,
-                      field="data.eval_files")
+                      field="data.eval_files", index_dir=index_dir)
     both = sorted(set(train.paths) & set(held.paths))
     if both:
       raise errors.DataError(f"config.data.eval_files and config.data.files both name "
