@@ -346,12 +346,15 @@ class DecodePartingTest(absltest.TestCase):
     self.assertEqual(decode.parting([], [4]), 0)
 
 
-def _run_module(module: str, *args: str, timeout: int = 600):
+def _run_module(out: str, module: str, *args: str, timeout: int = 600) -> dict:
+  """Runs `python -m module --out=OUT args` from the repository; the JSON it wrote."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  subprocess.run([sys.executable, "-m", module, *args], cwd=root, check=True,
+  subprocess.run([sys.executable, "-m", module, f"--out={out}", *args], cwd=root, check=True,
                  capture_output=True, timeout=timeout)
+  with open(out) as f:
+    return json.load(f)
 
 
 class EndToEndSmokeTest(absltest.TestCase):
@@ -359,10 +362,8 @@ class EndToEndSmokeTest(absltest.TestCase):
   fields the GPU runs report."""
 
   def test_tiny_cpu_mode(self):
-    out = os.path.join(self.create_tempdir().full_path, "e2e.json")
-    _run_module("benchmarks.e2e", "--shapes=tiny", "--steps=3", "--iters=2", f"--out={out}")
-    with open(out) as f:
-      r = json.load(f)
+    r = _run_module(os.path.join(self.create_tempdir().full_path, "e2e.json"),
+                    "benchmarks.e2e", "--shapes=tiny", "--steps=3", "--iters=2")
     tiny = r["tiny"]
     for key in ("train_speedup", "prefill_speedup_2x64", "peak_memory_ratio",
                 "peak_memory_ratio_no_remat"):
@@ -378,11 +379,10 @@ class WholeRunSmokeTest(absltest.TestCase):
 
   def test_smoke(self):
     tmp = self.create_tempdir().full_path
-    out, png = os.path.join(tmp, "w.json"), os.path.join(tmp, "w.png")
-    _run_module("benchmarks.whole_run", "--smoke", "--runs=dense_silu,sparse", "--parallel",
-                f"--workdir={tmp}/runs", f"--out={out}", f"--plot={png}")
-    with open(out) as f:
-      r = json.load(f)
+    png = os.path.join(tmp, "w.png")
+    r = _run_module(os.path.join(tmp, "w.json"), "benchmarks.whole_run", "--smoke",
+                    "--runs=dense_silu,sparse", "--parallel", f"--workdir={tmp}/runs",
+                    f"--plot={png}")
     self.assertEqual([run["name"] for run in r["runs"]], ["dense_silu", "sparse"])
     self.assertEqual(r["steps"], 6)
     self.assertEqual(r["tokens_per_step"], 16 * 64)
@@ -403,11 +403,9 @@ class ActivitySweepSmokeTest(absltest.TestCase):
   with the choice's K and the measured ratio."""
 
   def test_smoke(self):
-    out = os.path.join(self.create_tempdir().full_path, "a.json")
-    _run_module("benchmarks.activity_sweep", "--smoke", "--capture_steps=2", "--actives=20",
-                "--early=2:0", "--iters=1", f"--out={out}")
-    with open(out) as f:
-      r = json.load(f)
+    r = _run_module(os.path.join(self.create_tempdir().full_path, "a.json"),
+                    "benchmarks.activity_sweep", "--smoke", "--capture_steps=2",
+                    "--actives=20", "--early=2:0", "--iters=1")
     self.assertEqual([c["step"] for c in r["captures"]], [2])
     self.assertLen(r["captures"][0]["layers"], 2)
     self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
@@ -420,11 +418,9 @@ class DataPipelineSmokeTest(absltest.TestCase):
   tokenizer.json, in the packer's thread and in worker processes, one cell each."""
 
   def test_smoke(self):
-    out = os.path.join(self.create_tempdir().full_path, "d.json")
-    _run_module("benchmarks.data_pipeline", "--smoke", "--tokenizers=hf", "--max_docs=300",
-                "--seq_len=255", "--workers=0,2", f"--out={out}")
-    with open(out) as f:
-      r = json.load(f)
+    r = _run_module(os.path.join(self.create_tempdir().full_path, "d.json"),
+                    "benchmarks.data_pipeline", "--smoke", "--tokenizers=hf", "--max_docs=300",
+                    "--seq_len=255", "--workers=0,2")
     self.assertEqual(r["format"], "parquet")
     self.assertEqual([c["workers"] for c in r["cells"]], [0, 2])
     for c in r["cells"]:

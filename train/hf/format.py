@@ -320,8 +320,8 @@ def special_ids(data_cfg, tokenizer) -> dict:
 
 def write_tokenizer(out_dir: str, data_cfg, tokenizer, context: int) -> list[str]:
   """Writes the tokenizer files a Hugging Face directory carries; returns their names."""
-  common = {"model_max_length": int(context), "add_bos_token": False,
-            "add_eos_token": False, "clean_up_tokenization_spaces": False}
+  base = {"model_max_length": int(context), "clean_up_tokenization_spaces": False}
+  common = {**base, "add_bos_token": False, "add_eos_token": False}
   if data_cfg.tokenizer == "byte":
     with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
       json.dump(_byte_tokenizer_json(), f)
@@ -336,8 +336,7 @@ def write_tokenizer(out_dir: str, data_cfg, tokenizer, context: int) -> list[str
     # The file's own post-processor decides what special tokens encoding adds: no
     # add_bos_token / add_eos_token here to override it.
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
-               **{f"{k}_token": t for k, t in _hf_special_tokens(tokenizer).items()},
-               "model_max_length": int(context), "clean_up_tokenization_spaces": False}
+               **{f"{k}_token": t for k, t in _hf_special_tokens(tokenizer).items()}, **base}
     ours = {"type": "hf", "file": "tokenizer.json", "eos_token": tokenizer.eos_token,
             "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
     files = ["tokenizer.json"]
