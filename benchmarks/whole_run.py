@@ -70,6 +70,9 @@ def _define_flags():
   flags.DEFINE_list("gpus", [], "with --parallel, the GPUs to use (default: all)")
   flags.DEFINE_list("extra_flags", [], "more train.main flags for every run")
   flags.DEFINE_integer("timeout", 3000, "seconds per run")
+  flags.DEFINE_list("merge", [], "results JSONs of earlier invocations on the same kind of "
+                    "device whose runs come first (one GPU and a time limit per command: one "
+                    "run per invocation, then --runs= --merge=a.json,b.json,c.json)")
 
 
 def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[str], str]:
@@ -191,6 +194,14 @@ def main(argv):
   results = {"device": gpus[0] if gpus else "cpu", "steps": fl.steps, "shape": fl.shape,
              "l1": fl.l1, "parallel": fl.parallel, "tokenizer": (tokenizer or {}).get("model"),
              "runs": []}
+  for path in fl.merge:
+    with open(path) as f:
+      earlier = json.load(f)
+    if earlier["device"] != results["device"] and gpus:
+      raise app.UsageError(f"{path} ran on {earlier['device']}, not {results['device']}")
+    results["device"] = earlier["device"]
+    results["runs"] += earlier["runs"]
+    results.setdefault("tokens_per_step", earlier.get("tokens_per_step"))
   started = []
   for i, spec in enumerate(fl.runs):
     name, _, root = spec.partition("@")
@@ -205,9 +216,10 @@ def main(argv):
   walls = cli_run.wait_all([item[3:] for item in started], fl.timeout)
   for item, wall in zip(started, walls):
     _finish(fl, results, *item, wall=wall)
-  from train.config import workdir as workdir_config
-  cfg = workdir_config.read_workdir_config(os.path.join(fl.workdir, f"0_{fl.runs[0]}"))
-  results["tokens_per_step"] = cfg["batch_size"] * cfg["data"]["seq_len"]
+  if fl.runs:
+    from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
+    cfg = workdir_config.read_workdir_config(os.path.join(fl.workdir, f"0_{fl.runs[0]}"))
+    results["tokens_per_step"] = cfg["batch_size"] * cfg["data"]["seq_len"]
   summarize(results)
   if fl.out:
     with open(fl.out, "w") as f:

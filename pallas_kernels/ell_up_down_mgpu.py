@@ -105,6 +105,9 @@ def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem
     l1_gmem[r] = l1d_gmem[pos]
 
 
+# Jitted (shapes and configs static): every call of one shape traces to one jaxpr, so a
+# train step lowers and compiles the kernel once for all the layers that share it.
+@functools.partial(jax.jit, static_argnames=("write_u", "config", "interpret"))
 def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
                 write_u: bool = True, config: row_loops.GatherConfig = row_loops.GatherConfig(),
                 interpret=False):
@@ -166,7 +169,8 @@ def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
   return y, (u if gated and write_u else None), l1
 
 
-def ell_from_twell(words, counts, *, slots: int, width: int, group: int = 1):
+def ell_from_twell(words, counts, *, slots: int, width: int, group: int = 1,
+                   first_tile: int = 0):
   """TwELL (``gate_pack_mgpu.gate_pack``'s words [M, T*S] / counts [T, M]) -> this kernel's
   ELL rows: (entries [M, Wk] int32, the row's packed words (col << 16 | bf16 bits of p, col a
   hidden feature index) in column order, 0 in unused slots; Wk: ``width`` rounded up to whole
@@ -175,7 +179,9 @@ def ell_from_twell(words, counts, *, slots: int, width: int, group: int = 1):
   ``width`` entries or a tile holding more than ``slots`` (its packed slots lost entries)
   are ``over``: they get n = 0 and the caller computes them on a dense path. XLA glue: a sum
   over the row's tiles gives each slot's word, a gather reads it. The counts stay in their
-  [T, M] layout (a transpose would cost a pass of its own).
+  [T, M] layout (a transpose would cost a pass of its own). ``first_tile``: ``counts`` are
+  those of the words' tiles from this one on (the words of a run-time ``col_start``, whose
+  tiles before it the caller leaves out).
   """
   t = words.shape[1] // slots
   # One reduction for both tests: a tile over S adds more than the width, so its row is over.
@@ -191,7 +197,8 @@ def ell_from_twell(words, counts, *, slots: int, width: int, group: int = 1):
   # 0.127 ms.)
   k = jnp.arange(width, dtype=jnp.int32)
   skipped = jnp.where(incl[:, :, None] <= k[None, None, :], slots - kept[:, :, None], 0)
-  idx = jnp.minimum(k[None, :] + jnp.sum(skipped, axis=0, dtype=jnp.int32), t * slots - 1)
+  idx = jnp.minimum(k[None, :] + first_tile * slots + jnp.sum(skipped, axis=0, dtype=jnp.int32),
+                    t * slots - 1)
   valid = k[None, :] < n[:, None]
   # Unused slots read the row's first word: one sector for all of them, not one each.
   entries = jnp.where(valid, jnp.take_along_axis(words, jnp.where(valid, idx, 0), axis=1), 0)

@@ -12,7 +12,9 @@ Forward:
     features are sorted by popularity) as dense XLA GEMMs on the ELL rows; their products
     start step 3's sums, and the backward does the same for them.
  1. gate GEMM of the other features with the TwELL packing epilogue (``gate_pack_mgpu``,
-    wgmma): the dense [M, H] gate never reaches HBM.
+    wgmma): the dense [M, H] gate never reaches HBM. K reaches the kernel as a run-time
+    value, and every kernel call is jitted: layers that differ only in K share all their
+    compiled kernels (a step with a new K compiles XLA's part again, not the kernels).
  2. TwELL -> hybrid layout (XLA glue on the packed [M, T*S] words): rows with at most W actives
     and no overflowing tile become ELL rows (columns, gate values; [M, W]); the other rows are
     "heavy" and go to a dense tail of static capacity R.
@@ -202,8 +204,10 @@ def _hybrid_from_twell(cfg: HybridConfig, words, counts):
   if cfg.n_tiles == 0:          # every feature is hot: an empty ELL
     return (jnp.zeros((mp, cfg.wk), jnp.int32), jnp.zeros((mp,), jnp.int32),
             jnp.zeros((mp,), bool), jnp.zeros((0, mp), jnp.int32))
+  kt = cfg.k_hot // common.TILE_N   # the words hold every tile; the counts from kt on
   return ell_up_down_mgpu.ell_from_twell(
-      words, counts, slots=cfg.gate.slots, width=cfg.ell_width, group=cfg.ell_group)
+      words, counts[kt:], slots=cfg.gate.slots, width=cfg.ell_width, group=cfg.ell_group,
+      first_tile=kt)
 
 
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
@@ -214,8 +218,9 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   w_in = wg if gated else wu
   k = cfg.k_hot
   if cfg.n_tiles:
-    words, counts = gate_pack_mgpu.gate_pack(xp, w_in, col_start=k, config=cfg.gate,
-                                             interpret=interpret)
+    # The first cold column as a run-time value: one gate kernel for every K.
+    words, counts = gate_pack_mgpu.gate_pack(xp, w_in, col_start=jnp.int32(k),
+                                             config=cfg.gate, interpret=interpret)
   else:
     words = counts = None
   entries, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)

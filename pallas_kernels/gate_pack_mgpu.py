@@ -41,6 +41,7 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -292,7 +293,8 @@ def _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gme
   plgpu.commit_smem_to_gmem_group()
 
 
-def _kernel(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int, scan: _ScanPlan | None):
+def _kernel(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int | None,
+            scan: _ScanPlan | None):
   """Gate GEMM with a packing warpgroup (3 warpgroups, hand-written pipeline).
 
   Warpgroups 0 and 1 compute (64 rows each of the 128 x 256 tile, wgmma into registers);
@@ -309,7 +311,14 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int, scan: _Scan
   With ``scan``, ``refs`` starts with the arrays to check for NaN / infinities ([R,
   SCAN_COLS] views) and ends with their flags; the packer checks its share of their blocks
   (``_ScanPlan``) before it waits for each tile, while the tensor cores run.
+  ``tile_start`` None: the first input ref (after x and w) holds the first tile at run time,
+  and the tiles are stored at their place in w (``gate_pack``'s run-time ``col_start``).
   """
+  if tile_start is None:
+    start_gmem, refs = refs[0], refs[1:]
+    tile_start = out_tile0 = start_gmem[0]
+  else:
+    out_tile0 = 0
   n_scan = scan.arrays if scan is not None else 0
   scan_refs, (words_gmem, counts_gmem), flags = (
       refs[:n_scan], refs[n_scan:n_scan + 2], refs[n_scan + 2:])
@@ -450,7 +459,7 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int, scan: _Scan
                                        release)
           rows = pl.ds(m_idx * CTA_M + half * WG_M, WG_M)
           _store_packed(words, counts, words_smem, counts_smem, words_gmem, counts_gmem,
-                        rows, n_idx, (n_idx + tile_start) * TILE_N)
+                        rows, n_idx + out_tile0, (n_idx + tile_start) * TILE_N)
 
       if scan is not None and not scan.per_tile:
         # Fewer tiles than CTAs for some: each checks all its blocks once its tiles are done.
@@ -458,17 +467,24 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: GateConfig, tile_start: int, scan: _Scan
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), check=(),
-              interpret=False):
+def gate_pack(x, w, *, col_start: int | jax.Array = 0, config: GateConfig = GateConfig(),
+              check=(), interpret=False):
   """TwELL-packed relu(x @ w[:, col_start:]). Returns (words [M, T*S] int32,
-  counts [T, M] int32), T = (N - col_start) / 256 tiles; the words hold columns of w (from
-  col_start on). ``col_start`` (a multiple of 256) leaves the leading columns out: the callers
-  compute those (the hottest features) as dense GEMMs.
+  counts [T, M] int32); the words hold columns of w (from col_start on). ``col_start`` (a
+  multiple of 256) leaves the leading columns out: the callers compute those (the hottest
+  features) as dense GEMMs.
+
+  ``col_start`` a Python int: T = (N - col_start) / 256 tiles, from col_start on. An int32
+  scalar array: its value is read at run time, T = N / 256 and tile t is w's tile t; the
+  counts of the tiles before col_start are 0 and their words undefined. One compiled kernel
+  then serves every col_start (a training step whose layers differ only in their number of
+  hot features compiles it once).
 
   ``check``: bf16 arrays of one size, a multiple of ``SCAN_BLOCK`` elements (None entries
   skipped), which the packing warpgroup checks for NaN / infinities while the tensor cores
   run: then a third output, a bool scalar, True when one of
-  them holds such a value (``reference.any_nonfinite`` without a pass of its own)."""
+  them holds such a value (``reference.any_nonfinite`` without a pass of its own). Only with
+  a Python int ``col_start``."""
   m, k = x.shape
   k2, n = w.shape
   if k != k2:
@@ -476,18 +492,41 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), ch
   if m % CTA_M or n % TILE_N or k % config.tile_k:
     raise ValueError(f"gate_pack needs M % {CTA_M} == 0, N % {TILE_N} == 0, "
                      f"K % {config.tile_k} == 0; got {x.shape=} {w.shape=}")
-  if col_start % TILE_N or not 0 <= col_start < n:
-    raise ValueError(f"gate_pack needs col_start a multiple of {TILE_N} in [0, N={n}); "
-                     f"got {col_start}")
-  t = (n - col_start) // TILE_N
   check = tuple(a for a in check if a is not None)
+  if isinstance(col_start, (int, np.integer)):
+    if col_start % TILE_N or not 0 <= col_start < n:
+      raise ValueError(f"gate_pack needs col_start a multiple of {TILE_N} in [0, N={n}); "
+                       f"got {col_start}")
+    return _gate_pack(x, w, check, col_start=int(col_start), config=config,
+                      interpret=interpret)
+  if check:
+    raise ValueError("gate_pack(check=) needs a Python int col_start")
+  start = jnp.asarray(col_start, jnp.int32).reshape(1) // TILE_N
+  words, counts = _gate_pack(x, w, (), start, col_start=None, config=config,
+                             interpret=interpret)
+  # The kernel does not write the tiles before col_start.
+  counts = jnp.where(jnp.arange(n // TILE_N)[:, None] < start, 0, counts)
+  return words, counts
+
+
+# Jitted so that every call of one shape and config traces to one jaxpr: a train step whose
+# layers share their kernels' shapes lowers and compiles each kernel once.
+@functools.partial(jax.jit, static_argnames=("col_start", "config", "interpret"))
+def _gate_pack(x, w, check, start=None, *, col_start, config, interpret):
+  """The kernel call of ``gate_pack`` (``col_start`` None: the first tile is ``start`` [1]
+  int32, read at run time)."""
+  m, _ = x.shape
+  n = w.shape[1]
+  t = n // TILE_N if col_start is None else (n - col_start) // TILE_N
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
   with target.interpret_context(bool(interpret)):
     grid = _grid(config)
     out_type = (jax.ShapeDtypeStruct((m, t * config.slots), jnp.int32),
                 jax.ShapeDtypeStruct((t, m), jnp.int32))
     plan = _scan_plan(check, grid, _tiles(m, t))
-    kernel = functools.partial(_kernel, cfg=config, tile_start=col_start // TILE_N, scan=plan)
+    kernel = functools.partial(
+        _kernel, cfg=config, tile_start=None if col_start is None else col_start // TILE_N,
+        scan=plan)
     if plan is not None:
       out_type += (jax.ShapeDtypeStruct((grid, plan.slots), jnp.int32),)
     f = plgpu.kernel(
@@ -501,7 +540,9 @@ def gate_pack(x, w, *, col_start: int = 0, config: GateConfig = GateConfig(), ch
         interpret=target.interpret_params(interpret),
         kernel_name="twell_gate_pack",
     )
-    outs = common.call_kernel(f, x, w, *[a.reshape(-1, SCAN_COLS) for a in check])
+    args = (x, w, *([start] if col_start is None else []),
+            *[a.reshape(-1, SCAN_COLS) for a in check])
+    outs = common.call_kernel(f, *args)
   if not check:
     return outs
   words, counts, flags = outs

@@ -28,6 +28,19 @@ class GatePackTestBase(ktu.KernelTestBase):
     x, wg, _, _ = ktu.inputs(256, 128, 512, active=12, heavy=0.02, seed=1, **skew)
     self._check_against_dense(x, wg, *gate_pack_mgpu.gate_pack(x, wg, interpret=self.INTERPRET))
 
+  def test_run_time_col_start_matches_the_static_one(self):
+    """col_start as an int32 array (one kernel for every start): the tiles from col_start on
+    hold the static call's words and counts, the counts before it are 0."""
+    x, wg, _, _ = ktu.inputs(256, 128, 768, active=12, heavy=0.02, seed=3)
+    want_words, want_counts = gate_pack_mgpu.gate_pack(x, wg, col_start=256,
+                                                       interpret=self.INTERPRET)
+    words, counts = gate_pack_mgpu.gate_pack(x, wg, col_start=jnp.int32(256),
+                                             interpret=self.INTERPRET)
+    self.assertEqual(words.shape, (256, 3 * 32))
+    np.testing.assert_array_equal(np.asarray(counts[0]), 0)
+    np.testing.assert_array_equal(np.asarray(counts[1:]), np.asarray(want_counts))
+    np.testing.assert_array_equal(np.asarray(words[:, 32:]), np.asarray(want_words))
+
   def _check_against_dense(self, x, wg, words, counts):
     """Counts exact, every record that fits decodes to relu(x @ wg) (bf16 values, the exact
     column set); at least 100 rows fit everywhere."""

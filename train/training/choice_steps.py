@@ -3,21 +3,26 @@ switched on fixed steps.
 
 `StepBuilds` compiles the train step of a choice (`LayerChoice.key`) on a worker thread.
 `ChoiceSteps` runs the choice inside the loop: every `layer_choice.every` steps a decision
-from the step's feature counts (`LayerChoice.update_from_counts`) sorts each layer's
+from the feature counts of the steps since the last one (`LayerChoice.update_from_counts`)
+sorts each layer's
 features in the state and, when the choice changes and its build pays (`payback`), asks for
-its step, which runs from `layer_choice.landing_steps` steps later (the loop waits for a build
-not done by then; without `layer_choice.background`, built at once and running from the next
-step). While a choice is pending no other is decided: each decision lands. What runs when therefore follows from the decisions alone: the same seed gives the same
-decisions and switches on the same steps on any machine, and a checkpoint keeps the choice in
-use and the one pending (`meta`, `restore`).
+its step, which runs after `layer_choice.landing_steps` dense steps' time (`landing_lag`: more
+steps when the running choice's steps are predicted faster; the loop waits for a build not done
+by then; without `layer_choice.background`, built at once and running from the next step).
+While a choice is pending no other is decided: each decision lands. What runs when follows
+from the decisions and the predictions alone: the same seed gives the same decisions and
+switches on the same steps on any machine, and a checkpoint keeps the choice in use and the one
+pending (`meta`, `restore`).
 """
 
 import gc
+import math
 import sys
 import time
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from train.training import layer_choice as layer_choice_lib
@@ -30,7 +35,7 @@ class StepBuilds:
   the current one keeps training; `get(key)` returns it, waiting for its build if it is not
   done (or building it in this thread if it was never requested). Which step runs from which
   step on is the caller's decision, from step numbers alone (`train.training.loop`: a choice made
-  at step n runs from step n + `layer_choice.landing_steps` on), so a run's sequence of
+  at step n runs from step n + `landing_lag` on), so a run's sequence of
   choices and the steps they land on do not depend on how fast a build goes. Executables are
   kept: going back to a choice built before costs nothing. `background=False` builds in
   `request`.
@@ -120,6 +125,21 @@ def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
           f"left, less than the {layer_choice_lib.BUILD_COST_STEPS:.0f} a build takes")
 
 
+def landing_lag(choice, running, counts, heavy, tokens: int, dense_steps: int,
+                ffn_share: float) -> int:
+  """Steps from a decision to the step its choice runs from: `dense_steps` dense steps' time
+  at the running choice's predicted speed (its FFN's predicted time over the dense FFN's,
+  `LayerChoice.costs`, the FFN being `ffn_share` of a dense step), so that a build has about
+  the same seconds to finish whatever runs meanwhile (a sparse step of the paper shape takes
+  0.7 of a dense one's time: 200 dense steps' time is 286 of its steps). From predictions,
+  not clocks: the same counts give the same lag on any machine."""
+  if dense_steps <= 0:
+    return 0
+  costs = np.minimum(choice.costs(running, counts, tokens, heavy), 1.5)
+  step_ratio = min(1.0, max(0.3, 1.0 - ffn_share * (1.0 - float(costs.mean()))))
+  return int(math.ceil(dense_steps / step_ratio))
+
+
 class ChoiceSteps:
   """The per-layer choice of one run (module docstring): `step_for(step)` before each step,
   `after_step(done, metrics, state)` after it, `meta()` for its checkpoint."""
@@ -140,6 +160,9 @@ class ChoiceSteps:
         background=cfg.layer_choice.background)
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
     self.pending = None   # (key, step): a choice decided, running from that step on
+    # The feature counts and heavy rows summed over the steps since the last decision (device
+    # arrays), and how many steps that is.
+    self.counted, self.counted_steps = None, 0
     self._restore(meta)
     self.train_step = self.builds.get(self.running)
     mc = tr.model_cfg
@@ -150,8 +173,17 @@ class ChoiceSteps:
     logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
                  "below %g of the dense one's time (train.training.layer_choice), then %s "
                  "(back above %g); decided every %d steps (features sorted by popularity), "
-                 "each choice running %d steps after its decision", choice.sparse_below,
+                 "each choice running %d dense steps' time after its decision",
+                 choice.sparse_below,
                  choice.sparse, choice.dense_above, cfg.layer_choice.every, self.lag)
+
+  @property
+  def eval_ffn(self):
+    """The FFNs of the held-out evaluations during the run: dense in every layer. The same
+    function as the sparse kernels' (exact up to rounding), compiled once in a second or two,
+    where the sparse FFN would compile its kernels again (seconds, beside a build) for 16
+    batches."""
+    return (self.choice.dense,) * self.choice.n_layers, (0,) * self.choice.n_layers
 
   def _restore(self, meta: dict) -> None:
     """The choice in use and the one pending of a checkpoint's metadata (`meta`)."""
@@ -166,6 +198,11 @@ class ChoiceSteps:
       self.pending = ((tuple(p["implementations"]), tuple(p["hot_features"])), p["step"])
       self.builds.request(self.pending[0])
       choice.current, choice.hot = list(self.pending[0][0]), list(self.pending[0][1])
+    saved = meta.get("choice_counts")
+    if saved:   # the counts of the steps since the last decision
+      self.counted = (jnp.asarray(saved["feature_counts"], jnp.int32),
+                      jnp.asarray(saved["heavy_rows_by_hot"], jnp.int32))
+      self.counted_steps = int(saved["steps"])
 
   def meta(self) -> dict:
     """What a checkpoint keeps of the choice (`ChoiceSteps.__init__` reads it back)."""
@@ -175,6 +212,11 @@ class ChoiceSteps:
       (names, hot), land = self.pending
       out["pending_layer_choice"] = {"implementations": list(names),
                                      "hot_features": list(hot), "step": int(land)}
+    if self.counted_steps:
+      counts, heavy = jax.device_get(self.counted)
+      out["choice_counts"] = {"steps": self.counted_steps,
+                              "feature_counts": np.asarray(counts).tolist(),
+                              "heavy_rows_by_hot": np.asarray(heavy).tolist()}
     return out
 
   def step_for(self, step: int):
@@ -194,17 +236,29 @@ class ChoiceSteps:
 
   def after_step(self, done: int, metrics: dict, state):
     """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
-    layer's features sorted by this step's counts, the choice pending if it changed."""
+    layer's features sorted by the counts of the steps since the last decision, the choice
+    pending if it changed.
+
+    The counts are summed on the device over those steps (one batch's vary a lot: the last
+    layer of the paper shape measured 50 to 250 active features per token from one batch to
+    the next, and decisions on one batch flipped its K and sent it dense and back); the sum
+    so far is in each checkpoint (`meta`), so a resumed run decides on the same counts."""
     cfg, choice = self.cfg, self.choice
+    counted = (metrics["feature_counts"], metrics["heavy_rows_by_hot"])
+    if self.counted_steps:
+      counted = jax.tree.map(jnp.add, self.counted, counted)
+    self.counted, self.counted_steps = counted, self.counted_steps + 1
     if done % cfg.layer_choice.every and done != 1:
       return state
     # Decisions fall on the same steps in a resumed run as in an uninterrupted one (the
     # choice in use and the one pending come back from the checkpoint), so both reorder the
     # features alike and switch on the same steps.
-    counts, heavy = jax.device_get((metrics["feature_counts"], metrics["heavy_rows_by_hot"]))
+    counts, heavy = jax.device_get(self.counted)
+    tokens = self.tokens_per_step * self.counted_steps
+    self.counted, self.counted_steps = None, 0
     target = self.running if self.pending is None else self.pending[0]
     choice.current, choice.hot = list(target[0]), list(target[1])
-    _, order = choice.update_from_counts(counts, self.tokens_per_step, heavy)
+    _, order = choice.update_from_counts(counts, tokens, heavy)
     state = self.tr.sort_features(state, order)
     if choice.key == target or self.pending is not None:
       # One decision in flight at a time: a pending choice lands on its step, never replaced
@@ -213,9 +267,9 @@ class ChoiceSteps:
       # moves); the next decision comes after it lands.
       choice.current, choice.hot = list(target[0]), list(target[1])
       return state
-    land = done + self.lag
+    land = done + landing_lag(choice, target, counts, heavy, tokens, self.lag, self.ffn_share)
     why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
-               payback(choice, target, counts, heavy, self.tokens_per_step,
+               payback(choice, target, counts, heavy, tokens,
                        cfg.num_train_steps - land, self.ffn_share))
     if why_not:
       logging.info("step %d: FFN per layer -> %s predicted, not built: %s", done,

@@ -234,10 +234,15 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                      + ("" if ran is None else f" | ffn {choice.describe(ran)}"))
         last = metrics_lib.flatten_metrics(m)
         writer.write_scalars(done, last)
+      if done == start + 1 and eval_data:
+        # Beside the next steps, not beside the first one's compile.
+        tr.compile_eval_ahead(state["params"], eval_data[0],
+                              None if steps is None else steps.eval_ffn)
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
         t_eval = time.time()
-        ev = tr.evaluate(state["params"], eval_data)
+        ev = tr.evaluate(state["params"], eval_data,
+                         None if steps is None else steps.eval_ffn)
         logging.info("eval step %d: %s", done, json.dumps(ev))
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))

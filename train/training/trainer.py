@@ -85,16 +85,20 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_sharding)
 
+  def _model(self, layer_ffn=None):
+    """The model, its FFNs overridden by `layer_ffn` (L implementation names and L numbers of
+    hot features) when given."""
+    if layer_ffn is None:
+      return self.lm
+    names, hot = layer_ffn
+    return model_lib.LanguageModel(dataclasses.replace(
+        self.model_cfg, ffn_layer_implementations=tuple(names),
+        ffn_layer_hot_features=tuple(hot)))
+
   def jit_train_step(self, layer_ffn=None):
     """The jitted step; `layer_ffn` (a `LayerChoice.key`: L implementation names and L
     numbers of hot features) overrides the model's FFNs."""
-    lm = self.lm
-    if layer_ffn is not None:
-      names, hot = layer_ffn
-      lm = model_lib.LanguageModel(dataclasses.replace(
-          self.model_cfg, ffn_layer_implementations=tuple(names),
-          ffn_layer_hot_features=tuple(hot)))
-    step = steps_lib.make_train_step(lm, self.tx, self.cfg,
+    step = steps_lib.make_train_step(self._model(layer_ffn), self.tx, self.cfg,
                                      grad_sharding=self.grad_sharding)
     return jax.jit(sharding_lib.traced_in(self.mesh, step),
                    in_shardings=(self.state_sharding, self.batch_sharding),
@@ -156,12 +160,40 @@ class Trainer:
         num_batches=cfg.eval_batches, shard_index=jax.process_index(),
         shard_count=jax.process_count())
 
-  def evaluate(self, params, batches) -> dict:
-    """Held-out loss, perplexity and per-layer sparsity over `batches`."""
-    if not hasattr(self, "_eval_step"):  # compile once per Trainer
-      self._eval_step = jax.jit(sharding_lib.traced_in(
-          self.mesh, steps_lib.make_eval_step(self.lm)))
-    eval_step = self._eval_step
+  def _eval_step(self, layer_ffn=None):
+    """The jitted evaluation step of the FFN choice `layer_ffn` (None: the model's own),
+    one per Trainer and choice."""
+    if not hasattr(self, "_eval_steps"):
+      self._eval_steps = {}
+    if layer_ffn not in self._eval_steps:
+      self._eval_steps[layer_ffn] = jax.jit(sharding_lib.traced_in(
+          self.mesh, steps_lib.make_eval_step(self._model(layer_ffn))))
+    return self._eval_steps[layer_ffn]
+
+  def compile_eval_ahead(self, params, batch, layer_ffn=None):
+    """Compiles the evaluation step for `params` and held-out batches like `batch` on a
+    worker thread, for `evaluate` to use: the first evaluation of a run then does not compile
+    (a second or two, more beside a background build of the per-layer choice)."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    specs = (jax.tree.map(like, params), like(self.put_batch(batch, self.eval_sharding)))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    if not hasattr(self, "_eval_ahead"):
+      self._eval_ahead = {}
+    self._eval_ahead[layer_ffn] = pool.submit(
+        lambda: self._eval_step(layer_ffn).lower(*specs).compile())
+    pool.shutdown(wait=False)
+
+  def evaluate(self, params, batches, layer_ffn=None) -> dict:
+    """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_ffn` (a
+    `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`."""
+    ahead = getattr(self, "_eval_ahead", {}).pop(layer_ffn, None)
+    eval_step = self._eval_step(layer_ffn)
+    if ahead is not None:
+      try:
+        eval_step = self._eval_steps[layer_ffn] = ahead.result()
+      except Exception:  # pylint: disable=broad-except  # compiled here instead, and raised
+        pass
     tot = None
     for b in batches:
       out = eval_step(params, self.put_batch(b, self.eval_sharding))
