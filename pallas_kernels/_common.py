@@ -13,6 +13,8 @@ The device a kernel targets is in ``_target``, the gather kernels' entry walk in
 from __future__ import annotations
 
 
+import functools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -122,3 +124,17 @@ def pad_to(a, shape):
   return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
 
 
+def jit_kernel_entry(static_argnames):
+  """Decorates a kernel's entry to run under ``jax.jit`` with ``static_argnames`` (hashable
+  shapes and configs): every call of one shape then traces to one jaxpr, so a train step
+  lowers and compiles the kernel once for all the layers that share it. Calls with
+  ``interpret`` set run the entry as it is: the Mosaic GPU interpreter's state does not
+  survive a cached executable run again (a later test's call hung)."""
+  def decorate(entry):
+    jitted = jax.jit(entry, static_argnames=static_argnames)
+
+    @functools.wraps(entry)
+    def call(*args, **kwargs):
+      return (entry if kwargs.get("interpret") else jitted)(*args, **kwargs)
+    return call
+  return decorate

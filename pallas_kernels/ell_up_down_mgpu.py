@@ -105,9 +105,7 @@ def _kernel(x_gmem, entries_gmem, n_gmem, wup_gmem, wd_gmem, init_gmem, pos_gmem
     l1_gmem[r] = l1d_gmem[pos]
 
 
-# Jitted (shapes and configs static): every call of one shape traces to one jaxpr, so a
-# train step lowers and compiles the kernel once for all the layers that share it.
-@functools.partial(jax.jit, static_argnames=("write_u", "config", "interpret"))
+@common.jit_kernel_entry(("write_u", "config", "interpret"))
 def ell_up_down(x, entries, n, w_up_t, w_down, *, y_init=None, dense=None,
                 write_u: bool = True, config: row_loops.GatherConfig = row_loops.GatherConfig(),
                 interpret=False):

@@ -509,9 +509,7 @@ def gate_pack(x, w, *, col_start: int | jax.Array = 0, config: GateConfig = Gate
   return words, counts
 
 
-# Jitted so that every call of one shape and config traces to one jaxpr: a train step whose
-# layers share their kernels' shapes lowers and compiles each kernel once.
-@functools.partial(jax.jit, static_argnames=("col_start", "config", "interpret"))
+@common.jit_kernel_entry(("col_start", "config", "interpret"))
 def _gate_pack(x, w, check, start=None, *, col_start, config, interpret):
   """The kernel call of ``gate_pack`` (``col_start`` None: the first tile is ``start`` [1]
   int32, read at run time)."""

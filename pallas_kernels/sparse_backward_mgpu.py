@@ -115,9 +115,7 @@ def _dx_kernel(cols_gmem, n_gmem, du_gmem, dg_gmem, wup_gmem, wg_gmem, init_gmem
   dx_gmem[r, :] = acc.astype(dx_gmem.dtype)
 
 
-# Jitted (shapes and configs static): every call of one shape traces to one jaxpr, so a
-# train step lowers and compiles the kernel once for all the layers that share it.
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@common.jit_kernel_entry(("config", "interpret"))
 def ell_dh(dy, cols, p, u, n, c, w_down, *, config: row_loops.GatherConfig = row_loops.GatherConfig(),
            interpret=False):
   """(du [M, Wk] f32 or None (non-gated), dg [M, Wk] f32) on the row side: slots k >= n[r]
@@ -254,9 +252,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
 
 
-# Jitted (shapes and configs static): every call of one shape traces to one jaxpr, so a
-# train step lowers and compiles the kernel once for all the layers that share it.
-@functools.partial(jax.jit, static_argnames=("ell_shape", "config", "out_dtype", "interpret"))
+@common.jit_kernel_entry(("ell_shape", "config", "out_dtype", "interpret"))
 def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
                 config: row_loops.GatherConfig = row_loops.GatherConfig(), out_dtype=_F32,
                 interpret=False):
@@ -305,9 +301,7 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
           du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
 
 
-# Jitted (shapes and configs static): every call of one shape traces to one jaxpr, so a
-# train step lowers and compiles the kernel once for all the layers that share it.
-@functools.partial(jax.jit, static_argnames=("config", "dx_dtype", "interpret"))
+@common.jit_kernel_entry(("config", "dx_dtype", "interpret"))
 def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
            config: row_loops.GatherConfig = row_loops.GatherConfig(), dx_dtype=_F32,
            interpret=False):
@@ -340,9 +334,7 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
     return common.call_kernel(f, cols, n, du, dg, w_up_t, w_gate_t, dx_init)
 
 
-# Jitted (shapes and configs static): every call of one shape traces to one jaxpr, so a
-# train step lowers and compiles the kernel once for all the layers that share it.
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "name", "interpret"))
+@common.jit_kernel_entry(("config", "out_dtype", "name", "interpret"))
 def column_sums(a, col_ptr, rows, *coefs, config: row_loops.GatherConfig = row_loops.GatherConfig(),
                 out_dtype=_F32, name: str = "twell_train_column_sums", interpret=False):
   """out_i [H, D] ``out_dtype``, out_i[j] = sum_{col_ptr[j] <= e < col_ptr[j + 1]}
