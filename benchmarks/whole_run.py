@@ -29,7 +29,8 @@ steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "runs
 "sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]], ...}],
 "wall_ratios" (dense
 SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
-"same_decisions"}. The plot: each sparse run's tokens/s over dense SiLU's at every logged step,
+"same_decisions"}. The plot: each sparse run's speed over dense SiLU's between logged steps
+(wall-clock, evaluations included),
 and the first sparse run's activity per layer, against steps.
 """
 
@@ -121,6 +122,12 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
                                  default=None)}
 
 
+def _intervals(points) -> dict:
+  """{step: seconds since the previous logged step} of a run's points (the first left out)."""
+  return {b["step"]: b["seconds"] - a["seconds"] for a, b in zip(points, points[1:])
+          if b["seconds"] > a["seconds"]}
+
+
 def summarize(results: dict) -> None:
   """The ratios to dense SiLU (module docstring); runs of another checkout (NAME@DIR) get
   theirs but stay out of the summary."""
@@ -128,23 +135,26 @@ def summarize(results: dict) -> None:
   base = next((r for r in runs if r["name"] == "dense_silu"), None)
   if base is None:
     return
-  dense_tps = {p["step"]: p["tokens_per_s"] for p in base["points"]}
   for r in runs:
     if r is base:
       continue
     r["wall_ratio"] = base["wall_s"] / r["wall_s"]
     if r["eval_ce"] is not None and base["eval_ce"]:
       r["ce_ratio"] = r["eval_ce"] / base["eval_ce"]
-    # The first logged step holds each command's start-up and compiles: left out.
-    r["step_ratios"] = [[p["step"], p["tokens_per_s"] / dense_tps[p["step"]]]
-                        for p in r["points"][1:] if p["step"] in dense_tps]
+    # Dense SiLU's wall-clock over this run's between consecutive logged steps (evaluations,
+    # checkpoints and waits included: the user's measure, step by step). The first logged
+    # step holds each command's start-up and compiles: left out.
+    dense_dt = _intervals(base["points"])
+    r["step_ratios"] = [[step, dense_dt[step] / dt]
+                        for step, dt in _intervals(r["points"]).items() if step in dense_dt]
   sparse = [r for r in runs if r is not base and "@" not in r["name"]]
   if not sparse:
     return
   results["wall_ratios"] = [r["wall_ratio"] for r in sparse]
   results["ce_ratios"] = [r.get("ce_ratio") for r in sparse]
   results["ce_ratio"] = max((c for c in results["ce_ratios"] if c is not None), default=None)
-  results["same_decisions"] = all(r["decisions"] == sparse[0]["decisions"] for r in sparse)
+  results["same_decisions"] = (all(r["decisions"] == sparse[0]["decisions"] for r in sparse)
+                               if len(sparse) > 1 else None)
 
 
 def plot(results: dict, path: str) -> None:
@@ -159,7 +169,7 @@ def plot(results: dict, path: str) -> None:
       top.plot(steps, ratios, marker="o", markersize=2,
                label=f"{r['name']} {i + 1}: whole run {r.get('wall_ratio', 0):.3f}x")
   top.axhline(1.0, color="gray", linewidth=0.8)
-  top.set_ylabel("tokens/s over dense SiLU's")
+  top.set_ylabel("dense SiLU's seconds over sparse's\nbetween logged steps")
   top.set_title(f"{results.get('device', '')}: per step, from random initialisation")
   top.legend(fontsize=8)
   if sparse:
@@ -201,6 +211,9 @@ def main(argv):
       raise app.UsageError(f"{path} ran on {earlier['device']}, not {results['device']}")
     results["device"] = earlier["device"]
     results["runs"] += earlier["runs"]
+    if not fl.runs:   # only merging: the setting is the earlier runs'
+      for key in ("steps", "shape", "l1", "parallel", "tokenizer"):
+        results[key] = earlier.get(key, results[key])
     results.setdefault("tokens_per_step", earlier.get("tokens_per_step"))
   started = []
   for i, spec in enumerate(fl.runs):

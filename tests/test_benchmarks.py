@@ -396,6 +396,17 @@ class WholeRunSmokeTest(absltest.TestCase):
     self.assertAlmostEqual(r["ce_ratio"], sparse["eval_ce"] / dense["eval_ce"])
     self.assertEqual([s for s, _ in sparse["step_ratios"]], [2, 4, 6])
     self.assertTrue(os.path.getsize(png) > 0)
+    # One run per invocation (one GPU, a time limit per command), merged afterwards: the same
+    # summary from the runs' JSONs alone.
+    halves = []
+    for i, run in enumerate(r["runs"]):
+      halves.append(os.path.join(tmp, f"half{i}.json"))
+      with open(halves[-1], "w") as f:
+        json.dump(dict(r, runs=[run]), f)
+    merged = _run_module(os.path.join(tmp, "m.json"), "benchmarks.whole_run", "--smoke",
+                         "--runs=", f"--merge={','.join(halves)}", f"--workdir={tmp}/none")
+    self.assertEqual(merged["wall_ratios"], r["wall_ratios"])
+    self.assertEqual(merged["runs"][1]["step_ratios"], sparse["step_ratios"])
 
 
 class ActivitySweepSmokeTest(absltest.TestCase):

@@ -32,7 +32,8 @@ minimizes the prediction (a hot column is worth `CostModel.break_even` of the to
 hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`),
 and gives the popularity order of the features, which the trainer applies to the parameters
 (`train.models.transformer.permute_ffn_features`) so that the first K features are the hottest. Decisions
-run on the host, every `every` steps, from the step metrics; a step is recompiled only when
+run on the host, every `every` steps, from the counts summed since the last decision
+(`train.training.choice_steps`); a step is recompiled only when
 an implementation or a sparse layer's K changes (a few times per run), and no conditional
 runs on the device. The reference implementation switches at 50 active features per token
 every 20 forward calls.
