@@ -10,6 +10,20 @@ from twell_jax import features
 from twell_jax import testing
 
 
+class SparseWorkTest(absltest.TestCase):
+
+  def test_tail_work_is_sparse_work_without_the_hot_cost_at_every_k(self):
+    """One sort gives what sparse_work(k, break_even=0) gives for each k, unsorted counts and
+    k past H included."""
+    counts = np.random.default_rng(0).integers(0, 500, 300)
+    tail = features.tail_work(counts, 1000)
+    self.assertEqual(tail.shape, (301,))
+    for k in (0, 1, 7, 256, 299, 300):
+      self.assertAlmostEqual(tail[k], features.sparse_work(counts, 1000, k, break_even=0.0),
+                             places=9)
+    self.assertEqual(tail[-1], 0.0)
+
+
 class CalibrateTest(absltest.TestCase):
 
   def _inputs(self, heavy_fraction):

@@ -214,11 +214,12 @@ class LayerChoice:
     heavy = [None] * self.n_layers if heavy_rows_by_hot is None else np.asarray(
         heavy_rows_by_hot)
 
-    tail_of = lambda c, k: features_lib.sparse_work(c, tokens, k, break_even=0.0)
     hot, tails, ratios = list(self.hot), [], []
     for l, c in enumerate(counts):
-      predict = lambda k, c=c, l=l: float(self.predict(k, tail_of(c, k),
-                                                        self._heavy(heavy[l], k, tokens)))
+      tail_at = features_lib.tail_work(c, tokens)     # one sort per layer for every K tried
+      tail_of = lambda k, t=tail_at: float(t[min(k, t.shape[0] - 1)])
+      predict = lambda k, l=l, tail_of=tail_of: float(self.predict(
+          k, tail_of(k), self._heavy(heavy[l], k, tokens)))
       # The K of the linear model (and the long columns, `hot_feature_count`), raised where
       # more hot features take heavy rows off the dense tail.
       k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even)
@@ -227,7 +228,7 @@ class LayerChoice:
       if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
         if predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN:
           hot[l] = k
-      tails.append(tail_of(c, hot[l]))
+      tails.append(tail_of(hot[l]))
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
       ratios.append(np.inf if hot[l] >= c.shape[0] else predict(hot[l]))
     changed = hot != self.hot
@@ -245,8 +246,9 @@ class LayerChoice:
       if name != self.sparse:
         out.append(1.0)
       else:
-        tail = features_lib.sparse_work(c, tokens, k, break_even=0.0)
-        out.append(float(self.predict(k, tail, self._heavy(hv, k, tokens))))
+        tail = features_lib.tail_work(c, tokens)
+        out.append(float(self.predict(k, tail[min(k, tail.shape[0] - 1)],
+                                      self._heavy(hv, k, tokens))))
     return np.asarray(out)
 
   @property
