@@ -501,6 +501,14 @@ def gate_pack(x, w, *, col_start: int | jax.Array = 0, config: GateConfig = Gate
                       interpret=interpret)
   if check:
     raise ValueError("gate_pack(check=) needs a Python int col_start")
+  if jnp.shape(col_start) not in ((), (1,)):
+    raise ValueError(f"gate_pack's run-time col_start is one int32; got shape "
+                     f"{jnp.shape(col_start)}")
+  if not isinstance(col_start, jax.core.Tracer):   # a value known here is checked here
+    value = int(np.asarray(col_start).reshape(()))
+    if value % TILE_N or not 0 <= value < n:
+      raise ValueError(f"gate_pack needs col_start a multiple of {TILE_N} in [0, N={n}); "
+                       f"got {value}")
   start = jnp.asarray(col_start, jnp.int32).reshape(1) // TILE_N
   words, counts = _gate_pack(x, w, (), start, col_start=None, config=config,
                              interpret=interpret)

@@ -199,6 +199,23 @@ class ScanPlanTest(parameterized.TestCase):
     self.assertEqual(seen, set(range(blocks)))
 
 
+class RunTimeColStartErrorsTest(absltest.TestCase):
+
+  def test_bad_run_time_col_starts_are_refused(self):
+    """A run-time col_start known at the call is checked like a Python int; the weight
+    check needs a static one; a col_start of several values is refused."""
+    x = jnp.zeros((128, 64), jnp.bfloat16)
+    w = jnp.zeros((64, 512), jnp.bfloat16)
+    for bad in (100, 512, -256):
+      with self.assertRaisesRegex(ValueError, "multiple of 256"):
+        gate_pack_mgpu.gate_pack(x, w, col_start=jnp.int32(bad), interpret=True)
+    with self.assertRaisesRegex(ValueError, "Python int col_start"):
+      gate_pack_mgpu.gate_pack(x, w, col_start=jnp.int32(256),
+                               check=(jnp.zeros((64, 64), jnp.bfloat16),), interpret=True)
+    with self.assertRaisesRegex(ValueError, "one int32"):
+      gate_pack_mgpu.gate_pack(x, w, col_start=jnp.zeros((2,), jnp.int32), interpret=True)
+
+
 class GatePackLoweringTest(parameterized.TestCase):
 
   def test_lowers_for_cuda(self):

@@ -74,12 +74,15 @@ def sparse_work(feature_counts, tokens: int, hot_features: int, *,
   return float(hot_features * break_even + np.sum(rates[hot_features:]))
 
 
+def _suffix_sums(rates) -> np.ndarray:
+  return np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])   # [k] = sum(rates[k:])
+
+
 def tail_work(feature_counts, tokens: int) -> np.ndarray:
   """[H + 1]: entry k is the active features per token outside the k most popular ones
-  (`sparse_work` at K = k without the hot features' cost), from one sort: a caller trying
-  many K (`train.training.layer_choice`) sorts once, not once per K."""
-  rates = _sorted_rates(feature_counts, tokens)
-  return np.concatenate([np.cumsum(rates[::-1])[::-1], [0.0]])
+  (`sparse_work` at K = k without the hot features' cost; k past H: 0), from one sort: a
+  caller trying many K (`train.training.layer_choice`) sorts once, not once per K."""
+  return _suffix_sums(_sorted_rates(feature_counts, tokens))
 
 
 def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_EVEN_RATE,
@@ -98,7 +101,7 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
   its long columns ask for)."""
   rates = _sorted_rates(feature_counts, tokens)
   h = rates.shape[0]
-  tail = tail_work(feature_counts, tokens)   # tail[k] = sum(rates[k:])
+  tail = _suffix_sums(rates)
   best_k, best = 0, tail[0]
   for k in range(multiple, -(-h // multiple) * multiple + 1, multiple):
     cost = k * break_even + tail[min(k, h)]

@@ -97,6 +97,11 @@ HOT_CHANGE_GAIN = 0.03
 BUILD_COST_STEPS = 0.4 * 25.0 / 0.126
 
 
+def _at(tail_work, k: int) -> float:
+  """`features.tail_work`'s entry for K = k (the last, 0, past H)."""
+  return float(tail_work[min(k, tail_work.shape[0] - 1)])
+
+
 def ffn_flop_share(d_model: int, d_ff: int, n_layers: int, vocab_size: int, seq_len: int,
                    n_heads: int, n_kv_heads: int, gated: bool = True) -> float:
   """The dense FFN's share of a dense training step's matmul FLOPs (per token: the FFN's
@@ -217,7 +222,7 @@ class LayerChoice:
     hot, tails, ratios = list(self.hot), [], []
     for l, c in enumerate(counts):
       tail_at = features_lib.tail_work(c, tokens)     # one sort per layer for every K tried
-      tail_of = lambda k, t=tail_at: float(t[min(k, t.shape[0] - 1)])
+      tail_of = lambda k, t=tail_at: _at(t, k)
       predict = lambda k, l=l, tail_of=tail_of: float(self.predict(
           k, tail_of(k), self._heavy(heavy[l], k, tokens)))
       # The K of the linear model (and the long columns, `hot_feature_count`), raised where
@@ -246,9 +251,8 @@ class LayerChoice:
       if name != self.sparse:
         out.append(1.0)
       else:
-        tail = features_lib.tail_work(c, tokens)
-        out.append(float(self.predict(k, tail[min(k, tail.shape[0] - 1)],
-                                      self._heavy(hv, k, tokens))))
+        tail = _at(features_lib.tail_work(c, tokens), k)
+        out.append(float(self.predict(k, tail, self._heavy(hv, k, tokens))))
     return np.asarray(out)
 
   @property

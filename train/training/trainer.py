@@ -67,6 +67,8 @@ class Trainer:
     self.state_sharding = sharding_lib.state_shardings(
         shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
         moments=self.grad_sharding)
+    # Evaluation steps per FFN choice (jitted or compiled), and compiles started ahead.
+    self._eval_steps, self._eval_ahead = {}, {}
 
   def init_state(self, key):
     params = self.lm.init_params(key)
@@ -163,8 +165,6 @@ class Trainer:
   def _eval_step(self, layer_ffn=None):
     """The jitted evaluation step of the FFN choice `layer_ffn` (None: the model's own),
     one per Trainer and choice."""
-    if not hasattr(self, "_eval_steps"):
-      self._eval_steps = {}
     if layer_ffn not in self._eval_steps:
       self._eval_steps[layer_ffn] = jax.jit(sharding_lib.traced_in(
           self.mesh, steps_lib.make_eval_step(self._model(layer_ffn))))
@@ -178,8 +178,6 @@ class Trainer:
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     specs = (jax.tree.map(like, params), like(self.put_batch(batch, self.eval_sharding)))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    if not hasattr(self, "_eval_ahead"):
-      self._eval_ahead = {}
     self._eval_ahead[layer_ffn] = pool.submit(
         lambda: self._eval_step(layer_ffn).lower(*specs).compile())
     pool.shutdown(wait=False)
@@ -187,7 +185,7 @@ class Trainer:
   def evaluate(self, params, batches, layer_ffn=None) -> dict:
     """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_ffn` (a
     `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`."""
-    ahead = getattr(self, "_eval_ahead", {}).pop(layer_ffn, None)
+    ahead = self._eval_ahead.pop(layer_ffn, None)
     eval_step = self._eval_step(layer_ffn)
     if ahead is not None:
       try:
