@@ -6,6 +6,8 @@
   zero rows never fire, so padding is exact).
 * ``call_kernel``, ``vary_together``, ``zeros_varying_like``: kernel outputs typed like their
   inputs under shard_map.
+* ``jit_kernel_entry``: kernel entries jitted, and their Mosaic GPU modules named alike in every
+  lowering, so that a process compiles each kernel once (``stable_kernel_ids``).
 
 The device a kernel targets is in ``_target``, the gather kernels' entry walk in ``_row_loops``.
 """
@@ -124,12 +126,52 @@ def pad_to(a, shape):
   return jnp.pad(a, [(0, s - t) for s, t in zip(shape, a.shape)])
 
 
+_KERNEL_PREFIX = "twell_"
+_DUMP_NAME_ATTR = "mosaic_gpu.dump_basename"
+
+
+def stable_kernel_ids() -> None:
+  """Makes each of this package's Mosaic GPU kernels lower to the same bytes in every program.
+
+  jaxlib compiles a Mosaic GPU kernel once per process per kernel hash (the SHA-256 of the
+  serialized module: its in-process kernel cache), but Mosaic GPU stamps every module it
+  lowers with a dump name ending in a process-wide counter (``mosaic_gpu.dump_basename``,
+  "twell_gate_pack_7"), so the same kernel lowered into a second program hashes differently
+  and compiles again: each train step built for a new per-layer choice compiled all five
+  kernels anew (about 10 s of a 15 s build, paper shape, H100). Before serialization the
+  stamp of a module named ``twell_*`` is set to the module's own name; the name only matters
+  to Mosaic GPU's debugging dumps, where identical kernels now share one file. Idempotent;
+  a no-op where jax's Mosaic GPU lowering has no such pass."""
+  try:
+    from jax.experimental.mosaic.gpu import core  # pylint: disable=import-outside-toplevel
+    from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return
+  serialize = getattr(core, "_run_serde_pass", None)
+  if serialize is None or getattr(serialize, "stable_kernel_ids", False):
+    return
+
+  def run_serde_pass(module, *args, **kwargs):
+    attrs = module.operation.attributes
+    if "sym_name" in attrs and _DUMP_NAME_ATTR in attrs:
+      name = ir.StringAttr(attrs["sym_name"]).value
+      if name.startswith(_KERNEL_PREFIX):
+        attrs[_DUMP_NAME_ATTR] = ir.StringAttr.get(name, context=module.context)
+    return serialize(module, *args, **kwargs)
+
+  run_serde_pass.stable_kernel_ids = True
+  core._run_serde_pass = run_serde_pass  # pylint: disable=protected-access
+
+
 def jit_kernel_entry(static_argnames):
   """Decorates a kernel's entry to run under ``jax.jit`` with ``static_argnames`` (hashable
   shapes and configs): every call of one shape then traces to one jaxpr, so a train step
   lowers and compiles the kernel once for all the layers that share it. Calls with
   ``interpret`` set run the entry as it is: the Mosaic GPU interpreter's state does not
-  survive a cached executable run again (a later test's call hung)."""
+  survive a cached executable run again (a later test's call hung). Also makes the kernels'
+  modules the same bytes in every program (``stable_kernel_ids``)."""
+  stable_kernel_ids()
+
   def decorate(entry):
     jitted = jax.jit(entry, static_argnames=static_argnames)
 

@@ -296,7 +296,7 @@ class TrainLoweringTest(parameterized.TestCase):
     ktu.lower_for_cuda(f, x, wg, wu, wd, x)
 
   def test_layers_with_other_hot_features_share_their_kernels(self):
-    """Forward + backward of three layers with K = 256, 512 and 768 hold as many Mosaic GPU
+    """Forward + backward of three layers with K = 256, 512 and 768 hold the same Mosaic GPU
     kernels as one layer: K reaches the gate kernel at run time and every kernel call is
     jitted, so the layers share each kernel, lowered and compiled once per train step
     (without either, each K had kernels of its own: 25 at the paper shape's mixed K, 45 s
@@ -312,11 +312,18 @@ class TrainLoweringTest(parameterized.TestCase):
           grads.append(ffn_train_mgpu.backward(cfg, res, (dy, dict(out[1], l1=jnp.float32(1.0)))))
         return grads
       text = ktu.lower_for_cuda(f, x, wg, wu, wd, x).as_text()
-      return len(re.findall(r"custom_call @mosaic_gpu", text))
+      return (len(re.findall(r"custom_call @mosaic_gpu", text)),
+              sorted(re.findall(r'kernel_hash = "([^"]*)"', text)))
 
-    one = layers((256,))
+    one, hashes = layers((256,))
     self.assertGreaterEqual(one, 4)   # gate, up_down, down_dh, column sums, dx
-    self.assertEqual(layers((256, 512, 768)), one)
+    three, hashes_of_three = layers((256, 512, 768))
+    self.assertEqual(three, one)
+    # The second program's kernels hash as the first's, so a process compiles them once
+    # (`pallas_kernels._common.stable_kernel_ids`; without it each module's name carried a
+    # lowering counter and every hash differed).
+    self.assertLen(hashes, one)
+    self.assertEqual(hashes_of_three, hashes)
 
   def test_scan_checkpoint_grad_lowers_for_cuda(self):
     x, wg, wu, wd = ffn_inputs(jax.random.key(0), 128, 128, 256)

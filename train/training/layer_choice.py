@@ -88,13 +88,14 @@ INFERENCE_SPARSE_BELOW = 0.9
 # A new number of hot features is taken when it improves the predicted ratio by more than
 # this: a smaller gain is not worth a recompiled step.
 HOT_CHANGE_GAIN = 0.03
-# What a background build takes from the training loop, in steps of the dense model: the loop
-# loses 0.4 s per second of a build (paper 0.5B shape, H100, 16 CPU cores: 100 steps took 21 s
-# beside ~34 s of builds against 14 s without, `benchmarks.quality` logs), an untuned build
-# takes about 25 s beside training, and a dense step about 0.126 s. In steps, not seconds, so
-# that whether a choice is built does not depend on how fast this machine is (the same
-# decisions in every run of a seed).
-BUILD_COST_STEPS = 0.4 * 25.0 / 0.126
+# The predicted saving, in steps of the dense model, below which a new choice is not built.
+# A build beside training costs the loop little (paper 0.5B shape, H100, 16 CPU cores: the 100
+# steps around a 14 s build took 12.48 s against 12.34 s without one), but a choice in flight
+# holds off the next decision until it lands (`choice_steps`), and a prediction is good to
+# about 0.07 of the dense FFN's time (module docstring): a choice must save clearly more than
+# the loop's 1% of a build. In steps, not seconds, so that whether a choice is built does not
+# depend on how fast this machine is (the same decisions in every run of a seed).
+BUILD_COST_STEPS = 20.0
 
 
 def _at(tail_work, k: int) -> float:
