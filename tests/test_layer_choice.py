@@ -28,7 +28,12 @@ class LayerChoiceTest(absltest.TestCase):
     # Between the thresholds nothing moves, either way.
     self.assertFalse(c.update([0.9, 0.9, 0.9]))
     self.assertEqual(c.describe(), "S D D")
+    # Back to dense only at the second decision in a row above dense_above.
     self.assertTrue(c.update([0.96, 0.5, 0.5]))
+    self.assertEqual(c.describe(), "S S S")
+    self.assertFalse(c.update([0.5, 0.96, 0.5]))      # one decision above: not yet
+    self.assertFalse(c.update([0.96, 0.5, 0.5]))      # not two in a row for either
+    self.assertTrue(c.update([0.96, 1.2, 0.5]))
     self.assertEqual(c.describe(), "D S S")
     self.assertEqual(c.describe((("xla", "xla", "dense"), (512, 0, 0))), "S512 S D")
 
@@ -112,7 +117,8 @@ class HeavyRowsTest(absltest.TestCase):
   def test_rows_over_the_ell_width_weigh_in(self):
     """60 active per token, most on 400 features: 512 hot features are predicted cheapest.
     A tenth of the rows over the ELL width at K <= 512 (HEAVY_MARGIN times that is past the
-    tail's R = M / 8): K = 768, where none are. A fifth over at every K: the dense FFN."""
+    tail's R = M / 8): K = 768, where none are. A fifth over at every K, twice: the dense
+    FFN."""
     tokens, h = 16384, 5632
     counts = np.zeros((1, h), np.int64)
     counts[0, :400] = tokens // 8
@@ -131,6 +137,8 @@ class HeavyRowsTest(absltest.TestCase):
                            - float(c.predict(768, c.tail[0])),
                            layer_choice.TAIL_ROW_COST * layer_choice.TAIL_BUCKETS[1])
     heavy[0, :] = tokens // 5
+    c.update_from_counts(counts, tokens, heavy)
+    self.assertEqual(c.describe(), "S768")    # one decision over dense_above: not yet
     c.update_from_counts(counts, tokens, heavy)
     self.assertEqual(c.describe(), "D")
 
@@ -223,6 +231,26 @@ class StepBuildsTest(absltest.TestCase):
     self.assertEqual(asked(interpret=True), [])
     self.assertEqual(asked(background=False), [])
     self.assertEqual(asked(sparse="xla"), [])
+
+  def test_a_checkpoint_keeps_the_votes_for_dense(self):
+    """A sparse layer predicted over dense_above at the last decision goes dense at the next
+    one in a resumed run too: the checkpoint's metadata keeps the vote."""
+    def steps_of(choice):
+      steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
+      steps.choice, steps.pending, steps.counted, steps.counted_steps = choice, None, None, 0
+      steps.running = choice.key
+      return steps
+
+    before = layer_choice.LayerChoice(3, 1024, sparse="xla")
+    before.update([0.5, 0.5, 0.5])
+    before.update([1.2, 0.5, 1.2])
+    self.assertEqual(before.over, [True, False, True])
+    meta = json.loads(json.dumps(steps_of(before).meta()))
+    after = steps_of(layer_choice.LayerChoice(3, 1024, sparse="xla"))
+    after._restore(meta)  # pylint: disable=protected-access
+    self.assertEqual(after.choice.over, [True, False, True])
+    self.assertTrue(after.choice.update([1.2, 0.5, 1.2]))
+    self.assertEqual(after.choice.describe(), "D S D")
 
   def test_ffn_share_of_the_paper_shape(self):
     share = layer_choice.ffn_flop_share(2048, 5632, 8, 32000, 2048, 32, 32)

@@ -224,6 +224,9 @@ class ChoiceSteps:
       self.pending = ((tuple(p["implementations"]), tuple(p["hot_features"])), p["step"])
       self.builds.request(self.pending[0])
       choice.current, choice.hot = list(self.pending[0][0]), list(self.pending[0][1])
+    votes = meta.get("layer_dense_votes")
+    if votes is not None and len(votes) == choice.n_layers:
+      choice.over = [bool(v) for v in votes]
     saved = meta.get("choice_counts")
     if saved:   # the counts of the steps since the last decision
       self.counted = (jnp.asarray(saved["feature_counts"], jnp.int32),
@@ -234,6 +237,7 @@ class ChoiceSteps:
     """What a checkpoint keeps of the choice (`ChoiceSteps.__init__` reads it back)."""
     (names, hot), out = self.running, {}
     out["layer_implementations"], out["layer_hot_features"] = list(names), list(hot)
+    out["layer_dense_votes"] = [bool(v) for v in self.choice.over]
     if self.pending is not None:
       (names, hot), land = self.pending
       out["pending_layer_choice"] = {"implementations": list(names),
