@@ -18,7 +18,11 @@ trainer defaults otherwise (held-out evaluations every `--eval_every` steps, che
   NAME@DIR     run NAME from the checkout in DIR (another version of the code)
 
 With `--parallel` the runs start together, one GPU each (each process sees only its GPU;
-the runs share the host's CPUs); otherwise one after the other on the first GPU.
+the runs share the host's CPUs: a choice's build is CPU work, and builds slowed by other
+processes on the host made the loop wait at landings); otherwise one after the other on the
+first GPU. GPU training is not bitwise reproducible by default, and two runs of one seed can
+decide differently near a threshold; `--deterministic` runs every command with XLA's
+deterministic GPU ops (the training kernels use no atomics).
 
 Per run: the command's wall-clock (start-up, compiles, evaluations, checkpoints included), the
 time to its first step, held-out cross-entropy at every evaluation, and at every logged step
@@ -68,6 +72,9 @@ def _define_flags():
   flags.DEFINE_string("tokenizer", cli_run.DEFAULT_TOKENIZER, "SentencePiece model path "
                       "without .model (trained offline if missing), or 'byte'")
   flags.DEFINE_bool("parallel", False, "start the runs together, one GPU each")
+  flags.DEFINE_bool("deterministic", False, "every run with XLA's deterministic GPU ops "
+                    "(--xla_gpu_deterministic_ops): bitwise-reproducible training, so runs of "
+                    "one seed can be compared decision for decision")
   flags.DEFINE_list("gpus", [], "with --parallel, the GPUs to use (default: all)")
   flags.DEFINE_list("extra_flags", [], "more train.main flags for every run")
   flags.DEFINE_integer("timeout", 3000, "seconds per run")
@@ -202,8 +209,8 @@ def main(argv):
   data_flags = cli_run.data_flags(fl.dataset, tokenizer)
   gpus = cli_run.gpu_names()
   results = {"device": gpus[0] if gpus else "cpu", "steps": fl.steps, "shape": fl.shape,
-             "l1": fl.l1, "parallel": fl.parallel, "tokenizer": (tokenizer or {}).get("model"),
-             "runs": []}
+             "l1": fl.l1, "parallel": fl.parallel, "deterministic": fl.deterministic,
+             "tokenizer": (tokenizer or {}).get("model"), "runs": []}
   for path in fl.merge:
     with open(path) as f:
       earlier = json.load(f)
@@ -212,7 +219,7 @@ def main(argv):
     results["device"] = earlier["device"]
     results["runs"] += earlier["runs"]
     if not fl.runs:   # only merging: the setting is the earlier runs'
-      for key in ("steps", "shape", "l1", "parallel", "tokenizer"):
+      for key in ("steps", "shape", "l1", "parallel", "deterministic", "tokenizer"):
         results[key] = earlier.get(key, results[key])
     results.setdefault("tokens_per_step", earlier.get("tokens_per_step"))
   started = []
@@ -221,6 +228,9 @@ def main(argv):
     cmd, workdir = run_command(fl, name, i, data_flags)
     ids = fl.gpus or [str(g) for g in range(len(gpus))]
     env = {"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} if fl.parallel and gpus else {}
+    if fl.deterministic:
+      env["XLA_FLAGS"] = " ".join(
+          [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_deterministic_ops=true"]).strip()
     print(f"  {spec} ({i}): {' '.join(cmd[3:])}", flush=True)
     proc = cli_run.start(cmd, workdir + ".log", os.path.abspath(root or cli_run.ROOT), **env)
     started.append((spec, workdir, env, *proc))
@@ -252,6 +262,7 @@ def _finish(fl, results: dict, name: str, workdir: str, env: dict, proc, t0: flo
   wall = cli_run.finish(proc, t0, fl.timeout, name, wall)
   run = read_run(name, workdir, wall, t0)
   run["gpu"] = env.get("CUDA_VISIBLE_DEVICES")
+  run["xla_flags"] = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
   results["runs"].append(run)
   print(f"  {name}: {wall:.1f} s", flush=True)
 

@@ -381,9 +381,12 @@ class WholeRunSmokeTest(absltest.TestCase):
     tmp = self.create_tempdir().full_path
     png = os.path.join(tmp, "w.png")
     r = _run_module(os.path.join(tmp, "w.json"), "benchmarks.whole_run", "--smoke",
-                    "--runs=dense_silu,sparse", "--parallel", f"--workdir={tmp}/runs",
-                    f"--plot={png}")
+                    "--runs=dense_silu,sparse", "--parallel", "--deterministic",
+                    f"--workdir={tmp}/runs", f"--plot={png}")
     self.assertEqual([run["name"] for run in r["runs"]], ["dense_silu", "sparse"])
+    self.assertTrue(r["deterministic"])
+    for run in r["runs"]:
+      self.assertIn("--xla_gpu_deterministic_ops=true", run["xla_flags"])
     self.assertEqual(r["steps"], 6)
     self.assertEqual(r["tokens_per_step"], 16 * 64)
     dense, sparse = r["runs"]
