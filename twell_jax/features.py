@@ -25,7 +25,8 @@ from pallas_kernels import ffn_mgpu
 from twell_jax.stats import TILE_N
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
-           "hot_feature_count", "sparse_work", "calibrate", "DENSE_ROW_ENTRIES"]
+           "hot_feature_count", "column_floor", "sparse_work", "tail_work", "calibrate",
+           "DENSE_ROW_ENTRIES"]
 
 # Firing rate at which a dense feature costs what a sparse one does (module docstring).
 BREAK_EVEN_RATE = 0.01
@@ -109,8 +110,22 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
       best_k, best = k, cost
   if not backward:
     return best_k
-  long_columns = int(np.sum(rates > 2 * tail[0] / min(parallel_columns, h)))
-  return max(best_k, -(-long_columns // multiple) * multiple)
+  return max(best_k, _column_floor(rates, tail, parallel_columns, multiple))
+
+
+def _column_floor(rates, tail, parallel_columns: int, multiple: int) -> int:
+  long_columns = int(np.sum(rates > 2 * tail[0] / min(parallel_columns, rates.shape[0])))
+  return -(-long_columns // multiple) * multiple
+
+
+def column_floor(feature_counts, tokens: int, *, parallel_columns: int = PARALLEL_COLUMNS,
+                 multiple: int = TILE_N) -> int:
+  """The smallest K (a multiple of `multiple`) that makes dense every feature with more than
+  twice a fair share of the entries, for features sorted hottest first: below it the
+  backward's weight-gradient kernels wait on the long columns (`hot_feature_count`), whatever
+  the rest of the layer costs."""
+  rates = _sorted_rates(feature_counts, tokens)
+  return _column_floor(rates, _suffix_sums(rates), parallel_columns, multiple)
 
 
 # Rows with more active features than this take the kernels' dense path whatever K is (the

@@ -32,7 +32,9 @@ dense (`twell_jax.shape_costs.sparse_loses`: D <= 960 on an H100 today) no layer
 
 With `update_from_counts`, each decision also picks every layer's K: a multiple of 256 that
 minimizes the prediction (a hot column is worth `CostModel.break_even` of the tokens), with
-hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`),
+hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`,
+or when the K in use leaves long columns to the backward's column kernels:
+`twell_jax.features.column_floor`),
 and gives the popularity order of the features, which the trainer applies to the parameters
 (`train.models.transformer.permute_ffn_features`) so that the first K features are the hottest. Decisions
 run on the host, every `every` steps, from the counts summed since the last decision
@@ -244,7 +246,12 @@ class LayerChoice:
       if heavy[l] is not None and np.any(heavy[l]):
         k = min(range(k, c.shape[0], features_lib.TILE_N), key=predict, default=k)
       if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
-        if predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN:
+        # Below the long columns' floor the linear model cannot see what the backward's
+        # column kernels lose (a layer at 1.9 active per token, one feature on 22% of the
+        # tokens: 0.36 predicted at K = 0, 1.19-1.89x dense measured on an H200), so a K
+        # under it is never kept, however the prediction compares.
+        if (predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN
+            or hot[l] < features_lib.column_floor(c, tokens)):
           hot[l] = k
       tails.append(tail_of(hot[l]))
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
