@@ -30,7 +30,8 @@ tokens/s, active features per token and rows that left the sparse kernels per la
 number of layers gathering features and their hot features; the per-layer decisions and the
 steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "runs": [{"name",
 "wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
-"sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]], ...}],
+"sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]],
+"landing_waits_s": [[step, seconds the loop waited for that landing's build]], ...}],
 "wall_ratios" (dense
 SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
 "same_decisions"}. The plot: each sparse run's speed over dense SiLU's between logged steps
@@ -51,6 +52,8 @@ from benchmarks import cli_run
 
 _DECISION = re.compile(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
                        r"running from step (\d+)")
+_LANDING = re.compile(r"step (\d+): now running FFN per layer [SD0-9 ]+ \(built in [0-9.]+ s; "
+                      r"waited ([0-9.]+) s\)")
 
 
 def _define_flags():
@@ -117,14 +120,16 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
                              if "hot_features/layer_0" in r else None}
             for r in train_rows]
   with open(workdir + ".log") as f:
-    decisions = [[int(m.group(1)), m.group(2), int(m.group(3))]
-                 for m in _DECISION.finditer(f.read())]
+    log = f.read()
+  decisions = [[int(m.group(1)), m.group(2), int(m.group(3))] for m in _DECISION.finditer(log)]
+  # [step, seconds] of each landing: how long the loop waited for the choice's build.
+  waits = [[int(m.group(1)), float(m.group(2))] for m in _LANDING.finditer(log)]
   evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"]}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,
           "first_step_s": train_rows[0]["wall_time"] - t0,
           "eval_ce": evals[-1]["ce"] if evals else None, "evals": evals, "points": points,
-          "decisions": decisions,
+          "decisions": decisions, "landing_waits_s": waits,
           "peak_memory_gib": max((r["peak_memory_gib"] for r in rows if "peak_memory_gib" in r),
                                  default=None)}
 
@@ -252,7 +257,8 @@ def main(argv):
   for r in results["runs"]:
     print(f"  {r['name']:<12} wall {r['wall_s']:7.1f} s (first step {r['first_step_s']:.1f} s)"
           f"  held-out CE {r['eval_ce']}  whole-run ratio {r.get('wall_ratio', 1.0):.3f}"
-          f"  {len(r['decisions'])} decisions", flush=True)
+          f"  {len(r['decisions'])} decisions, waited "
+          f"{sum(w for _, w in r.get('landing_waits_s', [])):.1f} s for builds", flush=True)
   print(f"wall ratios {results.get('wall_ratios')}  CE ratio {results.get('ce_ratio')}  "
         f"same decisions {results.get('same_decisions')}")
 

@@ -398,6 +398,7 @@ class WholeRunSmokeTest(absltest.TestCase):
     self.assertAlmostEqual(r["wall_ratios"][0], dense["wall_s"] / sparse["wall_s"])
     self.assertAlmostEqual(r["ce_ratio"], sparse["eval_ce"] / dense["eval_ce"])
     self.assertEqual([s for s, _ in sparse["step_ratios"]], [2, 4, 6])
+    self.assertIn("landing_waits_s", sparse)   # the log's format: test_layer_choice
     self.assertTrue(os.path.getsize(png) > 0)
     # One run per invocation (one GPU, a time limit per command), merged afterwards: the same
     # summary from the runs' JSONs alone.

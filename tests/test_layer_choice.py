@@ -12,6 +12,7 @@ from absl.testing import absltest
 import numpy as np
 
 import train_test_util as tu
+from benchmarks import whole_run
 from twell_jax import features
 from train.training import layer_choice
 from train.training import loop as train_lib
@@ -427,6 +428,9 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     logs = self._resume_after_losing(cfg, (6, 8), 8)
     self.assertTrue(any("Resumed from checkpoint step 4" in line for line in logs))
     self.assertTrue(any("step 5: now running FFN per layer S S" in line for line in logs))
+    # The landing's line carries the loop's wait for the build, as benchmarks.whole_run reads it.
+    landings = [whole_run._LANDING.search(line) for line in logs]  # pylint: disable=protected-access
+    self.assertTrue(any(m is not None and m.group(1) == "5" for m in landings))
 
   def test_resumed_run_decides_and_sorts_on_the_same_steps(self):
     """A run resumed from step 2 ends with the uninterrupted run's state, bit for bit: its

@@ -255,9 +255,15 @@ class ChoiceSteps:
     if self.pending is not None and step >= self.pending[1]:
       key, self.pending = self.pending[0], None
       try:
+        t0 = time.perf_counter()
+        ready = self.builds.done(key)
         self.train_step, self.running = self.builds.get(key), key
-        logging.info("step %d: now running FFN per layer %s (built in %.1f s)", step + 1,
-                     self.choice.describe(key), self.builds.build_s.get(key, 0.0))
+        # The device idles while the loop waits: a build slower than the landing lag (a
+        # busy host) shows here.
+        waited = 0.0 if ready else time.perf_counter() - t0
+        logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)",
+                     step + 1, self.choice.describe(key), self.builds.build_s.get(key, 0.0),
+                     waited)
       except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
         logging.exception("building the train step for %s failed (%s: %s); training goes on "
                           "with %s", key, type(e).__name__, e, self.choice.describe(self.running))
