@@ -103,7 +103,7 @@ def get_config() -> ml_collections.ConfigDict:
       sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=100,      # builds take 5-12 s beside training once the kernels are
+      landing_steps=100,      # builds take 5-15 s beside training once the kernels are
                               # compiled (paper 0.5B, H100; choice_steps.py)
   ))
 
