@@ -139,10 +139,10 @@ def stable_kernel_ids() -> None:
   "twell_gate_pack_7"), so the same kernel lowered into a second program hashes differently
   and compiles again: each train step built for a new per-layer choice compiled all five
   kernels anew (a new choice's step built in 14-23 s at the paper shape on an H100, 5-15 s
-  with the kernels compiled once). Before serialization the
-  stamp of a module named ``twell_*`` is set to the module's own name; the name only matters
-  to Mosaic GPU's debugging dumps, where identical kernels now share one file. Idempotent;
-  a no-op where jax's Mosaic GPU lowering has no such pass."""
+  with the kernels compiled once). Before serialization the stamp of a module named
+  ``twell_*`` is set to the module's own name; the name only matters to Mosaic GPU's
+  debugging dumps, where identical kernels now share one file. Idempotent; a no-op where
+  jax's Mosaic GPU lowering has no such pass."""
   try:
     from jax.experimental.mosaic.gpu import core  # pylint: disable=import-outside-toplevel
     from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel

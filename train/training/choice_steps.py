@@ -11,8 +11,8 @@ steps when the running choice's steps are predicted faster; the loop waits for a
 by then; without `layer_choice.background`, built at once and running from the next step).
 While a choice is pending no other is decided: each decision lands. The sparse kernels are
 compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
-mostly the XLA program around them. What runs when follows
-from the decisions and the predictions alone: the same seed gives the same decisions and
+mostly the XLA program around them. What runs when follows from the decisions and the
+predictions alone: the same seed gives the same decisions and
 switches on the same steps on any machine, and a checkpoint keeps the choice in use and the one
 pending (`meta`, `restore`).
 """
@@ -188,9 +188,9 @@ class ChoiceSteps:
     The kernels are the same in every choice's step (the hot features reach them at run
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
     after this build a choice's step builds without them: 5-15 s instead of 14-23 s (paper
-    shape, H100; more groups of layers with one K, more time), which `landing_steps` is
-    set for. Requested when the run starts, before any
-    decision, so that runs of a seed build alike."""
+    shape, H100; more groups of layers with one K, more time), which `landing_steps` is set
+    for. Requested when the run starts, before any decision, so that runs of a seed build
+    alike."""
     choice = self.choice
     if (choice.sparse != "mosaic_gpu" or not self.builds.background
         or self.tr.model_cfg.interpret):
