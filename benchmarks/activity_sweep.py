@@ -17,6 +17,10 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
    `--actives` active features per token; per point the K the per-layer choice picks
    (`train.training.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward against
    dense.
+4. With `--skews_from`, steps 1-2 are skipped: the sweep runs on the fitted skews of an
+   earlier result. `--scan_hot` times more K at every last-layer point, each beside its
+   bytes-and-FLOPs floor (`floor_ms`); at `--profile_active` the last layer's sparse and dense
+   forward + backward are listed kernel by kernel (CUPTI).
 Times: medians of synchronized calls (`benchmarks.timing.wall_ms`), the loss
 sum(y * ct) + 2e-5 * l1 of `benchmarks.kernels`. JSON (`--out`): {"device", "captures":
 [{"step", "layers": [...]}], "sweep": [{"skew", "active", "hot_features", "ratio", ...}]}.
@@ -60,6 +64,32 @@ def _define_flags():
   flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the run")
   flags.DEFINE_integer("iters", 10, "timed calls per measurement")
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation")
+  flags.DEFINE_string("skews_from", None, "an earlier result's JSON: sweep its fitted skews, "
+                      "without the training run and its captures")
+  flags.DEFINE_list("scan_hot", [], "more K (hot features) timed at every last-layer point")
+  flags.DEFINE_float("profile_active", 200, "the last layer's point listed kernel by kernel "
+                     "(0: none)")
+
+
+# An H100's measured ceilings (docs/performance.md, "The machine's two ceilings"): XLA's bf16
+# GEMM, and random D-long bf16 rows read from L2.
+GEMM_FLOP_PER_S = 797e12
+ROW_BYTES_PER_S = 7.86e12
+# D-long row reads per entry outside the hot features, forward + backward: W_up and W_down
+# rows (forward), a dy row (dh, du, dg, dW_down), an x row (dW_up, dW_gate), W_up and W_gate
+# rows (dx): `pallas_kernels.ffn_train_mgpu`.
+ROW_PASSES = 6
+
+
+def floor_ms(m: int, d: int, h: int, hot: int, tail_per_token: float) -> float:
+  """The least time forward + backward can take on the kernels' method, from bytes and FLOPs
+  alone: the gate GEMM (2 M D H FLOPs), the hot features' eight GEMMs (2 M D K each: up and
+  down forward, and dh, dW_down, dW_up, dW_gate, dx through up and gate), and `ROW_PASSES`
+  D-long bf16 row reads per entry outside them, at the ceilings above. Dense is nine GEMMs of
+  2 M D H."""
+  gemm_s = 2 * m * d * (h + 8 * hot) / GEMM_FLOP_PER_S
+  rows_s = ROW_PASSES * m * tail_per_token * d * 2 / ROW_BYTES_PER_S
+  return (gemm_s + rows_s) * 1e3
 
 
 _GRADS: dict = {}
@@ -75,13 +105,15 @@ def _grad(impl: str, hot: int, shape):
   return _GRADS[impl, hot]
 
 
-def time_call(x, wg, wu, wd, hot: int, impl: str, iters: int) -> dict:
+def time_call(x, wg, wu, wd, hot: int, impl: str, iters: int, dense_ms=None) -> dict:
   """Forward + backward of `impl` with `hot` hot features and of the dense FFN on these
-  inputs: ms each, their ratio, and the rows that left the sparse kernels."""
+  inputs (or `dense_ms`, measured before on them): ms each, their ratio, and the rows that
+  left the sparse kernels."""
   ct = jax.random.normal(jax.random.key(1), x.shape, F32)
   shape = (x.shape[0], x.shape[1], wu.shape[1])
-  dense = min(timing.wall_ms(_grad("dense", 0, shape), x, wg, wu, wd, ct, iters=iters)
-              for _ in range(2))   # data-independent: the smaller of two medians
+  dense = dense_ms or min(timing.wall_ms(_grad("dense", 0, shape), x, wg, wu, wd, ct,
+                                         iters=iters)
+                          for _ in range(2))   # data-independent: the smaller of two medians
   sparse = timing.wall_ms(_grad(impl, hot, shape), x, wg, wu, wd, ct, iters=iters)
   _, st = jax.jit(lambda *a: tj.ffn(*a, implementation=impl, return_stats=True,
                                     hot_features=hot))(x, wg, wu, wd)
@@ -145,9 +177,22 @@ class Capture:
                          "layers": layers})
 
 
-def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: int) -> dict:
+def _profile(x, wg, wu, wd, hot: int, impl: str) -> dict:
+  """The sparse (K = `hot`) and the dense forward + backward kernel by kernel (CUPTI; empty
+  where it is unavailable)."""
+  ct = jax.random.normal(jax.random.key(1), x.shape, F32)
+  shape = (x.shape[0], x.shape[1], wu.shape[1])
+  return {name: timing.summarize_breakdown(
+              f"{name} forward + backward", timing.kernel_breakdown(_grad(i, k, shape),
+                                                                    x, wg, wu, wd, ct))
+          for name, i, k in (("sparse", impl, hot), ("dense", "dense", 0))}
+
+
+def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: int,
+                scan_hot=(), profile: bool = False) -> dict:
   """The fitted skew at `active` features per token: the per-layer choice's K on it, and
-  forward + backward against dense."""
+  forward + backward against dense; each K of `scan_hot` too (`k_scan`, with the floor of
+  `floor_ms`), and the kernels at the choice's K if `profile`."""
   m, d, h = shape
   scale = active / max(fit["active_fraction"] * h, 1e-9)
   args = dict(fit, active_fraction=min(1.0, fit["active_fraction"] * scale))
@@ -165,13 +210,50 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
         f"p50/p99/max {st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']}, K {k} "
         f"(predicted {out['predicted']:.2f}), rows over W {out['rows_over_width']}: fwd+bwd "
         f"{out['ratio']:.3f}", flush=True)
+  scan = []
+  for hot in sorted(set(scan_hot) | {k}):
+    hot = min(hot, h)
+    t = float(active_mask[:, hot:].sum()) / m
+    row = (dict(out) if hot == k else
+           time_call(x, wg, wu, wd, hot, impl, iters, dense_ms=out["dense_ms"]))
+    row = {"hot_features": hot, "tail_per_token": t, "ratio": row["ratio"],
+           "sparse_ms": row["sparse_ms"], "rows_over_width": _rows_over(active_mask, hot),
+           "floor_ratio": floor_ms(m, d, h, hot, t) / out["dense_ms"]}
+    scan.append(row)
+    if scan_hot:
+      print(f"    K {hot}: {t:.1f} active per token outside, rows over W "
+            f"{row['rows_over_width']}: fwd+bwd {row['ratio']:.3f} (floor "
+            f"{row['floor_ratio']:.3f})", flush=True)
+  if scan_hot:
+    out["k_scan"] = scan
+  out["floor_ratio"] = next(r["floor_ratio"] for r in scan if r["hot_features"] == min(k, h))
+  if profile:
+    out["profile"] = _profile(x, wg, wu, wd, k, impl)
   return out
+
+
+def _train_and_capture(cfg, steps, impl: str, fl) -> dict:
+  """Steps 1-2 of the module docstring: {"steps", "run_s", "captures", "skews"}."""
+  from train.training import loop as train_lib  # pylint: disable=import-outside-toplevel
+  hook = Capture(cfg, steps, impl, fl.iters)
+  t0 = time.time()
+  with tempfile.TemporaryDirectory() as wd:
+    train_lib.train_and_evaluate(cfg, wd, hooks=[hook])
+  early_step, early_layer = (int(v) for v in fl.early.split(":"))
+  last = max(step for step, _ in hook.fits)
+  n_layers = max(l for _, l in hook.fits) + 1
+  skews = {"early": hook.fits.get((early_step, early_layer)),
+           "last_layer": hook.fits[(last, n_layers - 1)]}
+  return {"steps": max(steps), "run_s": round(time.time() - t0, 1), "captures": hook.results,
+          "skews": {name: {"fit": fit, "from": (f"step {early_step} layer {early_layer}"
+                                                if name == "early" else
+                                                f"step {last} layer {n_layers - 1}")}
+                    for name, fit in skews.items() if fit is not None}}
 
 
 def main(argv):
   del argv
   fl = flags.FLAGS
-  from train.training import loop as train_lib  # pylint: disable=import-outside-toplevel
   shape_name = "tiny" if fl.smoke else "paper_0p5b"
   impl = "xla" if fl.smoke else fl.impl
   cfg = trained.config_for(shape_name, tokenizer="byte" if fl.smoke else fl.tokenizer)
@@ -183,33 +265,29 @@ def main(argv):
     cfg.layer_choice.update(sparse="xla", every=2)
   device = jax.devices()[0].device_kind
   print("device:", device, flush=True)
-  hook = Capture(cfg, steps, impl, fl.iters)
-  t0 = time.time()
-  with tempfile.TemporaryDirectory() as wd:
-    train_lib.train_and_evaluate(cfg, wd, hooks=[hook])
-  results = {"device": device, "jax": jax.__version__, "steps": max(steps),
-             "run_s": round(time.time() - t0, 1), "l1": fl.l1, "captures": hook.results}
-  early_step, early_layer = (int(v) for v in fl.early.split(":"))
-  last = max(step for step, _ in hook.fits)
-  n_layers = max(l for _, l in hook.fits) + 1
-  skews = {"early": hook.fits.get((early_step, early_layer)),
-           "last_layer": hook.fits[(last, n_layers - 1)]}
   mc = cfg.model
   shape = (cfg.batch_size * cfg.data.seq_len, mc.d_model, mc.d_ff)
-  results["skews"] = {name: {"fit": fit, "from": (f"step {early_step} layer {early_layer}"
-                                                  if name == "early" else
-                                                  f"step {last} layer {n_layers - 1}")}
-                      for name, fit in skews.items() if fit is not None}
-  results["sweep"] = [sweep_point(name, fit, float(a), shape, impl, fl.iters)
-                      for name, fit in skews.items() if fit is not None for a in fl.actives]
+  results = {"device": device, "jax": jax.__version__, "l1": fl.l1}
+  if fl.skews_from:
+    with open(fl.skews_from) as f:
+      results["skews"] = json.load(f)["skews"]
+    results["skews_from"] = fl.skews_from
+  else:
+    results.update(_train_and_capture(cfg, steps, impl, fl))
+  scan = [int(k) for k in fl.scan_hot]
+  results["sweep"] = [
+      sweep_point(name, skew["fit"], float(a), shape, impl, fl.iters,
+                  scan_hot=scan if name == "last_layer" else (),
+                  profile=name == "last_layer" and float(a) == fl.profile_active)
+      for name, skew in results["skews"].items() for a in fl.actives]
   if fl.out:
     os.makedirs(os.path.dirname(os.path.abspath(fl.out)), exist_ok=True)
     with open(fl.out, "w") as f:
       json.dump(results, f, indent=1)
-  print(f"\n{'skew':<11}{'active':>8}{'K':>6}{'rows>W':>8}{'ratio':>8}")
+  print(f"\n{'skew':<11}{'active':>8}{'K':>6}{'rows>W':>8}{'ratio':>8}{'floor':>8}")
   for p in results["sweep"]:
     print(f"{p['skew']:<11}{p['active']:>8.0f}{p['hot_features']:>6}"
-          f"{p['rows_over_width']:>8}{p['ratio']:>8.3f}")
+          f"{p['rows_over_width']:>8}{p['ratio']:>8.3f}{p['floor_ratio']:>8.3f}")
 
 
 if __name__ == "__main__":

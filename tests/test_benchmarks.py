@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import activity_sweep
 from benchmarks import captured
 from benchmarks import kernels
 from benchmarks import matrix
@@ -426,6 +427,39 @@ class ActivitySweepSmokeTest(absltest.TestCase):
     self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
     for p in r["sweep"] + r["captures"][0]["layers"]:
       self.assertAlmostEqual(p["ratio"], p["sparse_ms"] / p["dense_ms"])
+
+  def test_smoke_on_saved_skews(self):
+    """`--skews_from`: no training run; `--scan_hot` times more K at the last layer's points,
+    each beside its floor, and the chosen K is among them with the point's own ratio."""
+    saved = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200",
+                         "activity_sweep.json")
+    r = _run_module(os.path.join(self.create_tempdir().full_path, "a.json"),
+                    "benchmarks.activity_sweep", "--smoke", f"--skews_from={saved}",
+                    "--actives=20", "--scan_hot=0", "--profile_active=20", "--iters=1")
+    self.assertNotIn("captures", r)
+    self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
+    last = next(p for p in r["sweep"] if p["skew"] == "last_layer")
+    early = next(p for p in r["sweep"] if p["skew"] == "early")
+    self.assertNotIn("k_scan", early)
+    scanned = {s["hot_features"]: s for s in last["k_scan"]}
+    self.assertIn(0, scanned)
+    self.assertEqual(scanned[last["hot_features"]]["ratio"], last["ratio"])
+    for s in last["k_scan"]:
+      self.assertGreater(s["floor_ratio"], 0)
+      self.assertAlmostEqual(s["ratio"], s["sparse_ms"] / last["dense_ms"])
+    self.assertIn("profile", last)   # empty where CUPTI is unavailable (this CPU)
+
+
+class FloorTest(absltest.TestCase):
+  """`activity_sweep.floor_ms`: dense's nine GEMMs against the gate's one and K's eight."""
+
+  def test_all_hot_is_dense_and_rows_add_linearly(self):
+    m, d, h = 16384, 2048, 5632
+    dense = 9 * 2 * m * d * h / activity_sweep.GEMM_FLOP_PER_S * 1e3
+    self.assertAlmostEqual(activity_sweep.floor_ms(m, d, h, h, 0.0), dense)
+    self.assertAlmostEqual(activity_sweep.floor_ms(m, d, h, 0, 0.0), dense / 9)
+    one_row = activity_sweep.floor_ms(m, d, h, 0, 1.0) - activity_sweep.floor_ms(m, d, h, 0, 0.0)
+    self.assertAlmostEqual(one_row, 6 * m * d * 2 / activity_sweep.ROW_BYTES_PER_S * 1e3)
 
 
 class DataPipelineSmokeTest(absltest.TestCase):
