@@ -103,8 +103,9 @@ def get_config() -> ml_collections.ConfigDict:
       sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=100,      # builds take 5-15 s beside training once the kernels are
-                              # compiled (paper 0.5B, H100; choice_steps.py)
+      landing_steps=150,      # builds take 10-16 s beside training once the kernels are
+                              # compiled (paper 0.5B, H100 host: 100 dense steps' time,
+                              # 12.6 s, made the loop wait 16 s over six landings)
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):

@@ -138,7 +138,7 @@ def stable_kernel_ids() -> None:
   lowers with a dump name ending in a process-wide counter (``mosaic_gpu.dump_basename``,
   "twell_gate_pack_7"), so the same kernel lowered into a second program hashes differently
   and compiles again: each train step built for a new per-layer choice compiled all five
-  kernels anew (a new choice's step built in 14-23 s at the paper shape on an H100, 5-15 s
+  kernels anew (a new choice's step built in 14-23 s at the paper shape on an H100, 10-16 s
   with the kernels compiled once). Before serialization the stamp of a module named
   ``twell_*`` is set to the module's own name; the name only matters to Mosaic GPU's
   debugging dumps, where identical kernels now share one file. Idempotent; a no-op where

@@ -170,6 +170,34 @@ class HeavyRowsTest(absltest.TestCase):
     self.assertEqual(c.describe(), "D")
 
 
+  def test_a_first_decision_over_dense_above_holds_the_layer_and_its_k(self):
+    """A window of dense batches (a loss spike): the sparse layer keeps K = 512 at the first
+    decision over dense_above (not the near-dense K its prediction prefers, a build slower
+    than both) and goes dense at the second."""
+    tokens, h = 16384, 5632
+    settled = np.zeros((1, h), np.int64)
+    settled[0, :400] = tokens // 8
+    settled[0, 400:2400] = tokens // 200
+    spike = np.zeros((1, h), np.int64)
+    spike[0, :3000] = tokens // 4
+    spike[0, 3000:] = tokens // 30
+    c = layer_choice.LayerChoice(1, h)
+    c.update_from_counts(settled, tokens)
+    self.assertEqual(c.describe(), "S512")
+    changed, _ = c.update_from_counts(spike, tokens)
+    self.assertFalse(changed)
+    self.assertEqual((c.describe(), c.over), ("S512", [True]))
+    self.assertGreater(c.predicted[0], c.dense_above)
+    c.update_from_counts(spike, tokens)
+    self.assertEqual(c.describe(), "D")
+    # Back to the settled counts before a second vote: sparse at its K, the vote cleared.
+    c = layer_choice.LayerChoice(1, h)
+    c.update_from_counts(settled, tokens)
+    c.update_from_counts(spike, tokens)
+    c.update_from_counts(settled, tokens)
+    self.assertEqual((c.describe(), c.over), ("S512", [False]))
+
+
 class StepBuildsTest(absltest.TestCase):
 
   def test_get_waits_for_a_requested_build_and_keeps_executables(self):

@@ -187,7 +187,7 @@ class ChoiceSteps:
 
     The kernels are the same in every choice's step (the hot features reach them at run
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
-    after this build a choice's step builds without them: 5-15 s instead of 14-23 s (paper
+    after this build a choice's step builds without them: 10-16 s instead of 14-23 s (paper
     shape, H100; more groups of layers with one K, more time), which `landing_steps` is set
     for. Requested when the run starts, before any decision, so that runs of a seed build
     alike."""

@@ -4,8 +4,9 @@ From random initialisation a ReLU layer fires on about half of its features, whe
 sparse kernels are slower than dense; L1 training brings it down over the first steps, at
 different speeds per layer. `LayerChoice` keeps each layer on the dense FFN until its sparse
 FFN's predicted time falls below `sparse_below` of the dense one's, and sends it back only
-above `dense_above` in two decisions in a row (hysteresis: no flapping around one threshold,
-and no round trip to dense for one window of unusual batches: in runs of the paper shape from
+above `dense_above` in two decisions in a row, holding its K at the first (hysteresis: no
+flapping around one threshold, and no round trip to dense or to a near-dense K for one window
+of unusual batches: in runs of the paper shape from
 initialisation the last two layers' heavy rows spiked in the 20 steps before step 1,040 and
 sent them dense for 110-140 steps, at 1.0-1.16x dense per step instead of 1.3-1.45x).
 
@@ -253,9 +254,17 @@ class LayerChoice:
         if (predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN
             or hot[l] < features_lib.column_floor(c, tokens)):
           hot[l] = k
-      tails.append(tail_of(hot[l]))
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
-      ratios.append(np.inf if hot[l] >= c.shape[0] else predict(hot[l]))
+      ratio = lambda k, c=c, predict=predict: np.inf if k >= c.shape[0] else predict(k)
+      if (self.current[l] == self.sparse and not self.over[l]
+          and ratio(hot[l]) > self.dense_above):
+        # A first decision over dense_above holds the layer as it runs, K included: a new
+        # K for one window of unusual batches is a build whose step runs slower than both
+        # (a run from initialisation took K = 4352-5376 in three layers at a loss spike
+        # near step 260 and ran them at ~1.35x dense for 120 steps).
+        hot[l] = self.hot[l]
+      tails.append(tail_of(hot[l]))
+      ratios.append(ratio(hot[l]))
     changed = hot != self.hot
     self.hot, self.tail, self.predicted = hot, tails, ratios
     changed = self.update(ratios) or changed
