@@ -22,8 +22,8 @@ the runs share the host's CPUs: a choice's build is CPU work, and builds slowed 
 processes on the host made the loop wait at landings); otherwise one after the other on the
 first GPU. GPU training is not bitwise reproducible by default, and two runs of one seed can
 decide differently near a threshold; `--deterministic` runs every command with XLA's
-deterministic GPU ops (the training kernels use no atomics) and XLA's attention (cuDNN's
-attention backward fails to run there once a step has several scan bodies).
+deterministic GPU ops (the training kernels use no atomics; the model then takes XLA's
+attention, `train.models.transformer.attention_implementation`).
 
 Per run: the command's wall-clock (start-up, compiles, evaluations, checkpoints included), the
 time to its first step, held-out cross-entropy at every evaluation, and at every logged step
@@ -96,12 +96,6 @@ def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[
   schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
               else [f"--config.warmup_steps={fl.warmup_steps}"])
   model = [] if dense else ["--config.model.ffn_activation=relu", f"--config.l1_coeff={fl.l1}"]
-  if fl.deterministic:
-    # XLA's attention: under deterministic ops XLA keys a cuDNN attention backward's compiled
-    # graph by its config before it marks the graph deterministic, so a step with several
-    # scan bodies (layers grouped by FFN choice) finds no graph for the second and fails at
-    # its first run (IndexError: raw_hash_map<>::at).
-    model.append("--config.model.attention=xla")
   cmd = cli_run.command(workdir, config, [
       f"--config.num_train_steps={fl.steps}", f"--config.log_every={fl.log_every}",
       f"--config.eval_every={fl.eval_every}", f"--config.eval_batches={fl.eval_batches}",

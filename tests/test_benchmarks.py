@@ -386,10 +386,8 @@ class WholeRunSmokeTest(absltest.TestCase):
                     f"--workdir={tmp}/runs", f"--plot={png}")
     self.assertEqual([run["name"] for run in r["runs"]], ["dense_silu", "sparse"])
     self.assertTrue(r["deterministic"])
-    for i, run in enumerate(r["runs"]):
+    for run in r["runs"]:
       self.assertIn("--xla_gpu_deterministic_ops=true", run["xla_flags"])
-      with open(os.path.join(tmp, "runs", f"{i}_{run['name']}", "config.json")) as f:
-        self.assertEqual(json.load(f)["model"]["attention"], "xla")
     self.assertEqual(r["steps"], 6)
     self.assertEqual(r["tokens_per_step"], 16 * 64)
     dense, sparse = r["runs"]

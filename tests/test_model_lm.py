@@ -138,6 +138,10 @@ class AttentionChoiceTest(absltest.TestCase):
     self.assertEqual(self._pick("--xla_gpu_deterministic_ops=false"), "cudnn")
     self.assertEqual(self._pick(det, scan_layers=True), "cudnn")   # one call per program
     self.assertEqual(self._pick(det, scan_layers=True, scan_unroll=True), "xla")
+    # Per-layer FFNs: a scan body per group of layers (the per-layer choice's steps).
+    per_layer = dict(scan_layers=True, ffn_layer_implementations=("dense",) * 2)
+    self.assertEqual(self._pick(det, **per_layer), "xla")
+    self.assertEqual(self._pick("", **per_layer), "cudnn")
     self.assertEqual(self._pick(det, attention="cudnn"), "cudnn")  # asked for by name
 
 

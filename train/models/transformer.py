@@ -60,13 +60,17 @@ def attention_implementation(cfg: "ModelConfig") -> str:
   """The attention kernel a config runs: cuDNN flash attention on a GPU for bf16 / f16 with
   head dims it supports (7.6x faster than XLA's at the paper shape on an H200), else XLA's.
 
-  Not under XLA's deterministic ops (`--xla_gpu_deterministic_ops`) with the loop layout (or
-  the scan unrolled): a train step holding several cuDNN attention calls then stops at its
-  first run with `IndexError: raw_hash_map<>::at` (H100, jax 0.11.2; one call per program,
-  the scan's, runs), so "auto" takes XLA's attention there."""
+  Not under XLA's deterministic ops (`--xla_gpu_deterministic_ops`) where a train step can
+  hold several cuDNN attention calls: the loop layout, the scan unrolled, or per-layer FFNs
+  (`ffn_layer_implementations`: a scan body per group of layers, `layer_groups`; the per-layer
+  choice's steps, all of a run's alike). XLA keys a cuDNN attention backward's compiled graph
+  before marking it deterministic, so the second call finds none and the step stops at its
+  first run with `IndexError: raw_hash_map<>::at` (H100 and H200, jax 0.11.2; one call per
+  program, the scan's, runs): "auto" takes XLA's attention there."""
   if cfg.attention != "auto":
     return cfg.attention
-  several = not cfg.scan_layers or cfg.scan_unroll
+  several = (not cfg.scan_layers or cfg.scan_unroll
+             or cfg.ffn_layer_implementations is not None)
   if deterministic_ops() and several and cfg.n_layers > 1:
     return "xla"
   e = cfg.d_model // cfg.n_heads
