@@ -412,6 +412,15 @@ class WholeRunSmokeTest(absltest.TestCase):
                          "--runs=", f"--merge={','.join(halves)}", f"--workdir={tmp}/none")
     self.assertEqual(merged["wall_ratios"], r["wall_ratios"])
     self.assertEqual(merged["runs"][1]["step_ratios"], sparse["step_ratios"])
+    # Sparse runs alone (no dense SiLU run): whether their decisions agree.
+    other = dict(sparse, decisions=sparse["decisions"] + [[99, "D D", 100]])
+    for runs, same in (([sparse, sparse], True), ([sparse, other], False)):
+      with open(halves[0], "w") as f:
+        json.dump(dict(r, runs=runs), f)
+      alone = _run_module(os.path.join(tmp, "s.json"), "benchmarks.whole_run", "--smoke",
+                          "--runs=", f"--merge={halves[0]}", f"--workdir={tmp}/none")
+      self.assertEqual(alone["same_decisions"], same)
+      self.assertNotIn("wall_ratios", alone)
 
 
 class ActivitySweepSmokeTest(absltest.TestCase):
