@@ -261,31 +261,37 @@ class StepBuildsTest(absltest.TestCase):
     self.assertIn(f"less than the {layer_choice.BUILD_COST_STEPS:.0f}", saves(50))
 
   def test_the_kernels_are_compiled_ahead_while_every_layer_runs_dense(self):
-    """A run whose steps have no sparse layer builds, when it starts, a step with every layer
-    on the kernels (compiling them once for every later choice's step); none when a sparse
-    step runs or is pending, on the interpreter, without background builds, or for a sparse
-    implementation without kernels."""
+    """A run whose steps have no sparse layer builds, when it starts, a step with the first
+    layer dense and the others on the kernels (compiling them once for every later choice's
+    step), counted as built `landing_steps` after the run's start; none when a sparse step
+    runs or is pending, on the interpreter, without background builds, or for a sparse
+    implementation without kernels. A resumed run whose checkpoint names that step's ready
+    step builds it again, ready from the same step."""
     import types  # pylint: disable=import-outside-toplevel
 
     def asked(sparse="mosaic_gpu", running_sparse=False, pending=None, interpret=False,
-              background=True):
+              background=True, start=0, ready_step=None):
       choice = layer_choice.LayerChoice(3, 1024, sparse=sparse)
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       requested = []
-      steps.choice, steps.pending = choice, pending
+      steps.choice, steps.pending, steps.lag, steps.ahead = choice, pending, 7, None
       steps.running = ((sparse,) * 3, (256,) * 3) if running_sparse else choice.key
       steps.builds = types.SimpleNamespace(background=background, request=requested.append)
       steps.tr = types.SimpleNamespace(model_cfg=types.SimpleNamespace(interpret=interpret))
-      steps._compile_kernels_ahead()  # pylint: disable=protected-access
-      return requested
+      steps._compile_kernels_ahead(start, ready_step)  # pylint: disable=protected-access
+      self.assertEqual(steps.ahead, (requested[0], steps.ahead[1]) if requested else None)
+      return requested, steps.ahead and steps.ahead[1]
 
-    self.assertEqual(asked(), [(("mosaic_gpu",) * 3, (256,) * 3)])
-    self.assertEqual(asked(running_sparse=True), [])
+    ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
+    self.assertEqual(asked(), ([ahead], 7))
+    self.assertEqual(asked(start=40), ([ahead], 47))
+    self.assertEqual(asked(running_sparse=True), ([], None))
+    self.assertEqual(asked(running_sparse=True, start=40, ready_step=7), ([ahead], 7))
     pending = ((("dense", "mosaic_gpu", "dense"), (0, 512, 0)), 40)
-    self.assertEqual(asked(pending=pending), [])
-    self.assertEqual(asked(interpret=True), [])
-    self.assertEqual(asked(background=False), [])
-    self.assertEqual(asked(sparse="xla"), [])
+    self.assertEqual(asked(pending=pending), ([], None))
+    self.assertEqual(asked(interpret=True), ([], None))
+    self.assertEqual(asked(background=False), ([], None))
+    self.assertEqual(asked(sparse="xla"), ([], None))
 
   def test_a_checkpoint_keeps_the_votes_for_dense(self):
     """A sparse layer predicted over dense_above at the last decision goes dense at the next
@@ -293,7 +299,7 @@ class StepBuildsTest(absltest.TestCase):
     def steps_of(choice):
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       steps.choice, steps.pending, steps.counted, steps.counted_steps = choice, None, None, 0
-      steps.running = choice.key
+      steps.running, steps.ahead = choice.key, None
       return steps
 
     before = layer_choice.LayerChoice(3, 1024, sparse="xla")
@@ -396,6 +402,47 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
       if later is not None:                          # none decided while one is pending
         self.assertGreaterEqual(later[0], first)
     self.assertIn("S", running[max(running)])
+
+  def test_the_step_compiled_ahead_bridges_the_first_choice_alike_in_every_run(self):
+    """While every layer runs dense, the step compiled ahead (first layer dense, the others
+    at K = 256) runs from the step after a choice is decided, once it counts as built
+    (`landing_steps` after the start) and is predicted faster, until that choice lands: on
+    the same steps when builds are slow, and in a run resumed between the two. (The
+    portable sparse FFN stands in for the kernels: on the CPU nothing is compiled ahead.)"""
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "predict",
+        lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
+    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
+                                                  ("xla",)))
+    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=2,
+                          keep_checkpoints=9, l1_coeff=3e-2, learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 7})
+    compile_step = trainer_lib.Trainer.compile_train_step
+    runs = []
+    for delay in (0.0, 1.0):
+      def slow(self, *a, delay=delay, **k):
+        time.sleep(delay)
+        return compile_step(self, *a, **k)
+      with absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step", slow):
+        with self.assertLogs(level="INFO") as logs:
+          train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+      runs.append((self._decisions(logs), [l for l in logs.output if "compiled ahead," in l]))
+    ((decided, running), bridged), second = runs
+    self.assertEqual((decided, running), second[0])
+    step, choice, land = decided[0]
+    self.assertGreaterEqual(step, 1 + 7)          # the step compiled ahead counts as built
+    self.assertLen(bridged, 1)
+    self.assertIn(f"step {step + 1}: now running FFN per layer D S256", bridged[0])
+    self.assertEqual([running[s] for s in range(1, step + 1)], ["D D"] * step)
+    self.assertEqual({running[s] for s in range(step + 1, land)}, {"D S256"})
+    self.assertEqual(running[land], choice)
+    # Killed while the bridge runs (checkpoints after it lost), resumed: the same state.
+    lost = tuple(s for s in range(2, 19, 2) if s > step + 2)
+    logs = self._resume_after_losing(cfg, lost, 18)
+    self.assertTrue(any(f"Resumed from checkpoint step {step + 2}" in l for l in logs))
+    self.assertEqual(self._decisions(absltest.mock.Mock(output=logs))[1][step + 3], "D S256")
 
   def test_landing_lag_is_dense_steps_time_at_the_running_choices_predicted_speed(self):
     """A decision taken while dense layers run lands `landing_steps` steps later; while

@@ -11,10 +11,12 @@ steps when the running choice's steps are predicted faster; the loop waits for a
 by then; without `layer_choice.background`, built at once and running from the next step).
 While a choice is pending no other is decided: each decision lands. The sparse kernels are
 compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
-mostly the XLA program around them. What runs when follows from the decisions and the
-predictions alone: the same seed gives the same decisions and
-switches on the same steps on any machine, and a checkpoint keeps the choice in use and the one
-pending (`meta`, `restore`).
+mostly the XLA program around them; that step (the first layer dense, the others sparse at
+K = 256) also runs while the first choice builds when it is predicted faster than the dense
+step (`_bridge`). What runs when follows from the decisions, the predictions and step
+numbers alone: the same seed gives the same decisions and switches on the same steps on any
+machine, and a checkpoint keeps the choice in use, the one pending and the step from which
+the step compiled ahead counts as built (`meta`, `_restore`).
 """
 
 import gc
@@ -166,9 +168,12 @@ class ChoiceSteps:
     # The feature counts and heavy rows summed over the steps since the last decision (device
     # arrays), and how many steps that is.
     self.counted, self.counted_steps = None, 0
+    # (key, step): the step compiled ahead (`_compile_kernels_ahead`), counted as built from
+    # that step on.
+    self.ahead = None
     self._restore(meta)
     self.train_step = self.builds.get(self.running)
-    self._compile_kernels_ahead()
+    self._compile_kernels_ahead(int(meta.get("step", 0)), meta.get("ahead_ready_step"))
     mc = tr.model_cfg
     self.ffn_share = layer_choice_lib.ffn_flop_share(
         mc.d_model, mc.d_ff, mc.n_layers, mc.vocab_size, cfg.data.seq_len, mc.n_heads,
@@ -181,28 +186,57 @@ class ChoiceSteps:
                  choice.sparse_below,
                  choice.sparse, choice.dense_above, cfg.layer_choice.every, self.lag)
 
-  def _compile_kernels_ahead(self) -> None:
-    """Builds, in the background, a step with every layer on the sparse kernels when neither
-    the running step nor the pending one has a sparse layer.
+  # Sparse implementations whose kernels a step compiled ahead compiles for every later one.
+  AHEAD_FOR = ("mosaic_gpu",)
+
+  def _compile_kernels_ahead(self, start: int, ready_step=None) -> None:
+    """Builds, in the background, a step with the first layer dense and every other one on
+    the sparse kernels at K = 256 when neither the running step nor the pending one has a
+    sparse layer (or a resumed run's checkpoint says the run has one: `ready_step`).
 
     The kernels are the same in every choice's step (the hot features reach them at run
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
     after this build a choice's step builds without them: 10-16 s instead of 14-23 s (paper
     shape, H100; more groups of layers with one K, more time), which `landing_steps` is set
-    for. Requested when the run starts, before any decision, so that runs of a seed build
-    alike."""
+    for. The step itself bridges the first switch (`_bridge`): it counts as built
+    `landing_steps` dense steps after the run's start (the same step in a resumed run), so
+    runs of a seed use it alike. The first layer stays dense in it: in every run of the paper
+    shape from initialisation measured, layers 1-7 fell to 10-60 active features per token by
+    step 300-400 and the first one only by step 850-1,000."""
     choice = self.choice
-    if (choice.sparse != "mosaic_gpu" or not self.builds.background
+    if (choice.sparse not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
       return
     keys = [self.running] + ([self.pending[0]] if self.pending is not None else [])
-    if any(name == choice.sparse for key in keys for name in key[0]):
+    if ready_step is None and any(name == choice.sparse for key in keys for name in key[0]):
       return
     k = features_lib.TILE_N if choice.d_ff > features_lib.TILE_N else 0
-    warm = ((choice.sparse,) * choice.n_layers, (k,) * choice.n_layers)
-    logging.info("compiling the sparse kernels ahead: building the step of %s",
-                 choice.describe(warm))
-    self.builds.request(warm)
+    names = (choice.sparse,) * choice.n_layers
+    hot = (k,) * choice.n_layers
+    if choice.n_layers > 1:
+      names, hot = (choice.dense,) + names[1:], (0,) + hot[1:]
+    ready = start + self.lag if ready_step is None else int(ready_step)
+    self.ahead = ((names, hot), ready)
+    logging.info("compiling the sparse kernels ahead: building the step of %s (usable from "
+                 "step %d)", choice.describe(self.ahead[0]), ready + 1)
+    self.builds.request(self.ahead[0])
+
+  def _bridge(self, done: int, counts, heavy, tokens: int):
+    """The step compiled ahead, if it should run while the choice just made builds: every
+    layer runs dense, that step counts as built, and its FFN is predicted below `sparse_below`
+    of the dense FFN's time (mean over the layers). Else None.
+
+    Runs of the paper shape from initialisation ran dense until step ~460 while layers 1-7
+    were at 20-45 active features per token from step ~300: their first choice lands
+    `landing_steps` after its decision, and a choice is decided only once the one before has
+    landed."""
+    if self.ahead is None or done < self.ahead[1]:
+      return None
+    key, choice = self.ahead[0], self.choice
+    if key in (self.running, choice.key) or any(n != choice.dense for n in self.running[0]):
+      return None
+    cost = float(choice.costs(key, counts, tokens, heavy).mean())
+    return key if cost < choice.sparse_below else None
 
   @property
   def eval_ffn(self):
@@ -239,6 +273,8 @@ class ChoiceSteps:
     (names, hot), out = self.running, {}
     out["layer_implementations"], out["layer_hot_features"] = list(names), list(hot)
     out["layer_dense_votes"] = [bool(v) for v in self.choice.over]
+    if self.ahead is not None:
+      out["ahead_ready_step"] = int(self.ahead[1])
     if self.pending is not None:
       (names, hot), land = self.pending
       out["pending_layer_choice"] = {"implementations": list(names),
@@ -256,20 +292,25 @@ class ChoiceSteps:
     if self.pending is not None and step >= self.pending[1]:
       key, self.pending = self.pending[0], None
       try:
-        t0 = time.perf_counter()
-        ready = self.builds.done(key)
-        self.train_step, self.running = self.builds.get(key), key
-        # The device idles while the loop waits: a build slower than the landing lag (a
-        # busy host) shows here.
-        waited = 0.0 if ready else time.perf_counter() - t0
-        logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)",
-                     step + 1, self.choice.describe(key), self.builds.build_s.get(key, 0.0),
-                     waited)
+        self._run(key, step)
       except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
         logging.exception("building the train step for %s failed (%s: %s); training goes on "
                           "with %s", key, type(e).__name__, e, self.choice.describe(self.running))
         self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
     return self.train_step
+
+  def _run(self, key, step: int, note: str = "") -> None:
+    """Runs the step of `key` from step `step` (0-based) on, waiting for its build if it is
+    not done."""
+    t0 = time.perf_counter()
+    ready = self.builds.done(key)
+    self.train_step, self.running = self.builds.get(key), key
+    # The device idles while the loop waits: a build slower than the landing lag (a busy
+    # host) shows here.
+    waited = 0.0 if ready else time.perf_counter() - t0
+    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)%s",
+                 step + 1, self.choice.describe(key), self.builds.build_s.get(key, 0.0),
+                 waited, note)
 
   def after_step(self, done: int, metrics: dict, state):
     """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
@@ -304,10 +345,13 @@ class ChoiceSteps:
       # moves); the next decision comes after it lands.
       choice.current, choice.hot = list(target[0]), list(target[1])
       return state
-    land = done + landing_lag(choice, target, counts, heavy, tokens, self.lag, self.ffn_share)
+    # The step compiled ahead, once it counts as built, runs from the next step: no build.
+    built = (self.ahead is not None and choice.key == self.ahead[0] and done >= self.ahead[1])
+    land = done if built else done + landing_lag(choice, target, counts, heavy, tokens,
+                                                 self.lag, self.ffn_share)
     why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
-               payback(choice, target, counts, heavy, tokens,
-                       cfg.num_train_steps - land, self.ffn_share))
+               None if built else payback(choice, target, counts, heavy, tokens,
+                                          cfg.num_train_steps - land, self.ffn_share))
     if why_not:
       logging.info("step %d: FFN per layer -> %s predicted, not built: %s", done,
                    choice.describe(), why_not)
@@ -318,6 +362,9 @@ class ChoiceSteps:
                    land + 1)
       self.pending = (choice.key, land)
       self.builds.request(choice.key)
+      bridge = self._bridge(done, counts, heavy, tokens)
+      if bridge is not None:
+        self._run(bridge, done, f", compiled ahead, until {choice.describe()} lands")
     return state
 
   def close(self):
