@@ -293,6 +293,30 @@ class StepBuildsTest(absltest.TestCase):
     self.assertEqual(asked(background=False), ([], None))
     self.assertEqual(asked(sparse="xla"), ([], None))
 
+  def test_the_step_compiled_ahead_bridges_when_predicted_faster_than_the_running_one(self):
+    """`_bridge`: the step compiled ahead runs while a choice builds once it counts as built
+    and is predicted `BRIDGE_GAIN` faster than the running step, on this decision's counts:
+    from the dense step, and from a first choice made at higher activity (K = 2560)."""
+    tokens, h = 16384, 5632
+    counts = np.zeros((3, h), np.int64)
+    counts[:, :200] = tokens // 10
+    counts[:, 200:1200] = tokens // 400
+    ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
+
+    def bridge(running, done=20, ready=10):
+      steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
+      steps.choice = layer_choice.LayerChoice(3, h)
+      steps.choice.current, steps.choice.hot = ["mosaic_gpu"] * 3, [512] * 3
+      steps.ahead, steps.running = (ahead, ready), running
+      return steps._bridge(done, counts, None, tokens)  # pylint: disable=protected-access
+
+    self.assertEqual(bridge((("dense",) * 3, (0,) * 3)), ahead)
+    self.assertEqual(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 2560, 2560))), ahead)
+    self.assertIsNone(bridge((("dense",) * 3, (0,) * 3), done=9))   # not built by then
+    self.assertIsNone(bridge(ahead))                                  # it runs already
+    # The running step as fast, up to BRIDGE_GAIN: stays.
+    self.assertIsNone(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 512, 512))))
+
   def test_a_checkpoint_keeps_the_votes_for_dense(self):
     """A sparse layer predicted over dense_above at the last decision goes dense at the next
     one in a resumed run too: the checkpoint's metadata keeps the vote."""

@@ -12,8 +12,8 @@ by then; without `layer_choice.background`, built at once and running from the n
 While a choice is pending no other is decided: each decision lands. The sparse kernels are
 compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
 mostly the XLA program around them; that step (the first layer dense, the others sparse at
-K = 256) also runs while the first choice builds when it is predicted faster than the dense
-step (`_bridge`). What runs when follows from the decisions, the predictions and step
+K = 256) also runs while a choice builds when it is predicted faster than the running step
+(`_bridge`). What runs when follows from the decisions, the predictions and step
 numbers alone: the same seed gives the same decisions and switches on the same steps on any
 machine, and a checkpoint keeps the choice in use, the one pending and the step from which
 the step compiled ahead counts as built (`meta`, `_restore`).
@@ -198,7 +198,7 @@ class ChoiceSteps:
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
     after this build a choice's step builds without them: 10-16 s instead of 14-23 s (paper
     shape, H100; more groups of layers with one K, more time), which `landing_steps` is set
-    for. The step itself bridges the first switch (`_bridge`): it counts as built
+    for. The step itself runs while a choice builds (`_bridge`): it counts as built
     `landing_steps` dense steps after the run's start (the same step in a resumed run), so
     runs of a seed use it alike. The first layer stays dense in it: in every run of the paper
     shape from initialisation measured, layers 1-7 fell to 10-60 active features per token by
@@ -221,22 +221,27 @@ class ChoiceSteps:
                  "step %d)", choice.describe(self.ahead[0]), ready + 1)
     self.builds.request(self.ahead[0])
 
-  def _bridge(self, done: int, counts, heavy, tokens: int):
-    """The step compiled ahead, if it should run while the choice just made builds: every
-    layer runs dense, that step counts as built, and its FFN is predicted below `sparse_below`
-    of the dense FFN's time (mean over the layers). Else None.
+  # How much faster than the running step the step compiled ahead must be predicted to run
+  # in the meantime: its FFN's time over the dense FFN's, mean over the layers.
+  BRIDGE_GAIN = 0.05
 
-    Runs of the paper shape from initialisation ran dense until step ~460 while layers 1-7
-    were at 20-45 active features per token from step ~300: their first choice lands
-    `landing_steps` after its decision, and a choice is decided only once the one before has
+  def _bridge(self, done: int, counts, heavy, tokens: int):
+    """The step compiled ahead, if it should run while the choice just made builds: it counts
+    as built and its FFN is predicted `BRIDGE_GAIN` faster than the running step's (over the
+    dense FFN's, mean over the layers, on the counts of this decision). Else None.
+
+    Runs of the paper shape from initialisation ran dense, or a first choice made at 100-250
+    active features per token (K = 2048-2560, 0.82-0.92 of dense predicted), until step ~460
+    while layers 1-7 were at 20-45 active features per token from step ~300: a choice lands
+    `landing_steps` after its decision, and one is decided only once the one before has
     landed."""
     if self.ahead is None or done < self.ahead[1]:
       return None
     key, choice = self.ahead[0], self.choice
-    if key in (self.running, choice.key) or any(n != choice.dense for n in self.running[0]):
+    if key in (self.running, choice.key):
       return None
-    cost = float(choice.costs(key, counts, tokens, heavy).mean())
-    return key if cost < choice.sparse_below else None
+    cost = lambda k: float(choice.costs(k, counts, tokens, heavy).mean())
+    return key if cost(key) < cost(self.running) - self.BRIDGE_GAIN else None
 
   @property
   def eval_ffn(self):
