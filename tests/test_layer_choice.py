@@ -376,10 +376,10 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(self._rows(wd)[-1]["sparse_layers"], n)
 
-  def _decisions(self, logs):
-    """[(decision step, choice, landing step)] and {step: choice running} from the logs."""
+  def _decisions(self, lines):
+    """[(decision step, choice, landing step)] and {step: choice running} from log lines."""
     decided, running = [], {}
-    for line in logs.output:
+    for line in lines:
       m = re.search(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
                     r"running from step (\d+)", line)
       if m:
@@ -389,6 +389,28 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
         running[int(m.group(1))] = m.group(2).strip()
     return decided, running
 
+  def _micro_sparse_model(self):
+    """A cost model that goes sparse at micro scale as L1 brings activity down (the micro
+    model starts with half its features active), every build paying."""
+    self.enter_context(absltest.mock.patch.object(
+        layer_choice.LayerChoice, "predict",
+        lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
+    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+
+  def _runs_with_slower_builds(self, cfg, delay: float):
+    """The log lines of two runs of `cfg`, the second's builds `delay` seconds slower."""
+    compile_step = trainer_lib.Trainer.compile_train_step
+    out = []
+    for d in (0.0, delay):
+      def slow(self, *a, d=d, **k):
+        time.sleep(d)
+        return compile_step(self, *a, **k)
+      with absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step", slow):
+        with self.assertLogs(level="INFO") as logs:
+          train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+      out.append(logs)
+    return out
+
   def test_same_seed_same_decisions_landing_on_their_steps(self):
     """Two runs of one seed make the same decisions on the same steps, and each choice runs
     from the step its decision names (decision step + `choice_steps.landing_lag`), however long its build
@@ -396,24 +418,12 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     No decision is superseded: none is made while another is pending.
     The micro model starts with half its features active (dense); L1 brings activity down
     and the layers switch (a cost model that goes sparse at micro scale)."""
-    self.enter_context(absltest.mock.patch.object(
-        layer_choice.LayerChoice, "predict",
-        lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
-    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+    self._micro_sparse_model()
     cfg = tu.micro_config(num_train_steps=22, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
                           learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
                              "layer_choice.every": 2, "layer_choice.landing_steps": 7})
-    compile_step = trainer_lib.Trainer.compile_train_step
-    runs = []
-    for delay in (0.0, 1.5):
-      def slow(self, *a, delay=delay, **k):
-        time.sleep(delay)
-        return compile_step(self, *a, **k)
-      with absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step", slow):
-        with self.assertLogs(level="INFO") as logs:
-          train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
-      runs.append(self._decisions(logs))
+    runs = [self._decisions(logs.output) for logs in self._runs_with_slower_builds(cfg, 1.5)]
     (decided, running), (decided2, running2) = runs
     self.assertEqual(decided, decided2)
     self.assertEqual(running, running2)
@@ -433,26 +443,15 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     (`landing_steps` after the start) and is predicted faster, until that choice lands: on
     the same steps when builds are slow, and in a run resumed between the two. (The
     portable sparse FFN stands in for the kernels: on the CPU nothing is compiled ahead.)"""
-    self.enter_context(absltest.mock.patch.object(
-        layer_choice.LayerChoice, "predict",
-        lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
-    self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
+    self._micro_sparse_model()
     self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
                                                   ("xla",)))
     cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=2,
                           keep_checkpoints=9, l1_coeff=3e-2, learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
                              "layer_choice.every": 2, "layer_choice.landing_steps": 7})
-    compile_step = trainer_lib.Trainer.compile_train_step
-    runs = []
-    for delay in (0.0, 1.0):
-      def slow(self, *a, delay=delay, **k):
-        time.sleep(delay)
-        return compile_step(self, *a, **k)
-      with absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step", slow):
-        with self.assertLogs(level="INFO") as logs:
-          train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
-      runs.append((self._decisions(logs), [l for l in logs.output if "compiled ahead," in l]))
+    runs = [(self._decisions(logs.output), [l for l in logs.output if "compiled ahead," in l])
+            for logs in self._runs_with_slower_builds(cfg, 1.0)]
     ((decided, running), bridged), second = runs
     self.assertEqual((decided, running), second[0])
     step, choice, land = decided[0]
@@ -466,7 +465,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     lost = tuple(s for s in range(2, 19, 2) if s > step + 2)
     logs = self._resume_after_losing(cfg, lost, 18)
     self.assertTrue(any(f"Resumed from checkpoint step {step + 2}" in l for l in logs))
-    self.assertEqual(self._decisions(absltest.mock.Mock(output=logs))[1][step + 3], "D S256")
+    self.assertEqual(self._decisions(logs)[1][step + 3], "D S256")
 
   def test_landing_lag_is_dense_steps_time_at_the_running_choices_predicted_speed(self):
     """A decision taken while dense layers run lands `landing_steps` steps later; while
