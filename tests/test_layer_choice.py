@@ -467,6 +467,31 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertTrue(any(f"Resumed from checkpoint step {step + 2}" in l for l in logs))
     self.assertEqual(self._decisions(logs)[1][step + 3], "D S256")
 
+  def test_a_failed_build_of_the_step_compiled_ahead_leaves_training_going(self):
+    """The step compiled ahead fails to build: the bridge logs it and training goes on with
+    the running step; the decided choice still lands."""
+    self._micro_sparse_model()
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
+                                                  ("xla",)))
+    compile_step = trainer_lib.Trainer.compile_train_step
+
+    def failing(self, key, *a, **k):
+      if key == (("dense", "xla"), (0, 256)):
+        raise RuntimeError("out of host memory")
+      return compile_step(self, key, *a, **k)
+    self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step",
+                                                  failing))
+    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
+                          learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 7})
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+    self.assertTrue(any("building the step compiled ahead failed" in l for l in logs.output))
+    decided, running = self._decisions(logs.output)
+    self.assertEqual(running[decided[0][2]], decided[0][1])
+    self.assertEqual(running[decided[0][0] + 1], "D D")
+
   def test_landing_lag_is_dense_steps_time_at_the_running_choices_predicted_speed(self):
     """A decision taken while dense layers run lands `landing_steps` steps later; while
     sparse layers predicted at 0.33 of the dense FFN's time run (a step at 1 - 0.5 x 0.67 of

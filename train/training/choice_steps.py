@@ -369,7 +369,12 @@ class ChoiceSteps:
       self.builds.request(choice.key)
       bridge = self._bridge(done, counts, heavy, tokens)
       if bridge is not None:
-        self._run(bridge, done, f", compiled ahead, until {choice.describe()} lands")
+        try:
+          self._run(bridge, done, f", compiled ahead, until {choice.describe()} lands")
+        except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
+          logging.exception("building the step compiled ahead failed (%s: %s); training goes "
+                            "on with %s", type(e).__name__, e, choice.describe(self.running))
+          self.ahead = None
     return state
 
   def close(self):
