@@ -6,9 +6,9 @@ different speeds per layer. `LayerChoice` keeps each layer on the dense FFN unti
 FFN's predicted time falls below `sparse_below` of the dense one's, and sends it back only
 above `dense_above` in two decisions in a row, holding its K at the first (hysteresis: no
 flapping around one threshold, and no round trip to dense or to a near-dense K for one window
-of unusual batches: in runs of the paper shape from
-initialisation the last two layers' heavy rows spiked in the 20 steps before step 1,040 and
-sent them dense for 110-140 steps, at 1.0-1.16x dense per step instead of 1.3-1.45x).
+of unusual batches: in runs of the paper shape from initialisation the last two layers' heavy
+rows spiked in the 20 steps before step 1,040 and sent them dense for 110-140 steps, at
+1.0-1.16x dense per step instead of 1.3-1.45x).
 
 The prediction (`CostModel`) is linear in what the sparse kernels do: a fixed part (the gate
 GEMM, which stays dense, and the packing), the hot features K computed as dense GEMM columns
