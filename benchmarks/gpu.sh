@@ -16,7 +16,8 @@
 #             SiLU and sparse twice, concurrently one GPU each where there are several
 #             ($WHOLE_RUN_FLAGS)
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
-#             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS)
+#             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
+#             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~4 min)
 #   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
 #             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
 #             training one), then the paper 0.5B shape trained through train.main on those
