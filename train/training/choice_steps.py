@@ -221,6 +221,13 @@ class ChoiceSteps:
                  "step %d)", choice.describe(self.ahead[0]), ready + 1)
     self.builds.request(self.ahead[0])
 
+  def _ahead_built(self, done: int):
+    """The key of the step compiled ahead once it counts as built after `done` steps, else
+    None."""
+    if self.ahead is None or done < self.ahead[1]:
+      return None
+    return self.ahead[0]
+
   # How much faster than the running step the step compiled ahead must be predicted to run
   # in the meantime: its FFN's time over the dense FFN's, mean over the layers.
   BRIDGE_GAIN = 0.05
@@ -235,10 +242,8 @@ class ChoiceSteps:
     while layers 1-7 were at 20-45 active features per token from step ~300: a choice lands
     `landing_steps` after its decision, and one is decided only once the one before has
     landed."""
-    if self.ahead is None or done < self.ahead[1]:
-      return None
-    key, choice = self.ahead[0], self.choice
-    if key in (self.running, choice.key):
+    key, choice = self._ahead_built(done), self.choice
+    if key is None or key in (self.running, choice.key):
       return None
     cost = lambda k: float(choice.costs(k, counts, tokens, heavy).mean())
     return key if cost(key) < cost(self.running) - self.BRIDGE_GAIN else None
@@ -351,7 +356,7 @@ class ChoiceSteps:
       choice.current, choice.hot = list(target[0]), list(target[1])
       return state
     # The step compiled ahead, once it counts as built, runs from the next step: no build.
-    built = (self.ahead is not None and choice.key == self.ahead[0] and done >= self.ahead[1])
+    built = choice.key == self._ahead_built(done)
     land = done if built else done + landing_lag(choice, target, counts, heavy, tokens,
                                                  self.lag, self.ffn_share)
     why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
