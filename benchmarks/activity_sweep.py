@@ -232,6 +232,17 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
   return out
 
 
+def saved_skews(path: str) -> dict:
+  """The fitted skews ({"early", "last_layer"}: {"fit", "from"}) of an earlier result's JSON;
+  ValueError naming the file when it has none."""
+  with open(path) as f:
+    skews = json.load(f).get("skews")
+  if not skews or not all("fit" in skew for skew in skews.values()):
+    raise ValueError(f"{path} holds no fitted skews (an activity_sweep result with captures "
+                     f"has them under \"skews\")")
+  return skews
+
+
 def _train_and_capture(cfg, steps, impl: str, fl) -> dict:
   """Steps 1-2 of the module docstring: {"steps", "run_s", "captures", "skews"}."""
   from train.training import loop as train_lib  # pylint: disable=import-outside-toplevel
@@ -269,9 +280,7 @@ def main(argv):
   shape = (cfg.batch_size * cfg.data.seq_len, mc.d_model, mc.d_ff)
   results = {"device": device, "jax": jax.__version__, "l1": fl.l1}
   if fl.skews_from:
-    with open(fl.skews_from) as f:
-      results["skews"] = json.load(f)["skews"]
-    results["skews_from"] = fl.skews_from
+    results["skews"], results["skews_from"] = saved_skews(fl.skews_from), fl.skews_from
   else:
     results.update(_train_and_capture(cfg, steps, impl, fl))
   scan = [int(k) for k in fl.scan_hot]

@@ -459,6 +459,16 @@ class ActivitySweepSmokeTest(absltest.TestCase):
     self.assertIn("profile", last)   # empty where CUPTI is unavailable (this CPU)
 
 
+class SavedSkewsTest(absltest.TestCase):
+
+  def test_a_file_without_fitted_skews_is_refused_by_name(self):
+    path = os.path.join(self.create_tempdir().full_path, "whole_run.json")
+    with open(path, "w") as f:
+      json.dump({"device": "NVIDIA H100", "runs": []}, f)
+    with self.assertRaisesRegex(ValueError, "whole_run.json holds no fitted skews"):
+      activity_sweep.saved_skews(path)
+
+
 class FloorTest(absltest.TestCase):
   """`activity_sweep.floor_ms`: dense's nine GEMMs against the gate's one and K's eight."""
 
