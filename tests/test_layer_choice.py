@@ -450,8 +450,10 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
                           keep_checkpoints=9, l1_coeff=3e-2, learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
                              "layer_choice.every": 2, "layer_choice.landing_steps": 7})
+    unsaved = cfg.copy_and_resolve_references()
+    unsaved.checkpoint_every = 0    # checkpoints only for the resume below
     runs = [(self._decisions(logs.output), [l for l in logs.output if "compiled ahead," in l])
-            for logs in self._runs_with_slower_builds(cfg, 1.0)]
+            for logs in self._runs_with_slower_builds(unsaved, 1.0)]
     ((decided, running), bridged), second = runs
     self.assertEqual((decided, running), second[0])
     step, choice, land = decided[0]
