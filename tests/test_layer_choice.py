@@ -452,7 +452,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
                              "layer_choice.every": 2, "layer_choice.landing_steps": 7})
     unsaved = cfg.copy_and_resolve_references()
     unsaved.checkpoint_every = 0    # checkpoints only for the resume below
-    runs = [(self._decisions(logs.output), [l for l in logs.output if "compiled ahead," in l])
+    runs = [(self._decisions(logs.output), [l for l in logs.output if "compiled ahead" in l])
             for logs in self._runs_with_slower_builds(unsaved, 1.0)]
     ((decided, running), bridged), second = runs
     self.assertEqual((decided, running), second[0])
@@ -468,6 +468,30 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     logs = self._resume_after_losing(cfg, lost, 18)
     self.assertTrue(any(f"Resumed from checkpoint step {step + 2}" in l for l in logs))
     self.assertEqual(self._decisions(logs)[1][step + 3], "D S256")
+
+  def test_a_choice_decided_before_the_step_compiled_ahead_counts_as_built_is_bridged(self):
+    """The first choice is decided (step 8) before the step compiled ahead counts as built
+    (`landing_steps` = 11 after the start): the first decision after that (step 12), with the
+    choice still pending, runs the step compiled ahead until the choice lands."""
+    self._micro_sparse_model()
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
+                                                  ("xla",)))
+    cfg = tu.micro_config(num_train_steps=22, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
+                          learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 11})
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+    (step, choice, land), *_ = self._decisions(logs.output)[0]
+    running = self._decisions(logs.output)[1]
+    self.assertLess(step, 11)
+    bridged = [l for l in logs.output if "compiled ahead, until" in l]
+    self.assertLen(bridged, 1)
+    self.assertIn("step 13: now running FFN per layer D S256 (", bridged[0])
+    self.assertIn(f"until {choice} lands", bridged[0])
+    self.assertEqual({running[s] for s in range(1, 13)}, {"D D"})
+    self.assertEqual({running[s] for s in range(13, land)}, {"D S256"})
+    self.assertEqual(running[land], choice)
 
   def test_a_failed_build_of_the_step_compiled_ahead_leaves_training_going(self):
     """The step compiled ahead fails to build: the bridge logs it and training goes on with
