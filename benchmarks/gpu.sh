@@ -31,6 +31,10 @@
 #             JSON per run) with the default FFN choice (dense decode) and with the sparse
 #             kernels in every layer (prefill and decode), and train.report
 #   scaling   benchmarks.scaling: sparse and dense training on 1 GPU and on all ($SCALING_FLAGS)
+#   node      benchmarks.scaling at the paper 1.5B and 2B depths ($NODE_LAYERS, default 28 38)
+#             over all GPUs ($NODE_MESHES, default 1xN: fsdp over N), sparse (batch 8 per GPU,
+#             $NODE_SPARSE_FLAGS) and dense SiLU (batch 4 per GPU, 2 micro-batches,
+#             $NODE_DENSE_FLAGS), merged into node.json
 #   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
 #   matrix    benchmarks.matrix: every config x FFN x mesh of this machine through the CLIs
 #             (train, SIGKILL, resume, same state, evaluate, generate, export), then the
@@ -145,6 +149,22 @@ for part in "${parts[@]}"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_SCALING:-560} \
         python3 -m benchmarks.scaling --out="$OUT/scaling.json" ${SCALING_FLAGS} 2>&1 \
         | tee "$OUT/scaling.log" | quiet | tail -20 ;;
+    node)
+      n=$(nvidia-smi -L | wc -l); parts=()
+      for layers in ${NODE_LAYERS:-28 38}; do
+        for model in sparse dense; do
+          [ $model = sparse ] && flags=${NODE_SPARSE_FLAGS:---batch_per_device=8} \
+            || flags=${NODE_DENSE_FLAGS:---batch_per_device=4 --grad_accum=2}
+          XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_NODE:-400} \
+            python3 -m benchmarks.scaling --models=$model --layers=$layers \
+            --meshes=${NODE_MESHES:-1x$n} --choose_mesh=1x$n --options=trainer \
+            --train_steps=${NODE_TRAIN_STEPS:-500} $flags \
+            --out="$OUT/node_${layers}_$model.json" 2>&1 | tee -a "$OUT/node.log" \
+            | grep -E "^  |^sparse|rror"
+          [ -f "$OUT/node_${layers}_$model.json" ] && parts+=("$OUT/node_${layers}_$model.json")
+        done
+      done
+      python3 -m benchmarks.scaling --merge=$(IFS=,; echo "${parts[*]}") --out="$OUT/node.json" ;;
     resume)
       timeout ${T_RESUME:-560} python3 -m benchmarks.kill_resume --out="$OUT/kill_resume.json" \
         ${RESUME_FLAGS:---config=configs/small.py --steps=60 --every=20 -- \

@@ -83,6 +83,12 @@ def _define_flags():
                       "\"profile\": benchmarks.timing.trace_breakdown)")
   flags.DEFINE_list("one_device_on", ["0"], "device indices the 1x1 mesh runs on, one after "
                     "the other (efficiency is against the first; each one's own is recorded)")
+  flags.DEFINE_string("choose_mesh", "1x1", "DATAxFSDP mesh whose first step makes the sparse "
+                      "model's per-layer choice (a model too large for one device: a mesh "
+                      "that holds it)")
+  flags.DEFINE_list("merge", [], "instead of running: results JSONs of this machine (each model "
+                    "at its own setting) merged into one with the sparse/dense ratios per "
+                    "depth and mesh (`merge_results`)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -177,13 +183,14 @@ def _state(tr, params):
 
 
 def _choose(fl, params):
-  """The sparse model's per-layer choice on one device, as the trainer's first step makes it:
-  (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the description
-  and the predicted per-layer ratios). None where the config makes no choice."""
+  """The sparse model's per-layer choice on the `--choose_mesh` mesh, as the trainer's first
+  step makes it: (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the
+  description and the predicted per-layer ratios). None where the config makes no choice."""
   from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
   from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
-  cfg = _config(fl, "sparse", 1, 1)
-  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+  data, fsdp = (int(v) for v in fl.choose_mesh.split("x"))
+  cfg = _config(fl, "sparse", data, fsdp)
+  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
   choice = tr.layer_choice()
   if choice is None:
     return None
@@ -276,9 +283,50 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   }
 
 
+# Per run, the settings of the invocation that made it (kept when results are merged).
+_SETTINGS = ("layers", "batch_per_device", "grad_accum", "remat", "weights", "train_steps")
+
+
+def merge_results(results: list[dict]) -> dict:
+  """Several invocations' results (each model at its own setting: remat, micro-batches) as
+  one: every run with its invocation's `_SETTINGS`, and per depth and mesh the sparse model's
+  tokens/s over the dense one's and its largest measured peak memory per device over the
+  dense one's (`ratios`)."""
+  runs = [{**{k: r[k] for k in _SETTINGS if k in r}, **run}
+          for r in results for run in r["runs"] if "error" not in run]
+  ratios = []
+  for layers in sorted({run["layers"] for run in runs}):
+    for mesh in sorted({run["mesh"] for run in runs}):
+      pick = {run["model"]: run for run in runs
+              if run["layers"] == layers and run["mesh"] == mesh}
+      if {"sparse", "dense"} <= set(pick):
+        sp, de = pick["sparse"], pick["dense"]
+        peak = lambda run: max(p or 0 for p in run["measured_peak_bytes_per_device"])
+        ratios.append({"layers": layers, "mesh": mesh,
+                       "speedup": sp["tokens_per_s"] / de["tokens_per_s"],
+                       "peak_memory_ratio": peak(sp) / max(peak(de), 1)})
+  first = results[0]
+  return {"device": first["device"], "device_count": first["device_count"],
+          "jax": first["jax"], "runs": runs, "ratios": ratios,
+          "failed": [run for r in results for run in r["runs"] if "error" in run]}
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
+  if fl.merge:
+    loaded = []
+    for path in fl.merge:
+      with open(path) as f:
+        loaded.append(json.load(f))
+    merged = merge_results(loaded)
+    for r in merged["ratios"]:
+      print(f"  {r['layers']} layers, mesh {r['mesh']}: sparse {r['speedup']:.3f}x dense, "
+            f"peak memory {r['peak_memory_ratio']:.3f}x", flush=True)
+    if fl.out:
+      with open(fl.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    return
   n = jax.device_count()
   meshes = fl.meshes or (["1x1"] + ([f"{n}x1"] if n > 1 else []))
   meshes = [tuple(int(v) for v in m.split("x")) for m in meshes]
@@ -295,7 +343,8 @@ def main(argv):
   results = {"device": device, "device_count": n, "jax": jax.__version__,
              "shape": fl.shape, "layers": fl.layers, "scan_layers": fl.scan_layers,
              "batch_per_device": fl.batch_per_device, "grad_accum": fl.grad_accum,
-             "weights": fl.weights, "train_steps": fl.train_steps,
+             "weights": fl.weights, "train_steps": fl.train_steps, "remat": fl.remat,
+             "choose_mesh": fl.choose_mesh,
              "sparse_layers": None if choice is None else choice["describe"],
              "option_sets": {k: compiler_options(k) for k in fl.options}, "runs": []}
   for model in fl.models:

@@ -31,7 +31,8 @@ Per run: the command's wall-clock (start-up, compiles, evaluations, checkpoints 
 time to its first step, held-out cross-entropy at every evaluation, and at every logged step
 tokens/s, active features per token and rows that left the sparse kernels per layer, the
 number of layers gathering features and their hot features; the per-layer decisions and the
-steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "runs": [{"name",
+steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "gpus_per_run" (1
+with `--parallel`, else every GPU of the machine: a data-parallel mesh), "runs": [{"name",
 "wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
 "sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]],
 "landing_waits_s": [[step, seconds the loop waited for that landing's build]], ...}],
@@ -237,6 +238,7 @@ def main(argv):
   gpus = cli_run.gpu_names()
   results = {"device": gpus[0] if gpus else "cpu", "steps": fl.steps, "shape": fl.shape,
              "l1": fl.l1, "parallel": fl.parallel, "deterministic": fl.deterministic,
+             "gpus_per_run": 1 if fl.parallel or not gpus else len(gpus),
              "tokenizer": (tokenizer or {}).get("model"), "runs": []}
   for path in fl.merge:
     with open(path) as f:
@@ -246,7 +248,8 @@ def main(argv):
     results["device"] = earlier["device"]
     results["runs"] += earlier["runs"]
     if not fl.runs:   # only merging: the setting is the earlier runs'
-      for key in ("steps", "shape", "l1", "parallel", "deterministic", "tokenizer"):
+      for key in ("steps", "shape", "l1", "parallel", "deterministic", "tokenizer",
+                  "gpus_per_run"):
         results[key] = earlier.get(key, results[key])
     results.setdefault("tokens_per_step", earlier.get("tokens_per_step"))
   started = []

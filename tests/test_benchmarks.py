@@ -167,7 +167,8 @@ class ScalingSmokeTest(absltest.TestCase):
     import types  # pylint: disable=import-outside-toplevel
     fl = types.SimpleNamespace(shape="tiny", layers=2, batch_per_device=2, iters=1,
                                weights="init", remat=False, sparse="xla", scan_layers=True,
-                               scan_unroll=True, frozen_weights=True, grad_accum=2)
+                               scan_unroll=True, frozen_weights=True, grad_accum=2,
+                               choose_mesh="1x1")
     params = scaling._params(fl)  # pylint: disable=protected-access
     # The sparse model as the trainer runs it: the per-layer choice from one step's counts.
     choice = scaling._choose(fl, params)  # pylint: disable=protected-access
@@ -188,6 +189,25 @@ class ScalingSmokeTest(absltest.TestCase):
     self.assertEqual(config(fl, "sparse", 1, 1).learning_rate, 0.0)
     fl.frozen_weights = False
     self.assertGreater(config(fl, "sparse", 1, 1).learning_rate, 0.0)
+
+  def test_merge_results_pairs_each_depth_and_mesh(self):
+    """Invocations with each model at its own setting merge into one: every run keeps its
+    invocation's setting, and per depth and mesh the sparse/dense tokens/s and peak memory."""
+    run = lambda model, mesh, tps, peak: {"model": model, "mesh": mesh, "tokens_per_s": tps,
+                                          "measured_peak_bytes_per_device": [peak, None]}
+    top = {"device": "H", "device_count": 4, "jax": "0", "weights": "trained",
+           "train_steps": 500}
+    sparse = {**top, "layers": 28, "batch_per_device": 8, "grad_accum": 1, "remat": False,
+              "runs": [run("sparse", "1x4", 300.0, 40), run("sparse", "2x2", 280.0, 50)]}
+    dense = {**top, "layers": 28, "batch_per_device": 4, "grad_accum": 2, "remat": False,
+             "runs": [run("dense", "1x4", 200.0, 80),
+                      {"model": "dense", "mesh": "2x2", "error": "RESOURCE_EXHAUSTED"}]}
+    merged = scaling.merge_results([sparse, dense])
+    self.assertEqual(merged["ratios"], [{"layers": 28, "mesh": "1x4", "speedup": 1.5,
+                                         "peak_memory_ratio": 0.5}])
+    self.assertLen(merged["runs"], 3)
+    self.assertEqual([r["grad_accum"] for r in merged["runs"]], [1, 1, 2])
+    self.assertEqual(merged["failed"][0]["mesh"], "2x2")
 
   def test_loop_layout_of_stacked_params(self):
     """`--scan_layers=false` runs scan-layout (cached) weights in the loop layout: the
