@@ -106,6 +106,9 @@ def get_config() -> ml_collections.ConfigDict:
       landing_steps=150,      # builds take 10-16 s beside training once the kernels are
                               # compiled (paper 0.5B, H100 host: 100 dense steps' time,
                               # 12.6 s, made the loop wait 16 s over six landings)
+      build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
+                              # goes on with the running step (builds take 8-22 s; one on
+                              # four H200s never came back)
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):

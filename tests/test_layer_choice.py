@@ -236,6 +236,27 @@ class StepBuildsTest(absltest.TestCase):
     finally:
       steps.close()
 
+  def test_a_build_past_its_wait_raises_and_does_not_hold_close(self):
+    """`get` waits at most `timeout` s (then `BuildTimeout`, every thread's stack logged);
+    `busy()` until that build ends; `close()` does not wait for it (the worker is a daemon
+    thread, so a build that never ends does not hold the process either)."""
+    gate = threading.Event()
+    self.addCleanup(gate.set)
+    steps = choice_steps.StepBuilds(lambda key: gate.wait(30) and key[0])
+    steps.request(("slow",))
+    with self.assertLogs(level="ERROR") as logs:
+      with self.assertRaisesRegex(choice_steps.BuildTimeout, "not built after 0 s"):
+        steps.get(("slow",), timeout=0.2)
+    self.assertIn("step-builds", logs.output[0])          # the worker thread's stack
+    self.assertTrue(steps.busy())
+    t0 = time.perf_counter()
+    steps.close()
+    self.assertLess(time.perf_counter() - t0, 1.0)
+    gate.set()
+    steps._worker.join(5)  # pylint: disable=protected-access
+    self.assertFalse(steps.busy())
+    self.assertEqual(steps.get(("slow",)), "slow")
+
   def test_foreground_builds_in_request(self):
     built = []
     steps = choice_steps.StepBuilds(lambda key: built.append(key) or key[0], background=False)
@@ -517,6 +538,40 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     decided, running = self._decisions(logs.output)
     self.assertEqual(running[decided[0][2]], decided[0][1])
     self.assertEqual(running[decided[0][0] + 1], "D D")
+
+  def test_a_build_that_does_not_come_back_leaves_training_going(self):
+    """The first choice's build never ends: at its landing the loop waits
+    `layer_choice.build_timeout_s`, logs it and trains on with the running step; no choice
+    is decided while that build holds the worker; the run ends."""
+    self._micro_sparse_model()
+    gate = threading.Event()
+
+    def release():   # the build ends before the interpreter does
+      gate.set()
+      for t in threading.enumerate():
+        if t.name == "step-builds":
+          t.join(60)
+    self.addCleanup(release)
+    compile_step = trainer_lib.Trainer.compile_train_step
+
+    def stuck(self, key, *a, **k):
+      if any(name != "dense" for name in key[0]):
+        gate.wait(120)
+      return compile_step(self, key, *a, **k)
+    self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step",
+                                                  stuck))
+    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
+                          learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 3,
+                             "layer_choice.build_timeout_s": 0.5})
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+    decided, running = self._decisions(logs.output)
+    self.assertLen(decided, 1)                           # none while the build is stuck
+    self.assertTrue(any("BuildTimeout: not built after 0 s" in l for l in logs.output))
+    self.assertEqual(set(running.values()), {"D D"})
+    self.assertEqual(max(running), 18)
 
   def test_landing_lag_is_dense_steps_time_at_the_running_choices_predicted_speed(self):
     """A decision taken while dense layers run lands `landing_steps` steps later; while

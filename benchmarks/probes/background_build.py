@@ -1,10 +1,12 @@
 r"""Probe: how long a train step takes to build, alone and on a thread beside training.
 
     python -m benchmarks.probes.background_build [--background=512:untuned,...] [--budget_s=240]
+    python -m benchmarks.probes.background_build --batch=32 --foreground_keys=0-256-...
 
 The per-layer FFN choice (`train.choice_steps.StepBuilds`) compiles a new train step on a
 worker thread while the current one keeps training. At the paper 0.5B shape
-(`benchmarks.trained.config_for`) this measures:
+(`benchmarks.trained.config_for`, `--batch` rows a step over a data-parallel mesh of every
+device) this measures:
 
 * the dense step and a mixed-K sparse step (`--mixed`), each built in the foreground tuned
   (XLA's defaults) and untuned (`train.compilation.NO_AUTOTUNE`): trace, lowering and compile
@@ -12,8 +14,8 @@ worker thread while the current one keeps training. At the paper 0.5B shape
 * per `--background` case `K:options`, a build through `StepBuilds` beside the dense
   step's loop: how long it takes and the loop's step time meanwhile. K is one number of hot
   features for every layer or one per layer joined by `-` (layers with different K compile
-  as separate groups); options `tuned`, `untuned` or `untuned_2threads` (XLA compiling on
-  two threads).
+  as separate groups; K = 0: that layer dense); options `tuned`, `untuned` or
+  `untuned_2threads` (XLA compiling on two threads).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ _OPTIONS = {"tuned": None, "untuned": compilation.NO_AUTOTUNE,
 _FOREGROUND = flags.DEFINE_bool("foreground", True, "also time the dense and --mixed steps "
                                 "built tuned and untuned in the foreground")
 _BUDGET = flags.DEFINE_float("budget_s", 240.0, "longest wait for one background build")
+_BATCH = flags.DEFINE_integer("batch", None, "rows a step (default: the config's)")
+_FOREGROUND_KEYS = flags.DEFINE_list("foreground_keys", [], "per-layer K built untuned in the "
+                                     "foreground first, each timed alone")
 
 
 def _build(tr, key, specs, options=None) -> tuple:
@@ -68,7 +73,11 @@ def _loop_ms(step, state, batch, n: int):
 
 def main(argv):
   del argv
-  cfg = trained.config_for("paper_0p5b")
+  import faulthandler  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  # A build that never ends shows where every thread is.
+  faulthandler.dump_traceback_later(_BUDGET.value + 30, repeat=True, file=sys.stderr)
+  cfg = trained.config_for("paper_0p5b", batch=_BATCH.value)
   cfg.model.ffn_implementation = None
   tr = trainer_lib.Trainer(cfg)
   n_layers = tr.model_cfg.n_layers
@@ -81,13 +90,17 @@ def main(argv):
   specs = (jax.tree.map(like, state), like(batch))
   def sparse(k):
     hot = [int(h) for h in str(k).split("-")]
-    return ("mosaic_gpu",) * n_layers, tuple(hot * n_layers if len(hot) == 1 else hot)
+    hot = hot * n_layers if len(hot) == 1 else hot
+    return tuple("mosaic_gpu" if h else "dense" for h in hot), tuple(hot)
 
   def show(label, t):
     print(f"{label}:", {k: round(v, 1) for k, v in t.items()}, flush=True)
 
+  print(f"mesh {dict(tr.mesh.shape)}, {rows} rows a step", flush=True)
   dense_key = (("dense",) * n_layers, (0,) * n_layers)
   built = {}
+  for k in _FOREGROUND_KEYS.value:
+    show(f"foreground K={k} (untuned) build", _build(tr, sparse(k), specs, _OPTIONS["untuned"])[1])
   foreground = ("tuned", "untuned")
   pairs = (("dense", dense_key), ("mixed", sparse(_MIXED.value)))
   for name, key in pairs if _FOREGROUND.value else pairs[:1]:

@@ -63,6 +63,7 @@ _FLOAT_RANGE = {
     "model.init_std": (0.0, math.inf, False, False),
     "layer_choice.sparse_below": (0.0, math.inf, True, False),
     "layer_choice.dense_above": (0.0, math.inf, True, False),
+    "layer_choice.build_timeout_s": (0.0, math.inf, False, False),
     "data.eval_fraction": (0.0, 1.0, False, False),
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",

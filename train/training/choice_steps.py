@@ -22,6 +22,7 @@ the step compiled ahead counts as built (`meta`, `_restore`).
 import gc
 import math
 import sys
+import threading
 import time
 
 from absl import logging
@@ -31,6 +32,10 @@ import numpy as np
 
 from twell_jax import features as features_lib
 from train.training import layer_choice as layer_choice_lib
+
+
+class BuildTimeout(Exception):
+  """A build not done within the wait its caller allows (`StepBuilds.get`)."""
 
 
 class StepBuilds:
@@ -50,17 +55,25 @@ class StepBuilds:
   interpreter's switch interval is shortened and the cyclic garbage collector is off: its
   full collections over the objects a build creates stop every thread for 100-200 ms each,
   three or four per build at the paper's shape.
+
+  A build can fail to come back: on four H200s (paper 0.5B shape, data=4) one stayed inside
+  XLA's compile for the last 7 minutes of its run after 13-20 s builds before it. `get` waits
+  at most `timeout` seconds, then raises `BuildTimeout` with every thread's stack in the log;
+  `busy()` stays true until that build ends. The worker is a daemon thread, so a build that
+  never ends does not keep the process from exiting.
   """
 
   _BUILD_SWITCH_INTERVAL_S = 2e-4
 
   def __init__(self, build, background: bool = True):
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    import queue  # pylint: disable=import-outside-toplevel
     self._build = build
     self.background = background
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._queue = queue.SimpleQueue()
+    self._worker = None
     self._futures: dict[tuple, object] = {}
     self.build_s: dict[tuple, float] = {}   # seconds each build took
+    self.overdue = None   # the key of a build that outlasted a `get` timeout, until it ends
 
   def _timed_build(self, key: tuple):
     t0 = time.perf_counter()
@@ -81,12 +94,30 @@ class StepBuilds:
         gc.enable()
       sys.setswitchinterval(interval)
 
+  def _work(self) -> None:
+    while True:
+      item = self._queue.get()
+      if item is None:
+        return
+      future, key = item
+      if not future.set_running_or_notify_cancel():
+        continue
+      try:
+        future.set_result(self._build_in_background(key))
+      except BaseException as e:  # pylint: disable=broad-except  # raised by get()
+        future.set_exception(e)
+
   def request(self, key: tuple) -> None:
     """Starts building the step of `key` unless it is built or being built."""
     if key in self._futures:
       return
     if self.background:
-      self._futures[key] = self._pool.submit(self._build_in_background, key)
+      import concurrent.futures  # pylint: disable=import-outside-toplevel
+      self._futures[key] = concurrent.futures.Future()
+      self._queue.put((self._futures[key], key))
+      if self._worker is None:
+        self._worker = threading.Thread(target=self._work, name="step-builds", daemon=True)
+        self._worker.start()
     else:
       self.get(key)
 
@@ -94,23 +125,47 @@ class StepBuilds:
     """Whether the step of `key` is built (or its build failed)."""
     return key in self._futures and self._futures[key].done()
 
-  def get(self, key: tuple):
-    """The step of `key`, waiting for its build (an exception of the build is raised here)."""
+  def busy(self) -> bool:
+    """Whether a build that outlasted a `get` timeout is still running."""
+    if self.overdue is not None and self.done(self.overdue):
+      self.overdue = None
+    return self.overdue is not None
+
+  def get(self, key: tuple, timeout: float | None = None):
+    """The step of `key`, waiting for its build (an exception of the build is raised here), at
+    most `timeout` seconds (then `BuildTimeout`)."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
     if key not in self._futures:
-      import concurrent.futures  # pylint: disable=import-outside-toplevel
       done = concurrent.futures.Future()
       try:
         done.set_result(self._timed_build(key))
       except Exception as e:  # pylint: disable=broad-except  # raised by result() below
         done.set_exception(e)
       self._futures[key] = done
-    return self._futures[key].result()
+    try:
+      return self._futures[key].result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+      import traceback  # pylint: disable=import-outside-toplevel
+      self.overdue = key
+      frames = sys._current_frames()  # pylint: disable=protected-access
+      names = {t.ident: t.name for t in threading.enumerate()}
+      stacks = "\n".join(f"thread {names.get(ident, ident)}:\n"
+                         + "".join(traceback.format_stack(frame))
+                         for ident, frame in frames.items())
+      logging.error("the build of the train step for %s is not done after %.0f s; every "
+                    "thread's stack:\n%s", key, timeout, stacks)
+      raise BuildTimeout(f"not built after {timeout:.0f} s (every thread's stack is in the "
+                         "log)") from None
 
   def close(self):
-    """Cancels the builds that have not started and waits for the one in flight."""
+    """Cancels the builds that have not started and waits for the one in flight, unless it
+    outlasted a `get` timeout."""
     for future in self._futures.values():
       future.cancel()
-    self._pool.shutdown(wait=True)
+    if self._worker is not None:
+      self._queue.put(None)
+      if not self.busy():
+        self._worker.join()
 
 
 def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
@@ -164,6 +219,7 @@ class ChoiceSteps:
         lambda key: tr.compile_train_step(key, state_spec, batch_spec, autotune=False),
         background=cfg.layer_choice.background)
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
+    self.build_timeout_s = cfg.layer_choice.get("build_timeout_s", None)
     self.pending = None   # (key, step): a choice decided, running from that step on
     # The feature counts and heavy rows summed over the steps since the last decision (device
     # arrays), and how many steps that is.
@@ -331,7 +387,8 @@ class ChoiceSteps:
     not done."""
     t0 = time.perf_counter()
     ready = self.builds.done(key)
-    self.train_step, self.running = self.builds.get(key), key
+    self.train_step = self.builds.get(key, timeout=self.build_timeout_s)
+    self.running = key
     # The device idles while the loop waits: a build slower than the landing lag (a busy
     # host) shows here.
     waited = 0.0 if ready else time.perf_counter() - t0
@@ -354,6 +411,11 @@ class ChoiceSteps:
       counted = jax.tree.map(jnp.add, self.counted, counted)
     self.counted, self.counted_steps = counted, self.counted_steps + 1
     if done % cfg.layer_choice.every and done != 1:
+      return state
+    if self.builds.busy():
+      # A build outlasted its landing (`StepBuilds.get`): it holds the only worker, so no
+      # choice is decided until it ends; training goes on with the running step.
+      self.counted, self.counted_steps = None, 0
       return state
     # Decisions fall on the same steps in a resumed run as in an uninterrupted one (the
     # choice in use and the one pending come back from the checkpoint), so both reorder the
