@@ -19,11 +19,14 @@ machine, and a checkpoint keeps the choice in use, the one pending and the step 
 the step compiled ahead counts as built (`meta`, `_restore`).
 """
 
+import concurrent.futures
 import gc
 import math
+import queue
 import sys
 import threading
 import time
+import traceback
 
 from absl import logging
 import jax
@@ -66,7 +69,6 @@ class StepBuilds:
   _BUILD_SWITCH_INTERVAL_S = 2e-4
 
   def __init__(self, build, background: bool = True):
-    import queue  # pylint: disable=import-outside-toplevel
     self._build = build
     self.background = background
     self._queue = queue.SimpleQueue()
@@ -112,7 +114,6 @@ class StepBuilds:
     if key in self._futures:
       return
     if self.background:
-      import concurrent.futures  # pylint: disable=import-outside-toplevel
       self._futures[key] = concurrent.futures.Future()
       self._queue.put((self._futures[key], key))
       if self._worker is None:
@@ -134,7 +135,6 @@ class StepBuilds:
   def get(self, key: tuple, timeout: float | None = None):
     """The step of `key`, waiting for its build (an exception of the build is raised here), at
     most `timeout` seconds (then `BuildTimeout`)."""
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
     if key not in self._futures:
       done = concurrent.futures.Future()
       try:
@@ -145,7 +145,6 @@ class StepBuilds:
     try:
       return self._futures[key].result(timeout=timeout)
     except concurrent.futures.TimeoutError:
-      import traceback  # pylint: disable=import-outside-toplevel
       self.overdue = key
       frames = sys._current_frames()  # pylint: disable=protected-access
       names = {t.ident: t.name for t in threading.enumerate()}
