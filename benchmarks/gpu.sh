@@ -150,7 +150,7 @@ for part in "${parts[@]}"; do
         python3 -m benchmarks.scaling --out="$OUT/scaling.json" ${SCALING_FLAGS} 2>&1 \
         | tee "$OUT/scaling.log" | quiet | tail -20 ;;
     node)
-      n=$(nvidia-smi -L | wc -l); parts=()
+      n=$(nvidia-smi -L | wc -l); node_files=()
       for layers in ${NODE_LAYERS:-28 38}; do
         for model in sparse dense; do
           [ $model = sparse ] && flags=${NODE_SPARSE_FLAGS:---batch_per_device=8} \
@@ -161,10 +161,10 @@ for part in "${parts[@]}"; do
             --train_steps=${NODE_TRAIN_STEPS:-500} $flags \
             --out="$OUT/node_${layers}_$model.json" 2>&1 | tee -a "$OUT/node.log" \
             | grep -E "^  |^sparse|rror"
-          [ -f "$OUT/node_${layers}_$model.json" ] && parts+=("$OUT/node_${layers}_$model.json")
+          [ -f "$OUT/node_${layers}_$model.json" ] && node_files+=("$OUT/node_${layers}_$model.json")
         done
       done
-      python3 -m benchmarks.scaling --merge=$(IFS=,; echo "${parts[*]}") --out="$OUT/node.json" ;;
+      python3 -m benchmarks.scaling --merge=$(IFS=,; echo "${node_files[*]}") --out="$OUT/node.json" ;;
     resume)
       timeout ${T_RESUME:-560} python3 -m benchmarks.kill_resume --out="$OUT/kill_resume.json" \
         ${RESUME_FLAGS:---config=configs/small.py --steps=60 --every=20 -- \
