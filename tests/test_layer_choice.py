@@ -257,6 +257,22 @@ class StepBuildsTest(absltest.TestCase):
     self.assertFalse(steps.busy())
     self.assertEqual(steps.get(("slow",)), "slow")
 
+  def test_child_processes_names_each_child_and_its_state(self):
+    """What the timeout log says of a build's subprocesses (an exited ptxas shows as "Z")."""
+    import subprocess  # pylint: disable=g-import-not-at-top
+    running = subprocess.Popen(["sleep", "30"])
+    exited = subprocess.Popen(["true"])
+    self.addCleanup(running.wait)
+    self.addCleanup(running.kill)
+    children = choice_steps._child_processes  # pylint: disable=protected-access
+    deadline = time.time() + 5
+    while f"true {exited.pid} Z" not in children() and time.time() < deadline:
+      time.sleep(0.05)
+    children = children()
+    self.assertIn(f"sleep {running.pid} S", children)
+    self.assertIn(f"true {exited.pid} Z", children)
+    exited.wait()
+
   def test_foreground_builds_in_request(self):
     built = []
     steps = choice_steps.StepBuilds(lambda key: built.append(key) or key[0], background=False)

@@ -22,6 +22,7 @@ the step compiled ahead counts as built (`meta`, `_restore`).
 import concurrent.futures
 import gc
 import math
+import os
 import queue
 import sys
 import threading
@@ -35,6 +36,23 @@ import numpy as np
 
 from twell_jax import features as features_lib
 from train.training import layer_choice as layer_choice_lib
+
+
+def _child_processes() -> str:
+  """This process's children as "name pid state" (Linux /proc; "" elsewhere). A compile that
+  never returns may be waiting on a subprocess (ptxas) that has exited ("Z") or hung."""
+  out = []
+  try:
+    for task in os.listdir("/proc/self/task"):
+      with open(f"/proc/self/task/{task}/children") as f:
+        for pid in f.read().split():
+          with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read()
+          name = fields[fields.index("(") + 1:fields.rindex(")")]
+          out.append(f"{name} {pid} {fields[fields.rindex(')') + 2]}")
+  except OSError:
+    pass
+  return ", ".join(out)
 
 
 class BuildTimeout(Exception):
@@ -151,8 +169,9 @@ class StepBuilds:
       stacks = "\n".join(f"thread {names.get(ident, ident)}:\n"
                          + "".join(traceback.format_stack(frame))
                          for ident, frame in frames.items())
-      logging.error("the build of the train step for %s is not done after %.0f s; every "
-                    "thread's stack:\n%s", key, timeout, stacks)
+      logging.error("the build of the train step for %s is not done after %.0f s; child "
+                    "processes: %s; every thread's stack:\n%s", key, timeout,
+                    _child_processes() or "none", stacks)
       raise BuildTimeout(f"not built after {timeout:.0f} s (every thread's stack is in the "
                          "log)") from None
 
