@@ -35,9 +35,10 @@ steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "gpus
 with `--parallel`, else every GPU of the machine: a data-parallel mesh), "runs": [{"name",
 "wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
 "sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]],
-"landing_waits_s": [[step, seconds the loop waited for that landing's build]], ...}],
-"wall_ratios" (dense
-SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
+"landing_waits_s": [[step, seconds the loop waited for that landing's build]], ...,
+"phases" ([label, seconds] of the wall-clock cut at the first step and the evaluations,
+`phases`), "phase_ratios" (dense SiLU's seconds over the run's, per phase)}], "wall_ratios"
+(dense SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
 "same_decisions"}. The plot: each sparse run's speed over dense SiLU's between logged steps
 (wall-clock, evaluations included),
 and the first sparse run's activity per layer, against steps.
@@ -145,6 +146,19 @@ def _intervals(points) -> dict:
           if b["seconds"] > a["seconds"]}
 
 
+def phases(run: dict) -> list[list]:
+  """[label, seconds] of a run's wall-clock cut at its first step and its evaluations: "start"
+  (start-up and the first step's compile), "1-500", "500-1000", ... (each ending with that
+  step's evaluation; a checkpoint on that step falls in the next one), "end" (after the last
+  evaluation: the final checkpoint's write and the process's exit). They sum to `wall_s`."""
+  out, last, since = [["start", run["first_step_s"]]], run["first_step_s"], 1
+  for e in run["evals"]:
+    out.append([f"{since}-{e['step']}", e["seconds"] - last])
+    last, since = e["seconds"], e["step"]
+  out.append(["end", run["wall_s"] - last])
+  return out
+
+
 def warm_corpus(dataset: str) -> float:
   """Reads the held-out split of an offline corpus once (walking all of its directories),
   untimed, so that every run starts with it in the OS's file cache: on a fresh machine the
@@ -168,12 +182,18 @@ def summarize(results: dict) -> None:
   sparse = [r for r in runs if r is not base and "@" not in r["name"]]
   results["same_decisions"] = (all(r["decisions"] == sparse[0]["decisions"] for r in sparse)
                                if len(sparse) > 1 else None)
+  for r in runs:
+    r["phases"] = phases(r)
   if base is None:
     return
   for r in runs:
     if r is base:
       continue
     r["wall_ratio"] = base["wall_s"] / r["wall_s"]
+    # Where the whole-run ratio comes from: dense SiLU's seconds over this run's, per phase.
+    dense_phases = dict(base["phases"])
+    r["phase_ratios"] = [[label, dense_phases[label] / sec] for label, sec in r["phases"]
+                         if label in dense_phases and sec > 0]
     if r["eval_ce"] is not None and base["eval_ce"]:
       r["ce_ratio"] = r["eval_ce"] / base["eval_ce"]
     # Dense SiLU's wall-clock over this run's between consecutive logged steps (evaluations,
@@ -284,6 +304,11 @@ def main(argv):
           f"  held-out CE {r['eval_ce']}  whole-run ratio {r.get('wall_ratio', 1.0):.3f}"
           f"  {len(r['decisions'])} decisions, waited "
           f"{sum(w for _, w in r.get('landing_waits_s', [])):.1f} s for builds", flush=True)
+  for r in results["runs"]:
+    ratios = dict(r.get("phase_ratios", []))
+    print(f"  {r['name']:<12} " + " | ".join(
+        f"{label} {sec:.1f} s" + (f" ({ratios[label]:.2f}x)" if label in ratios else "")
+        for label, sec in r["phases"]), flush=True)
   print(f"wall ratios {results.get('wall_ratios')}  CE ratio {results.get('ce_ratio')}  "
         f"same decisions {results.get('same_decisions')}")
 

@@ -420,6 +420,12 @@ class WholeRunSmokeTest(absltest.TestCase):
     self.assertAlmostEqual(r["ce_ratio"], sparse["eval_ce"] / dense["eval_ce"])
     self.assertEqual([s for s, _ in sparse["step_ratios"]], [2, 4, 6])
     self.assertIn("landing_waits_s", sparse)   # the log's format: test_layer_choice
+    # The wall-clock cut at the first step and the evaluation (step 6), summing to it.
+    for run in r["runs"]:
+      self.assertEqual([label for label, _ in run["phases"]], ["start", "1-6", "end"])
+      self.assertAlmostEqual(sum(sec for _, sec in run["phases"]), run["wall_s"])
+    self.assertAlmostEqual(dict(sparse["phase_ratios"])["start"],
+                           dense["first_step_s"] / sparse["first_step_s"])
     self.assertTrue(os.path.getsize(png) > 0)
     # One run per invocation (one GPU, a time limit per command), merged afterwards: the same
     # summary from the runs' JSONs alone.
