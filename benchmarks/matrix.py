@@ -60,6 +60,9 @@ SHORT = {
 # on a node (`--configs=paper_1p5b,paper_2b --meshes=fsdp,data=2,fsdp=2`; not in `CONFIGS`: a
 # checkpoint of each holds 18-24 GB).
 SHORT["paper_1p5b"] = SHORT["paper_2b"] = SHORT["paper_0p5b"]
+# Cells whose workdirs hold ~100 GB (two runs of two checkpoints each) run one at a time, after
+# the others: two at once could fill a node's disk.
+ONE_AT_A_TIME = ("paper_1p5b", "paper_2b")
 # Two checkpoints kept: the one the killed run resumes from and the last (a paper_0p5b
 # checkpoint holds 6 GB of parameters and AdamW state).
 COMMON = [f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every={EVERY}",
@@ -75,6 +78,13 @@ def meshes(n: int) -> list[str]:
   if n % 2 == 0 and n > 2:
     out.append(f"data=2,fsdp={n // 2}")
   return out
+
+
+def split_cells(cells):
+  """(cells run `--parallel` at a time, cells run one at a time after them: `ONE_AT_A_TIME`)
+  of (config, impl, mesh) cells."""
+  return ([c for c in cells if c[0] not in ONE_AT_A_TIME],
+          [c for c in cells if c[0] in ONE_AT_A_TIME])
 
 
 def mesh_flags(mesh: str) -> list[str]:
@@ -291,10 +301,13 @@ def main(argv):
                for k, cell in enumerate(one)]
     for fut in concurrent.futures.as_completed(futures):
       done(fut.result())
+  together, alone = split_cells(many)
   with concurrent.futures.ThreadPoolExecutor(fl.parallel) as pool:
-    futures = [pool.submit(run_cell, *cell, root, None, fl.timeout) for cell in many]
+    futures = [pool.submit(run_cell, *cell, root, None, fl.timeout) for cell in together]
     for fut in concurrent.futures.as_completed(futures):
       done(fut.result())
+  for cell in alone:
+    done(run_cell(*cell, root, None, fl.timeout))
   result["cells"].sort(key=lambda c: (c["mesh"] != "1", c["mesh"], c["config"], c["impl"]))
   if fl.shapes:
     shapes_json = os.path.join(root, "shapes.json")

@@ -135,6 +135,10 @@ class MatrixTest(absltest.TestCase):
     self.assertEqual(matrix.meshes(1), ["1"])
     self.assertEqual(matrix.meshes(2), ["data=2", "fsdp=2"])
     self.assertEqual(matrix.meshes(4), ["data=4", "fsdp=4", "data=2,fsdp=2"])
+    # The 1.5B and 2B cells (~100 GB of checkpoints each) one at a time, after the others.
+    cells = [("paper_2b", "default", "fsdp=4"), ("tiny", "default", "fsdp=4"),
+             ("paper_1p5b", "mosaic_gpu", "data=2,fsdp=2")]
+    self.assertEqual(matrix.split_cells(cells), ([cells[1]], [cells[0], cells[2]]))
     cmd = matrix.train_cmd("small", "mosaic_gpu", "data=2,fsdp=2", "/w")
     self.assertIn("--config=configs/small.py", cmd)
     self.assertIn("--config.model.ffn_implementation=mosaic_gpu", cmd)
