@@ -11,10 +11,8 @@ steps when the running choice's steps are predicted faster; the loop waits for a
 by then; without `layer_choice.background`, built at once and running from the next step).
 While a choice is pending no other is decided: each decision lands. The sparse kernels are
 compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
-mostly the XLA program around them; that step (the first layer dense, the others sparse at
-K = 256) also runs from any decision that predicts it faster than the running step, until a
-choice lands (`_bridge`). What runs when follows from the decisions, the predictions and step
-numbers alone: the same seed gives the same decisions and switches on the same steps on any
+mostly the XLA program around them; a choice equal to that step lands at once. What runs when
+follows from the decisions, the predictions and step numbers alone: the same seed gives the same decisions and switches on the same steps on any
 machine, and a checkpoint keeps the choice in use, the one pending and the step from which
 the step compiled ahead counts as built (`meta`, `_restore`).
 """
@@ -125,6 +123,8 @@ class StepBuilds:
       try:
         future.set_result(self._build_in_background(key))
       except BaseException as e:  # pylint: disable=broad-except  # raised by get()
+        logging.warning("building the train step for %s failed (%s: %s); it is raised where "
+                        "that step is taken", key, type(e).__name__, e)
         future.set_exception(e)
 
   def request(self, key: tuple) -> None:
@@ -272,12 +272,16 @@ class ChoiceSteps:
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
     after this build a choice's step builds without them: 10-16 s instead of 14-23 s (paper
     shape, H100; more groups of layers with one K, more time), which `landing_steps` is set
-    for. The step itself runs where a decision predicts it faster than the running one
-    (`_bridge`): it counts as built `landing_steps` dense steps after the run's start (the
-    same step in a resumed run), so runs of a seed use it alike. The first layer stays dense
-    in it: in every run of the paper shape from initialisation measured, layers 1-7 fell to
-    10-60 active features per token by step 300-400 and the first one only by step
-    850-1,000."""
+    for. A choice equal to the step lands at once once it counts as built, `landing_steps`
+    dense steps after the run's start (the same step in a resumed run), so runs of a seed use
+    it alike. The first layer stays dense in it: in every run of the paper shape from
+    initialisation measured, layers 1-7 fell to 10-60 active features per token by step
+    300-400 and the first one only by step 850-1,000.
+
+    The step is not run in place of a choice still building, though predicted faster: two
+    runs on 4x H200 that did so (steps 301-463, 361-544) ran it at 0.93-1.01 of dense SiLU's
+    speed, where the choices' own steps (K = 512-2,560) ran at 1.08-1.22 at the same
+    activity; the prediction at K = 256 and the early steps' activity was too low."""
     choice = self.choice
     if (choice.sparse not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
@@ -302,42 +306,6 @@ class ChoiceSteps:
     if self.ahead is None or done < self.ahead[1]:
       return None
     return self.ahead[0]
-
-  # How much faster than the running step the step compiled ahead must be predicted to run
-  # in the meantime: its FFN's time over the dense FFN's, mean over the layers.
-  BRIDGE_GAIN = 0.05
-
-  def _bridge(self, done: int, counts, heavy, tokens: int):
-    """The step compiled ahead, if it should run from the next step on: it counts as built,
-    is neither running nor the choice just decided, and its FFN is predicted `BRIDGE_GAIN`
-    faster than the running step's (over the dense FFN's, mean over the layers, on this
-    decision's counts). Else None.
-
-    Asked at every decision, a choice pending or not (`_run_bridge`): runs of the paper shape
-    from initialisation made their first choice at 100-250 active features per token (K =
-    2048-2560, 0.82-0.92 of dense predicted) at step ~140, before the step compiled ahead
-    counted as built (step 150); that choice landed at step ~290, when layers 1-7 were at
-    20-45 active features per token, and the next one only at step ~460."""
-    key, choice = self._ahead_built(done), self.choice
-    if key is None or key in (self.running, choice.key):
-      return None
-    cost = lambda k: float(choice.costs(k, counts, tokens, heavy).mean())
-    return key if cost(key) < cost(self.running) - self.BRIDGE_GAIN else None
-
-  def _run_bridge(self, done: int, counts, heavy, tokens: int) -> None:
-    """Runs the step compiled ahead from the next step on if `_bridge` says so: until a choice
-    lands, or a later decision finds it no longer the faster one."""
-    key = self._bridge(done, counts, heavy, tokens)
-    if key is None:
-      return
-    until = ("" if self.pending is None else
-             f", until {self.choice.describe(self.pending[0])} lands")
-    try:
-      self._run(key, done, ", compiled ahead" + until)
-    except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
-      logging.exception("building the step compiled ahead failed (%s: %s); training goes on "
-                        "with %s", type(e).__name__, e, self.choice.describe(self.running))
-      self.ahead = None
 
   @property
   def eval_ffn(self):
@@ -451,7 +419,6 @@ class ChoiceSteps:
       # later, would otherwise supersede one another and none would land while activity
       # moves); the next decision comes after it lands.
       choice.current, choice.hot = list(target[0]), list(target[1])
-      self._run_bridge(done, counts, heavy, tokens)
       return state
     # The step compiled ahead, once it counts as built, runs from the next step: no build.
     built = choice.key == self._ahead_built(done)
@@ -470,7 +437,6 @@ class ChoiceSteps:
                    land + 1)
       self.pending = (choice.key, land)
       self.builds.request(choice.key)
-    self._run_bridge(done, counts, heavy, tokens)
     return state
 
   def close(self):
