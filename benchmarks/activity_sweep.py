@@ -11,12 +11,14 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
 2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the
    per-layer choice on this batch (`train.training.layer_choice.LayerChoice`: the layer's K, its
    predicted ratio) and the layer's forward + backward on the kernels at that K against the
-   dense FFN, on the captured input.
+   dense FFN, on the captured input: with the features in the state's order (as trained) and
+   sorted by this batch's counts (`sorted`, the prediction's assumption), each with the work
+   left to the backward's column kernels (`tail_columns`: the longest column in fair shares).
 3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
    the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
    `--actives` active features per token; per point the K the per-layer choice picks
-   (`train.training.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward against
-   dense.
+   (`train.training.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward
+   against dense.
 4. With `--skews_from`, steps 1-2 are skipped: the sweep runs on the fitted skews of an
    earlier result. `--scan_hot` times more K at every last-layer point, each beside its
    bytes-and-FLOPs floor (`floor_ms`); at `--profile_active` the last layer's sparse and dense
@@ -132,6 +134,19 @@ def _heavy_by_hot(active: np.ndarray) -> np.ndarray:
   return np.asarray(stats.tile_stats(jnp.asarray(active))[3])
 
 
+def tail_columns(active: np.ndarray, hot: int) -> dict:
+  """The work the column kernels get outside the first `hot` features of an activity mask
+  [M, H] in its feature order: entries per token, and the longest such column over a fair
+  share (those entries over `twell_jax.features.PARALLEL_COLUMNS` CTAs): one CTA walks each
+  column, so a column many shares long sets the kernel's time on its own."""
+  cols = active[:, hot:].sum(axis=0)
+  entries = int(cols.sum())
+  share = max(entries / tj_features.PARALLEL_COLUMNS, 1.0)
+  longest = int(cols.max(initial=0))
+  return {"tail_per_token": entries / active.shape[0], "longest_tail_column": longest,
+          "longest_over_share": longest / share}
+
+
 def _choice(active: np.ndarray):
   """The per-layer choice for one layer of this activity [M, H] (its features sorted): (its
   implementation, K, predicted ratio, active features per token outside the K hot ones)."""
@@ -166,13 +181,28 @@ class Capture:
       row = {"layer": l, "captured": st, "rows_over_width": _rows_over(active, k),
              "choice": name, "predicted": predicted, "tail_per_token": tail,
              "trainer_ran": None if layer_ffn is None else [layer_ffn[0][l], layer_ffn[1][l]],
+             # As trained: the features in the state's order (sorted at the last decision by
+             # the training batches' counts), K the choice's on this batch's sorted counts.
+             "as_ordered": tail_columns(active, k),
              **time_call(x, wg, wu, wd, k, self.impl, self.iters)}
+      # The same K with the features sorted by this batch's own counts (the prediction's
+      # assumption): what the order costs, apart from the kernels.
+      counts = active.sum(axis=0)
+      order = np.argsort(-counts, kind="stable")
+      swg, swu, swd, _ = tj_features.sort_features(wg, wu, wd, jnp.asarray(counts))
+      sorted_time = time_call(x, swg, swu, swd, k, self.impl, self.iters,
+                              dense_ms=row["dense_ms"])
+      row["sorted"] = {**tail_columns(active[:, order], k),
+                       "sparse_ms": sorted_time["sparse_ms"], "ratio": sorted_time["ratio"]}
       self.fits[(step, l)] = captured.fit_generator(st, x.shape[0], wu.shape[1])
       layers.append(row)
       print(f"  step {step} layer {l}: active {st['active_per_token']:.1f} rows p50/p99/max "
             f"{st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']} K {k} rows over W "
             f"{row['rows_over_width']}: fwd+bwd {row['ratio']:.3f} ({row['sparse_ms']:.2f} / "
-            f"{row['dense_ms']:.2f} ms)", flush=True)
+            f"{row['dense_ms']:.2f} ms; predicted {predicted:.3f}; sorted by this batch "
+            f"{row['sorted']['ratio']:.3f}; longest tail column "
+            f"{row['as_ordered']['longest_over_share']:.0f} / "
+            f"{row['sorted']['longest_over_share']:.0f} shares)", flush=True)
     self.results.append({"step": step, "seconds": round(time.time() - t0, 1),
                          "layers": layers})
 

@@ -453,6 +453,20 @@ class WholeRunSmokeTest(absltest.TestCase):
       self.assertNotIn("wall_ratios", alone)
 
 
+class TailColumnsTest(absltest.TestCase):
+
+  def test_the_longest_column_outside_the_hot_features_in_fair_shares(self):
+    active = np.zeros((64, 1024), bool)
+    active[:, 0] = True           # hot
+    active[:32, 1] = True         # the longest column outside K = 1
+    active[np.arange(64), 2 + np.arange(64)] = True
+    out = activity_sweep.tail_columns(active, 1)
+    self.assertEqual(out["tail_per_token"], 1.5)
+    self.assertEqual(out["longest_tail_column"], 32)
+    # 96 entries over 1024 CTAs is under one entry each: a share counts as one entry.
+    self.assertEqual(out["longest_over_share"], 32.0)
+
+
 class ActivitySweepSmokeTest(absltest.TestCase):
   """`benchmarks.activity_sweep --smoke`: a run's captured layers and the sweep points, each
   with the choice's K and the measured ratio."""
@@ -463,6 +477,9 @@ class ActivitySweepSmokeTest(absltest.TestCase):
                     "--actives=20", "--early=2:0", "--iters=1")
     self.assertEqual([c["step"] for c in r["captures"]], [2])
     self.assertLen(r["captures"][0]["layers"], 2)
+    for layer in r["captures"][0]["layers"]:      # as trained, and sorted by this batch
+      self.assertGreater(layer["sorted"]["ratio"], 0)
+      self.assertGreaterEqual(layer["as_ordered"]["longest_over_share"], 0)
     self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
     for p in r["sweep"] + r["captures"][0]["layers"]:
       self.assertAlmostEqual(p["ratio"], p["sparse_ms"] / p["dense_ms"])
