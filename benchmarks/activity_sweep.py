@@ -13,7 +13,8 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
    predicted ratio) and the layer's forward + backward on the kernels at that K against the
    dense FFN, on the captured input: with the features in the state's order (as trained) and
    sorted by this batch's counts (`sorted`, the prediction's assumption), each with the work
-   left to the backward's column kernels (`tail_columns`: the longest column in fair shares).
+   left to the backward's column kernels (`tail_columns`: the longest column in fair shares);
+   `--profile_captures` lists chosen layers kernel by kernel.
 3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
    the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
    `--actives` active features per token; per point the K the per-layer choice picks
@@ -71,6 +72,8 @@ def _define_flags():
   flags.DEFINE_list("scan_hot", [], "more K (hot features) timed at every last-layer point")
   flags.DEFINE_float("profile_active", 200, "the last layer's point listed kernel by kernel "
                      "(0: none)")
+  flags.DEFINE_list("profile_captures", ["300:5", "2500:2"], "captured layers (step:layer) "
+                    "listed kernel by kernel at the choice's K (CUPTI)")
 
 
 # An H100's measured ceilings (docs/performance.md, "The machine's two ceilings"): XLA's bf16
@@ -160,8 +163,9 @@ def _choice(active: np.ndarray):
 class Capture:
   """A trainer hook: at the capture steps, every layer's activity and kernel times."""
 
-  def __init__(self, cfg, steps, impl: str, iters: int):
+  def __init__(self, cfg, steps, impl: str, iters: int, profile=()):
     self.cfg, self.steps, self.impl, self.iters = cfg, set(steps), impl, iters
+    self.profile = set(profile)   # (step, layer) listed kernel by kernel
     self.results, self.fits = [], {}
 
   def __call__(self, tr, step: int, state, layer_ffn) -> None:
@@ -194,6 +198,8 @@ class Capture:
                               dense_ms=row["dense_ms"])
       row["sorted"] = {**tail_columns(active[:, order], k),
                        "sparse_ms": sorted_time["sparse_ms"], "ratio": sorted_time["ratio"]}
+      if (step, l) in self.profile:
+        row["profile"] = _profile(x, wg, wu, wd, k, self.impl)
       self.fits[(step, l)] = captured.fit_generator(st, x.shape[0], wu.shape[1])
       layers.append(row)
       print(f"  step {step} layer {l}: active {st['active_per_token']:.1f} rows p50/p99/max "
@@ -276,7 +282,8 @@ def saved_skews(path: str) -> dict:
 def _train_and_capture(cfg, steps, impl: str, fl) -> dict:
   """Steps 1-2 of the module docstring: {"steps", "run_s", "captures", "skews"}."""
   from train.training import loop as train_lib  # pylint: disable=import-outside-toplevel
-  hook = Capture(cfg, steps, impl, fl.iters)
+  hook = Capture(cfg, steps, impl, fl.iters,
+                 [tuple(int(v) for v in p.split(":")) for p in fl.profile_captures])
   t0 = time.time()
   with tempfile.TemporaryDirectory() as wd:
     train_lib.train_and_evaluate(cfg, wd, hooks=[hook])

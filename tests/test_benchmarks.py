@@ -474,12 +474,14 @@ class ActivitySweepSmokeTest(absltest.TestCase):
   def test_smoke(self):
     r = _run_module(os.path.join(self.create_tempdir().full_path, "a.json"),
                     "benchmarks.activity_sweep", "--smoke", "--capture_steps=2",
-                    "--actives=20", "--early=2:0", "--iters=1")
+                    "--actives=20", "--early=2:0", "--iters=1", "--profile_captures=2:1")
     self.assertEqual([c["step"] for c in r["captures"]], [2])
     self.assertLen(r["captures"][0]["layers"], 2)
     for layer in r["captures"][0]["layers"]:      # as trained, and sorted by this batch
       self.assertGreater(layer["sorted"]["ratio"], 0)
       self.assertGreaterEqual(layer["as_ordered"]["longest_over_share"], 0)
+    self.assertEqual([("profile" in l) for l in r["captures"][0]["layers"]], [False, True])
+    self.assertEqual(set(r["captures"][0]["layers"][1]["profile"]), {"sparse", "dense"})
     self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
     for p in r["sweep"] + r["captures"][0]["layers"]:
       self.assertAlmostEqual(p["ratio"], p["sparse_ms"] / p["dense_ms"])
