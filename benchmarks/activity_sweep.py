@@ -72,7 +72,7 @@ def _define_flags():
   flags.DEFINE_list("scan_hot", [], "more K (hot features) timed at every last-layer point")
   flags.DEFINE_float("profile_active", 200, "the last layer's point listed kernel by kernel "
                      "(0: none)")
-  flags.DEFINE_list("profile_captures", ["300:5", "2500:2"], "captured layers (step:layer) "
+  flags.DEFINE_list("profile_captures", ["300:1", "300:5"], "captured layers (step:layer) "
                     "listed kernel by kernel at the choice's K (CUPTI)")
 
 
