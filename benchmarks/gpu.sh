@@ -13,8 +13,8 @@
 #   captured  benchmarks.captured (trains the paper shape, captures activations, times kernels)
 #   e2e       benchmarks.e2e (whole-model training and inference, sparse vs dense)
 #   whole_run benchmarks.whole_run: whole training commands from random initialisation, dense
-#             SiLU and sparse twice, concurrently one GPU each where there are several
-#             ($WHOLE_RUN_FLAGS)
+#             SiLU and sparse twice, concurrently one GPU each where there are several, started
+#             $WHOLE_RUN_STAGGER (30) s apart ($WHOLE_RUN_FLAGS)
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
 #             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
 #             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~4 min)
@@ -97,7 +97,8 @@ for part in "${parts[@]}"; do
     whole_run)
       timeout ${T_WHOLE:-590} python3 -m benchmarks.whole_run --out="$OUT/whole_run.json" \
         --plot="$OUT/whole_run.png" --workdir=/tmp/twell_whole_run \
-        $([ $(nvidia-smi -L | wc -l) -gt 1 ] && echo --parallel) ${WHOLE_RUN_FLAGS} 2>&1 \
+        $([ $(nvidia-smi -L | wc -l) -gt 1 ] && echo --parallel --stagger_s=${WHOLE_RUN_STAGGER:-30}) \
+        ${WHOLE_RUN_FLAGS} 2>&1 \
         | tee /tmp/twell_whole_run.log | grep -E "^  |^wall|rror"
       cp /tmp/twell_whole_run.log /tmp/twell_whole_run/whole_run.log
       tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;

@@ -406,9 +406,10 @@ class WholeRunSmokeTest(absltest.TestCase):
     tmp = self.create_tempdir().full_path
     png = os.path.join(tmp, "w.png")
     r = _run_module(os.path.join(tmp, "w.json"), "benchmarks.whole_run", "--smoke",
-                    "--runs=dense_silu,sparse", "--parallel", "--deterministic",
+                    "--runs=dense_silu,sparse", "--parallel", "--stagger_s=1", "--deterministic",
                     f"--workdir={tmp}/runs", f"--plot={png}")
     self.assertEqual([run["name"] for run in r["runs"]], ["dense_silu", "sparse"])
+    self.assertGreaterEqual(r["runs"][1]["started_at"] - r["runs"][0]["started_at"], 1.0)
     self.assertTrue(r["deterministic"])
     for run in r["runs"]:
       self.assertIn("--xla_gpu_deterministic_ops=true", run["xla_flags"])
