@@ -182,13 +182,21 @@ def _state(tr, params):
   return {**state, "params": params, "opt_state": opt_state}
 
 
+def parse_mesh(text: str) -> tuple[int, int]:
+  """(data, fsdp) of a "DATAxFSDP" flag value; app.UsageError naming the value otherwise."""
+  parts = text.split("x")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise app.UsageError(f"mesh {text!r}: expected DATAxFSDP, e.g. 1x4 (fsdp over 4 devices)")
+  return int(parts[0]), int(parts[1])
+
+
 def _choose(fl, params):
   """The sparse model's per-layer choice on the `--choose_mesh` mesh, as the trainer's first
   step makes it: (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the
   description and the predicted per-layer ratios). None where the config makes no choice."""
   from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
   from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
-  data, fsdp = (int(v) for v in fl.choose_mesh.split("x"))
+  data, fsdp = parse_mesh(fl.choose_mesh)
   cfg = _config(fl, "sparse", data, fsdp)
   tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
   choice = tr.layer_choice()
@@ -329,7 +337,8 @@ def main(argv):
     return
   n = jax.device_count()
   meshes = fl.meshes or (["1x1"] + ([f"{n}x1"] if n > 1 else []))
-  meshes = [tuple(int(v) for v in m.split("x")) for m in meshes]
+  meshes = [parse_mesh(m) for m in meshes]
+  parse_mesh(fl.choose_mesh)   # a bad one stops the run before its first mesh
   unknown = {n for o in fl.options for n in o.split("+")} - set(OPTION_SETS)
   if unknown:
     raise app.UsageError(f"--options: unknown {sorted(unknown)}; known {list(OPTION_SETS)}")

@@ -194,6 +194,13 @@ class ScalingSmokeTest(absltest.TestCase):
     fl.frozen_weights = False
     self.assertGreater(config(fl, "sparse", 1, 1).learning_rate, 0.0)
 
+  def test_parse_mesh_names_a_bad_value(self):
+    from absl import app  # pylint: disable=import-outside-toplevel
+    self.assertEqual(scaling.parse_mesh("2x2"), (2, 2))
+    for bad in ("4", "1x", "0x4", "2x2x1", "ax4"):
+      with self.assertRaisesRegex(app.UsageError, f"mesh '{bad}': expected DATAxFSDP"):
+        scaling.parse_mesh(bad)
+
   def test_merge_results_pairs_each_depth_and_mesh(self):
     """Invocations with each model at its own setting merge into one: every run keeps its
     invocation's setting, and per depth and mesh the sparse/dense tokens/s and peak memory."""

@@ -12,9 +12,10 @@ by then; without `layer_choice.background`, built at once and running from the n
 While a choice is pending no other is decided: each decision lands. The sparse kernels are
 compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
 mostly the XLA program around them; a choice equal to that step lands at once. What runs when
-follows from the decisions, the predictions and step numbers alone: the same seed gives the same decisions and switches on the same steps on any
-machine, and a checkpoint keeps the choice in use, the one pending and the step from which
-the step compiled ahead counts as built (`meta`, `_restore`).
+follows from the decisions, the predictions and step numbers alone: the same seed gives the
+same decisions and switches on the same steps on any machine, and a checkpoint keeps the
+choice in use, the one pending and the step from which the step compiled ahead counts as
+built (`meta`, `_restore`).
 """
 
 import concurrent.futures
@@ -368,7 +369,7 @@ class ChoiceSteps:
         self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
     return self.train_step
 
-  def _run(self, key, step: int, note: str = "") -> None:
+  def _run(self, key, step: int) -> None:
     """Runs the step of `key` from step `step` (0-based) on, waiting for its build if it is
     not done."""
     t0 = time.perf_counter()
@@ -378,9 +379,9 @@ class ChoiceSteps:
     # The device idles while the loop waits: a build slower than the landing lag (a busy
     # host) shows here.
     waited = 0.0 if ready else time.perf_counter() - t0
-    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)%s",
+    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)",
                  step + 1, self.choice.describe(key), self.builds.build_s.get(key, 0.0),
-                 waited, note)
+                 waited)
 
   def after_step(self, done: int, metrics: dict, state):
     """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
