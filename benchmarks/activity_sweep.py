@@ -191,9 +191,9 @@ class Capture:
              **time_call(x, wg, wu, wd, k, self.impl, self.iters)}
       # The same K with the features sorted by this batch's own counts (the prediction's
       # assumption): what the order costs, apart from the kernels.
-      counts = active.sum(axis=0)
-      order = np.argsort(-counts, kind="stable")
-      swg, swu, swd, _ = tj_features.sort_features(wg, wu, wd, jnp.asarray(counts))
+      swg, swu, swd, order = tj_features.sort_features(wg, wu, wd,
+                                                       jnp.asarray(active.sum(axis=0)))
+      order = np.asarray(order)
       sorted_time = time_call(x, swg, swu, swd, k, self.impl, self.iters,
                               dense_ms=row["dense_ms"])
       row["sorted"] = {**tail_columns(active[:, order], k),
