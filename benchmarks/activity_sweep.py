@@ -60,6 +60,8 @@ def _define_flags():
   flags.DEFINE_integer("steps", 2500, "training steps of the run (its schedule's length)")
   flags.DEFINE_list("capture_steps", ["100", "200", "300", "500", "1000", "1500", "2500"],
                     "steps whose activity is captured (multiples of layer_choice.every)")
+  flags.DEFINE_bool("stop_at_last_capture", False, "end the run after the last capture step "
+                    "(the schedule stays --steps long): the captures alone, sooner")
   flags.DEFINE_list("actives", ["50", "100", "200", "400", "800"],
                     "active features per token of the sweep")
   flags.DEFINE_string("early", "300:4", "step:layer whose skew is the early steps'")
@@ -160,15 +162,21 @@ def _choice(active: np.ndarray):
   return choice.implementations[0], choice.hot[0], choice.predicted[0], choice.tail[0]
 
 
+class _CapturesDone(Exception):
+  """Raised by ``Capture`` after the last capture step when the run should end there."""
+
+
 class Capture:
   """A trainer hook: at the capture steps, every layer's activity and kernel times."""
 
-  def __init__(self, cfg, steps, impl: str, iters: int, profile=()):
+  def __init__(self, cfg, steps, impl: str, iters: int, profile=(), stop_after_last=False):
     self.cfg, self.steps, self.impl, self.iters = cfg, set(steps), impl, iters
+    self.stop_after_last, self.last_step = stop_after_last, 0
     self.profile = set(profile)   # (step, layer) listed kernel by kernel
     self.results, self.fits = [], {}
 
   def __call__(self, tr, step: int, state, layer_ffn) -> None:
+    self.last_step = step
     if step not in self.steps:
       return
     t0 = time.time()
@@ -211,6 +219,8 @@ class Capture:
             f"{row['sorted']['longest_over_share']:.0f} shares)", flush=True)
     self.results.append({"step": step, "seconds": round(time.time() - t0, 1),
                          "layers": layers})
+    if self.stop_after_last and step == max(self.steps):
+      raise _CapturesDone()
 
 
 def _profile(x, wg, wu, wd, hot: int, impl: str) -> dict:
@@ -280,19 +290,25 @@ def saved_skews(path: str) -> dict:
 
 
 def _train_and_capture(cfg, steps, impl: str, fl) -> dict:
-  """Steps 1-2 of the module docstring: {"steps", "run_s", "captures", "skews"}."""
+  """Steps 1-2 of the module docstring: {"steps" (trained), "schedule_steps", "run_s",
+  "captures", "skews"}."""
   from train.training import loop as train_lib  # pylint: disable=import-outside-toplevel
   hook = Capture(cfg, steps, impl, fl.iters,
-                 [tuple(int(v) for v in p.split(":")) for p in fl.profile_captures])
+                 [tuple(int(v) for v in p.split(":")) for p in fl.profile_captures],
+                 stop_after_last=fl.stop_at_last_capture)
   t0 = time.time()
   with tempfile.TemporaryDirectory() as wd:
-    train_lib.train_and_evaluate(cfg, wd, hooks=[hook])
+    try:
+      train_lib.train_and_evaluate(cfg, wd, hooks=[hook])
+    except _CapturesDone:
+      pass
   early_step, early_layer = (int(v) for v in fl.early.split(":"))
   last = max(step for step, _ in hook.fits)
   n_layers = max(l for _, l in hook.fits) + 1
   skews = {"early": hook.fits.get((early_step, early_layer)),
            "last_layer": hook.fits[(last, n_layers - 1)]}
-  return {"steps": max(steps), "run_s": round(time.time() - t0, 1), "captures": hook.results,
+  return {"steps": hook.last_step, "schedule_steps": cfg.num_train_steps,
+          "run_s": round(time.time() - t0, 1), "captures": hook.results,
           "skews": {name: {"fit": fit, "from": (f"step {early_step} layer {early_layer}"
                                                 if name == "early" else
                                                 f"step {last} layer {n_layers - 1}")}
@@ -309,7 +325,9 @@ def main(argv):
   cfg.update(num_train_steps=max(fl.steps, *steps), log_every=50, l1_coeff=fl.l1)
   cfg.model.ffn_implementation = None
   if fl.smoke:
-    cfg.update(num_train_steps=max(steps), log_every=2)
+    # Smoke runs end at the last capture; with --stop_at_last_capture on a longer schedule.
+    cfg.update(num_train_steps=max(fl.steps if fl.stop_at_last_capture else 0, *steps),
+               log_every=2)
     cfg.layer_choice.update(sparse="xla", every=2)
   device = jax.devices()[0].device_kind
   print("device:", device, flush=True)

@@ -34,7 +34,8 @@ Backward:
     slots get the key H and sort last); column pointers from the forward's column counts.
  2. ``sparse_backward_mgpu.csc_down_dh`` (default, ``dh_in_columns``): per column j, with
     W_down[j] in registers, gathers the dy row of each entry once for both dh (+ the L1 term)
-    -> du, dg and dW_down[j] (du, dg written in both CSC and ELL order); then ``column_sums``:
+    -> du, dg and dW_down[j] (du, dg written in both CSC and ELL order; long columns cut in
+    pieces of a few hundred entries, ``column_pieces``); then ``column_sums``:
     dW_up, dW_gate from x rows; then ``ell_dx`` gathers W_up^T / W_gate^T rows for dx.
     (``dh_in_columns=False``: ``ell_dh`` computes dh row-side, gathering W_down rows, then
     ``column_sums`` gives dW_down from dy rows.) No atomics. The hot features: dense GEMMs.
@@ -98,6 +99,8 @@ class HybridConfig:
   wgrads: row_loops.GatherConfig = _Gather()
   dh: row_loops.GatherConfig = _Gather()       # the row-side dh (dh_in_columns=False)
   dx: row_loops.GatherConfig = _Gather(rows_ahead=True)
+  # How the column kernels cut long columns (``sparse_backward_mgpu.PieceConfig``).
+  column_pieces: sparse_backward_mgpu.PieceConfig = sparse_backward_mgpu.PieceConfig()
 
   def __post_init__(self):
     if min(self.m, self.d, self.h, self.ell_width, self.tail_rows) < 1:
@@ -360,6 +363,8 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   col_ptr, sid = _csc(cfg, cols, n, col_count)
   rows_s = sid // cfg.wk
   bwd = sparse_backward_mgpu
+  # One cut of the columns for every column kernel (long columns in pieces).
+  pieces = bwd.column_pieces(col_ptr, sid.shape[0], cfg.column_pieces)
   if cfg.dh_in_columns:
     # Column side first: dW_down and dh -> du, dg per CSC entry (dy rows; p / u read from the
     # ELL residuals through sid), then dW_up / dW_gate (x rows). du / dg come back in CSC
@@ -367,7 +372,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
     # row's n are not written, ell_dx masks them).
     dwd, du_s, dg_s, du_e, dg_e = bwd.csc_down_dh(
         dyp, wd, col_ptr, rows_s, p, u if gated else None, c, sid, (cfg.mp, cfg.wk),
-        config=cfg.down_dh, out_dtype=dt, interpret=interpret)
+        pieces=pieces, config=cfg.down_dh, out_dtype=dt, interpret=interpret)
   else:
     # Row side: dh -> du, dg on the pattern (W_down rows); dW_down from the dy rows.
     du_e, dg_e = bwd.ell_dh(dyp, cols, p, u if gated else None, n, c, wd, config=cfg.dh,
@@ -377,16 +382,17 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
     h_ell = ((p.astype(_F32) * u.astype(_F32)).astype(dt).astype(_F32) if gated
              else p.astype(_F32))
     du_s, dg_s = (flat(du_e) if gated else None), flat(dg_e)
-    (dwd,) = bwd.column_sums(dyp, col_ptr, rows_s, flat(h_ell), config=cfg.wgrads,
-                             out_dtype=dt, name="twell_train_wgrad_down", interpret=interpret)
+    (dwd,) = bwd.column_sums(dyp, col_ptr, rows_s, flat(h_ell), pieces=pieces,
+                             config=cfg.wgrads, out_dtype=dt, name="twell_train_wgrad_down",
+                             interpret=interpret)
   if gated:
-    dwu_t, dwg_t = bwd.column_sums(xp, col_ptr, rows_s, du_s, dg_s, config=cfg.wgrads,
-                                   out_dtype=dt, name="twell_train_wgrads_up_gate",
-                                   interpret=interpret)
+    dwu_t, dwg_t = bwd.column_sums(xp, col_ptr, rows_s, du_s, dg_s, pieces=pieces,
+                                   config=cfg.wgrads, out_dtype=dt,
+                                   name="twell_train_wgrads_up_gate", interpret=interpret)
   else:
-    dwu_t, (dwg_t,) = None, bwd.column_sums(xp, col_ptr, rows_s, dg_s, config=cfg.wgrads,
-                                            out_dtype=dt, name="twell_train_wgrad_up_ng",
-                                            interpret=interpret)
+    dwu_t, (dwg_t,) = None, bwd.column_sums(xp, col_ptr, rows_s, dg_s, pieces=pieces,
+                                            config=cfg.wgrads, out_dtype=dt,
+                                            name="twell_train_wgrad_up_ng", interpret=interpret)
   dx_hot = None
   if cfg.k_hot:
     k = cfg.k_hot

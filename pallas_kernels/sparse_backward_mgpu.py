@@ -20,15 +20,29 @@ Kernels:
   * ``ell_dh`` (rows): dh -> du, dg on the row side (gathers W_down rows): the alternative to
     ``csc_down_dh`` for the dh part.
   * ``ell_dx`` (rows): dx from du / dg (gathers W_up^T / W_gate^T rows).
-All: one CTA (one warpgroup, 128 threads) per row or column, D-long f32 accumulators in
-registers (D/128 per thread), scalar GMEM reads for indices and coefficients issued one step
-ahead, D-long contiguous row reads, no atomics (every output row written once by its CTA), no
-tensor cores. Tuned choices per kernel: ``row_loops.GatherConfig``. Requires D % 128 == 0.
+All: one CTA (one warpgroup, 128 threads) per row or column piece, D-long f32 accumulators
+in registers (D/128 per thread), scalar GMEM reads for indices and coefficients issued one step
+ahead, D-long contiguous row reads, no atomics, no tensor cores. Tuned choices per kernel:
+``row_loops.GatherConfig``. Requires D % 128 == 0.
+
+Column pieces (``column_pieces``, ``PieceConfig``): a CTA walks its entries one after another,
+so one long column sets a column kernel's time. Captured activations of a from-init run (paper
+0.5B, step 300, features in the trainer's order) had single columns of 2,000-5,700 entries
+outside the hot features where a fair share was a few hundred: csc_down_dh took 2.98 ms, 5.2x
+the dense FFN's slowest GEMM. So the column kernels walk pieces of at most L entries:
+    L = max(PieceConfig.length, ceil(E / X)),  X = extra pieces (static)
+CTA j < H takes column j's first piece and CTAs H .. H + X - 1 the rest of every longer column
+(at most X: the pieces past each column's first are at most E / L). A column of one piece is
+written by its CTA as before; the pieces of a longer column write f32 partial rows, summed per
+column by an XLA segment sum and rounded once into that column's output row. Every per-entry
+output (du, dg) is still written once, by the piece that holds the entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -45,6 +59,95 @@ _F32 = jnp.float32
 
 def _sign(v):
   return jnp.where(v > 0, 1.0, jnp.where(v < 0, -1.0, 0.0)).astype(_F32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PieceConfig:
+  """How the column kernels cut long columns (module docstring): pieces of at least
+  ``length`` entries, at most ``extra`` pieces past the columns' first (the partial rows
+  hold 2 ``extra`` + 1 rows of D f32 per output)."""
+  length: int = 256
+  extra: int = 1024
+
+  def __post_init__(self):
+    if min(self.length, self.extra) < 1:
+      raise ValueError(f"PieceConfig: length and extra must be >= 1; got {self}")
+
+
+class ColumnPieces(NamedTuple):
+  """The column kernels' work split (``column_pieces``), per CTA g of H + X: entries
+  [start[g], end[g]) of column col[g], written to the output row col[g] (slot[g] < 0) or to
+  partial row slot[g]. long_cols [X]: the column of each segment (H: none); seg [2X]: the
+  segment each partial row adds to (X: none)."""
+  start: jax.Array
+  end: jax.Array
+  col: jax.Array
+  slot: jax.Array
+  long_cols: jax.Array
+  seg: jax.Array
+
+  @property
+  def n_extra(self) -> int:
+    return self.long_cols.shape[0]
+
+
+def column_pieces(col_ptr, n_entries: int, config: PieceConfig = PieceConfig()) -> ColumnPieces:
+  """Cuts the columns of ``col_ptr`` [H + 1] (CSC pointers into arrays of ``n_entries``
+  entries) into pieces of at most L entries (module docstring); XLA glue, O(H) work."""
+  hh = col_ptr.shape[0] - 1
+  x = max(1, min(config.extra, -(-n_entries // config.length)))
+  i32 = jnp.int32
+  col_ptr = col_ptr.astype(i32)
+  length = jnp.maximum(config.length, (col_ptr[hh] + (x - 1)) // x)
+  lens = col_ptr[1:] - col_ptr[:-1]
+  extra = jnp.maximum(lens - 1, 0) // length          # pieces past the first
+  is_long = extra > 0
+  rank = jnp.cumsum(is_long, dtype=i32) - is_long     # a long column's segment
+  extra_end = jnp.cumsum(extra, dtype=i32)
+  extra_start = extra_end - extra
+  cols = jnp.arange(hh, dtype=i32)
+  # The column of extra piece xi: the last long column whose extra pieces start at or
+  # before xi (their starts are distinct), by a scatter and a running max.
+  xi = jnp.arange(x, dtype=i32)
+  first_col = jnp.full((x,), -1, i32).at[jnp.where(is_long, extra_start, x)].set(
+      cols, mode="drop")
+  xcol = jnp.maximum(lax.cummax(first_col), 0)
+  valid = xi < extra_end[hh - 1]
+  q = xi - extra_start[xcol] + 1
+  xstart = jnp.where(valid, col_ptr[xcol] + q * length, 0)
+  xend = jnp.where(valid, jnp.minimum(xstart + length, col_ptr[xcol + 1]), 0)
+  return ColumnPieces(
+      start=jnp.concatenate([col_ptr[:-1], xstart]),
+      end=jnp.concatenate([jnp.minimum(col_ptr[1:], col_ptr[:-1] + length), xend]),
+      col=jnp.concatenate([cols, jnp.where(valid, xcol, 0)]),
+      slot=jnp.concatenate([jnp.where(is_long, rank, -1), jnp.where(valid, x + xi, 2 * x)]),
+      long_cols=jnp.full((x,), hh, i32).at[jnp.where(is_long, rank, x)].set(cols, mode="drop"),
+      seg=jnp.concatenate([xi, jnp.where(valid, rank[xcol], x)]))
+
+
+def _merge_pieces(out, partial, pieces: ColumnPieces):
+  """``out`` with each long column's row replaced by the f32 sum of its pieces' partial rows,
+  rounded once to ``out``'s dtype."""
+  x = pieces.n_extra
+  sums = jax.ops.segment_sum(partial[:2 * x], pieces.seg, num_segments=x + 1)[:x]
+  return out.at[pieces.long_cols].set(sums.astype(out.dtype), mode="drop")
+
+
+def _piece_of(start_gmem, end_gmem, col_gmem, slot_gmem):
+  """(column, start, end, slot) of this CTA's piece."""
+  g = lax.axis_index("g")
+  return col_gmem[g], start_gmem[g], end_gmem[g], slot_gmem[g]
+
+
+def _write_piece(out_gmem, partial_gmem, j, slot, acc):
+  """A piece's sum: the column's output row (a column of one piece), else its partial row."""
+  @pl.when(slot < 0)
+  def _():
+    out_gmem[j, :] = acc.astype(out_gmem.dtype)
+
+  @pl.when(slot >= 0)
+  def _():
+    partial_gmem[slot, :] = acc
 
 
 def _dh_kernel(dy_gmem, cols_gmem, p_gmem, u_gmem, n_gmem, c_gmem, wd_gmem,
@@ -160,14 +263,13 @@ def _column_loads(rows_gmem, coef_refs, start, end, gi, group: int, last, via_gm
                 for ref in coef_refs], at
 
 
-def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
-                     rows_ahead: bool = False):
-  """out_i[j] = sum_{ptr[j] <= e < ptr[j + 1]} coef_i[e] a[rows_e] for ``n_out`` coefficient
-  arrays sharing one gathered operand ``a``."""
+def _cols_one_kernel(a_gmem, start_gmem, end_gmem, col_gmem, slot_gmem, rows_gmem, *refs,
+                     n_out: int, group: int, rows_ahead: bool = False):
+  """out_i[j] = sum_{start <= e < end} coef_i[e] a[rows_e] over this CTA's piece of column j,
+  for ``n_out`` coefficient arrays sharing one gathered operand ``a`` (refs: the coefficient
+  arrays, then per output its rows and its partial rows)."""
   coefs, outs = refs[:n_out], refs[n_out:]
-  j = lax.axis_index("j")
-  start = ptr_gmem[j]
-  end = ptr_gmem[j + 1]
+  j, start, end, slot = _piece_of(start_gmem, end_gmem, col_gmem, slot_gmem)
   last = rows_gmem.shape[0] - 1
   acc0 = (row_loops.zeros_like_row(a_gmem[0, :]),) * n_out
 
@@ -187,14 +289,15 @@ def _cols_one_kernel(a_gmem, ptr_gmem, rows_gmem, *refs, n_out: int, group: int,
   accs = row_loops.prefetched_fori_loop(n_groups, load, step, acc0,
                                      fetch=lambda loaded: [a_gmem[mm, :] for mm in loaded[0]],
                                      fetch_ahead=rows_ahead)
-  for out, acc in zip(outs, accs):
-    out[j, :] = acc.astype(out.dtype)
+  for i, acc in enumerate(accs):
+    _write_piece(outs[2 * i], outs[2 * i + 1], j, slot, acc)
 
 
-def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
-                         c_gmem, ids_gmem, dwd_gmem, du_gmem, dg_gmem, du_ell_gmem,
-                         dg_ell_gmem, *, gated: bool, group: int, rows_ahead: bool):
-  """Column-side dh: per column j, with W_down[j] held in registers, for each CSC entry e
+def _cols_down_dh_kernel(dy_gmem, wd_gmem, start_gmem, end_gmem, col_gmem, slot_gmem,
+                         rows_gmem, p_gmem, u_gmem, c_gmem, ids_gmem, dwd_gmem, dwd_part_gmem,
+                         du_gmem, dg_gmem, du_ell_gmem, dg_ell_gmem, *, gated: bool,
+                         group: int, rows_ahead: bool):
+  """Column-side dh: per piece of column j, with W_down[j] held in registers, for each CSC entry e
   (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
   the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
   computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
@@ -203,9 +306,7 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
   at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
   scatter kernel has to put them back."""
-  j = lax.axis_index("j")
-  start = ptr_gmem[j]
-  end = ptr_gmem[j + 1]
+  j, start, end, slot = _piece_of(start_gmem, end_gmem, col_gmem, slot_gmem)
   c = c_gmem[0]
   last = rows_gmem.shape[0] - 1
   wdj = wd_gmem[j, :].astype(_F32)
@@ -249,13 +350,13 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, ptr_gmem, rows_gmem, p_gmem, u_gmem,
   acc = row_loops.prefetched_fori_loop(n_groups, load, step, acc0,
                                     fetch=lambda loaded: [dy_gmem[mm, :] for mm in loaded[0]],
                                     fetch_ahead=rows_ahead)
-  dwd_gmem[j, :] = acc.astype(dwd_gmem.dtype)
+  _write_piece(dwd_gmem, dwd_part_gmem, j, slot, acc)
 
 
-@common.jit_kernel_entry(("ell_shape", "config", "out_dtype", "interpret"))
-def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
-                config: row_loops.GatherConfig = row_loops.GatherConfig(), out_dtype=_F32,
-                interpret=False):
+@common.jit_kernel_entry(("ell_shape", "config", "piece_config", "out_dtype", "interpret"))
+def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *, pieces=None,
+                config: row_loops.GatherConfig = row_loops.GatherConfig(),
+                piece_config: PieceConfig = PieceConfig(), out_dtype=_F32, interpret=False):
   """(dW_down [H, D] ``out_dtype``, du [E] f32 or None (non-gated), dg [E] f32, du_ell or
   None, dg_ell). dW_down is summed in f32 and rounded once to ``out_dtype`` as it is written.
 
@@ -264,7 +365,8 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
   ``ell_shape`` (rows * slots >= E); p, u [``ell_shape``] the gate and up values in ELL order
   (bf16, as the forward saved them; u None when non-gated; h = p u is rounded to their dtype,
   as the forward rounded it; only slots that some CSC entry e < col_ptr[H] names are read);
-  c [1] f32 (the L1 coefficient, as in ``ell_dh``).
+  c [1] f32 (the L1 coefficient, as in ``ell_dh``). ``pieces``: ``column_pieces`` of col_ptr
+  (made with ``piece_config`` when None).
   du / dg come in CSC order (entries e >= col_ptr[H] not written) and in
   ELL order (du_ell / dg_ell [ell_shape]; slots that hold no entry are NOT written: readers
   mask them, as ``ell_dx`` does). dh equals ``ell_dh``'s bit for bit (same products, same
@@ -280,6 +382,8 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
     raise ValueError(f"csc_down_dh: bad shapes {dy.shape=} {w_down.shape=} {col_ptr.shape=} "
                      f"{rows.shape=} {p.shape=} {None if u is None else u.shape=} "
                      f"{ids.shape=} {ell_shape=}")
+  if pieces is None:
+    pieces = column_pieces(col_ptr, e, piece_config)
   p = p.reshape(n_ell)
   u = u.reshape(n_ell) if gated else jnp.zeros((8,), p.dtype)
   coef_t = jax.ShapeDtypeStruct((e,), _F32)
@@ -288,15 +392,17 @@ def csc_down_dh(dy, w_down, col_ptr, rows, p, u, c, ids, ell_shape, *,
     f = plgpu.kernel(
         functools.partial(_cols_down_dh_kernel, gated=gated, group=config.group,
                           rows_ahead=config.rows_ahead),
-        out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype),
+        out_type=(jax.ShapeDtypeStruct((hh, d), out_dtype), _partial_type(pieces, d),
                   coef_t if gated else jax.ShapeDtypeStruct((8,), _F32), coef_t,
                   ell_t if gated else jax.ShapeDtypeStruct((8,), _F32), ell_t),
-        grid=(hh,), grid_names=("j",), compiler_params=row_loops.gather_kernel_params(),
+        grid=(pieces.start.shape[0],), grid_names=("g",),
+        compiler_params=row_loops.gather_kernel_params(),
         interpret=target.interpret_params(interpret),
         kernel_name="twell_train_wgrad_down_dh" if gated else "twell_train_wgrad_down_dh_ng",
     )
-    dwd, du, dg, du_ell, dg_ell = common.call_kernel(f, dy, w_down, col_ptr, rows, p, u,
-                                                     c.astype(_F32).reshape(1), ids)
+    dwd, dwd_part, du, dg, du_ell, dg_ell = common.call_kernel(
+        f, dy, w_down, *pieces[:4], rows, p, u, c.astype(_F32).reshape(1), ids)
+  dwd = _merge_pieces(dwd, dwd_part, pieces)
   return (dwd, (du if gated else None), dg,
           du_ell.reshape(ell_shape) if gated else None, dg_ell.reshape(ell_shape))
 
@@ -334,15 +440,18 @@ def ell_dx(cols, n, du, dg, w_up_t, w_gate_t, *, dx_init=None,
     return common.call_kernel(f, cols, n, du, dg, w_up_t, w_gate_t, dx_init)
 
 
-@common.jit_kernel_entry(("config", "out_dtype", "name", "interpret"))
-def column_sums(a, col_ptr, rows, *coefs, config: row_loops.GatherConfig = row_loops.GatherConfig(),
-                out_dtype=_F32, name: str = "twell_train_column_sums", interpret=False):
+@common.jit_kernel_entry(("config", "piece_config", "out_dtype", "name", "interpret"))
+def column_sums(a, col_ptr, rows, *coefs, pieces=None,
+                config: row_loops.GatherConfig = row_loops.GatherConfig(),
+                piece_config: PieceConfig = PieceConfig(), out_dtype=_F32,
+                name: str = "twell_train_column_sums", interpret=False):
   """out_i [H, D] ``out_dtype``, out_i[j] = sum_{col_ptr[j] <= e < col_ptr[j + 1]}
   coefs[i][e] a[rows[e]] (summed in f32 in entry order, rounded once as written).
 
   a [M, D] bf16 (x for dW_up^T / dW_gate^T, dy for dW_down); col_ptr [H + 1] int32; rows [E]
   int32 (token of each entry, sorted by column); coefs: [E] f32 arrays in the same order.
   Several coefficient arrays share each gathered row (one gather for dW_up^T and dW_gate^T).
+  ``pieces``: ``column_pieces`` of col_ptr (made with ``piece_config`` when None).
   """
   m, d = a.shape
   hh = col_ptr.shape[0] - 1
@@ -350,12 +459,22 @@ def column_sums(a, col_ptr, rows, *coefs, config: row_loops.GatherConfig = row_l
   if d % 128 or not coefs or any(c.shape != (e,) for c in coefs):
     raise ValueError(f"column_sums: bad shapes {a.shape=} {rows.shape=} "
                      f"{[c.shape for c in coefs]}")
+  if pieces is None:
+    pieces = column_pieces(col_ptr, e, piece_config)
   with target.interpret_context(bool(interpret)):
     f = plgpu.kernel(
         functools.partial(_cols_one_kernel, n_out=len(coefs), group=config.group,
                           rows_ahead=config.rows_ahead),
-        out_type=tuple(jax.ShapeDtypeStruct((hh, d), out_dtype) for _ in coefs),
-        grid=(hh,), grid_names=("j",), compiler_params=row_loops.gather_kernel_params(),
+        out_type=sum(((jax.ShapeDtypeStruct((hh, d), out_dtype), _partial_type(pieces, d))
+                      for _ in coefs), ()),
+        grid=(pieces.start.shape[0],), grid_names=("g",),
+        compiler_params=row_loops.gather_kernel_params(),
         interpret=target.interpret_params(interpret), kernel_name=name,
     )
-    return common.call_kernel(f, a, col_ptr, rows, *coefs)
+    outs = common.call_kernel(f, a, *pieces[:4], rows, *coefs)
+  return tuple(_merge_pieces(outs[2 * i], outs[2 * i + 1], pieces) for i in range(len(coefs)))
+
+
+def _partial_type(pieces: ColumnPieces, d: int):
+  """The partial rows of one output: 2 X rows and the one unused pieces write."""
+  return jax.ShapeDtypeStruct((2 * pieces.n_extra + 1, d), _F32)

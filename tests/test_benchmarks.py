@@ -482,8 +482,10 @@ class ActivitySweepSmokeTest(absltest.TestCase):
   def test_smoke(self):
     r = _run_module(os.path.join(self.create_tempdir().full_path, "a.json"),
                     "benchmarks.activity_sweep", "--smoke", "--capture_steps=2",
-                    "--actives=20", "--early=2:0", "--iters=1", "--profile_captures=2:1")
+                    "--actives=20", "--early=2:0", "--iters=1", "--profile_captures=2:1",
+                    "--steps=40", "--stop_at_last_capture")
     self.assertEqual([c["step"] for c in r["captures"]], [2])
+    self.assertEqual((r["steps"], r["schedule_steps"]), (2, 40))   # stopped at the capture
     self.assertLen(r["captures"][0]["layers"], 2)
     for layer in r["captures"][0]["layers"]:      # as trained, and sorted by this batch
       self.assertGreater(layer["sorted"]["ratio"], 0)

@@ -29,6 +29,7 @@ from twell_jax.testing import ffn_inputs
 from pallas_kernels import _common as common
 from pallas_kernels import _row_loops as row_loops
 from pallas_kernels import ffn_train_mgpu
+from pallas_kernels import sparse_backward_mgpu
 
 F32 = jnp.float32
 TOL = {"y": 1.5e-2, "grad": 2.5e-2}
@@ -116,23 +117,27 @@ class TrainInterpretTest(TrainTestBase):
     if "tail_rows" in kw:
       self.assertGreater(expect_heavy, kw["tail_rows"])
 
-  def test_hot_features_change_nothing_but_rounding(self):
+  def test_hot_features_and_column_pieces_change_nothing_but_rounding(self):
     """Any number of hot features computes the same function: K = 0 (all through the gather
-    kernels), 256 and all 512 against each other, forward and backward."""
+    kernels), 256 and all 512 against each other, forward and backward; so does K = 0 with
+    the columns cut in pieces of 8 (at ELL width 64, which holds all but 2 rows: 1,604
+    entries, the hottest column of 50 in 7 pieces, 37 columns cut)."""
     m, d, h = 64, 64, 512
     x, wg, wu, wd = ffn_inputs(jax.random.key(31), m, d, h, active_fraction=0.05,
                                dead_fraction=0.5, hottest=0.8, heavy_fraction=0.03)
     dy = jax.random.normal(jax.random.key(8), (m, d), jnp.bfloat16)
 
-    def run(k):
-      cfg = ffn_train_mgpu.hybrid_config(m, d, h, ell_width=16, hot_features=k)
+    def run(k, ell_width=16, **kw):
+      cfg = ffn_train_mgpu.hybrid_config(m, d, h, ell_width=ell_width, hot_features=k, **kw)
       out, res = ffn_train_mgpu.forward(cfg, x, wg, wu, wd, interpret=True)
       ct = (dy, dict(out[1], l1=jnp.float32(0.5)))
       return out, ffn_train_mgpu.backward(cfg, res, ct, interpret=True)
 
     (y0, st0), g0 = run(0)
-    for k in (256, 512):
-      (y, st), g = run(k)
+    pieces = dict(ell_width=64,
+                  column_pieces=sparse_backward_mgpu.PieceConfig(length=8, extra=256))
+    for k, kw in ((256, {}), (512, {}), (0, pieces)):
+      (y, st), g = run(k, **kw)
       self.assertLess(_rel(y, y0), 1e-2, k)
       self.assertLess(_rel(st["l1"], st0["l1"]), 1e-3, k)
       for key in ("feature_counts", "nnz_per_token", "max_tile_nnz"):

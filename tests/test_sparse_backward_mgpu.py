@@ -86,6 +86,7 @@ class BackwardKernelsTestBase(ktu.KernelTestBase):
     counts = rng.multinomial(e, np.array([0.0, 0.6] + [0.1] * (h - 2)))
     counts[0] = 0                                      # an empty column
     counts[1] += e - counts.sum()
+    self.assertGreater(counts[1], 10)       # 3 pieces of at most 5 at PieceConfig(3, 4) below
     col_ptr = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
     seg = np.repeat(np.arange(h), counts)
     x, dy, wd = (rng.normal(size=s_).astype(F32) for s_ in ((m, d), (m, d), (h, d)))
@@ -108,23 +109,28 @@ class BackwardKernelsTestBase(ktu.KernelTestBase):
     args = lambda *a: tuple(jnp.asarray(v) for v in a)
     rows_j = jnp.asarray(rows)
     runs = {}
-    # group 2, and rows loaded one step ahead at group 1 (every column's loop runs past its end).
-    for name, cfg in (("", row_loops.GatherConfig(group=2)),
-                      ("_ahead", row_loops.GatherConfig(rows_ahead=True))):
+    # group 2 with the hot column cut in pieces (L = max(3, ceil(20 / 4)) = 5: 3 pieces, the
+    # other columns whole), and rows loaded one step ahead at group 1 with every column whole
+    # (every column's loop runs past its end).
+    for name, cfg, pc in (
+        ("", row_loops.GatherConfig(group=2), bwd.PieceConfig(length=3, extra=4)),
+        ("_ahead", row_loops.GatherConfig(rows_ahead=True), bwd.PieceConfig())):
       runs["x" + name] = (functools.partial(
-          lambda dt, cfg: bwd.column_sums(b16(x), col_ptr, rows_j, *args(du, dg), config=cfg,
-                                          out_dtype=dt, interpret=self.INTERPRET), cfg=cfg),
+          lambda dt, cfg, pc: bwd.column_sums(b16(x), col_ptr, rows_j, *args(du, dg),
+                                              config=cfg, piece_config=pc, out_dtype=dt,
+                                              interpret=self.INTERPRET), cfg=cfg, pc=pc),
                           (ref(du, x), ref(dg, x)))
       runs["dy" + name] = (functools.partial(
-          lambda dt, cfg: bwd.column_sums(b16(dy), col_ptr, rows_j, jnp.asarray(hh),
-                                          config=cfg, out_dtype=dt,
-                                          interpret=self.INTERPRET), cfg=cfg),
+          lambda dt, cfg, pc: bwd.column_sums(b16(dy), col_ptr, rows_j, jnp.asarray(hh),
+                                              config=cfg, piece_config=pc, out_dtype=dt,
+                                              interpret=self.INTERPRET), cfg=cfg, pc=pc),
                            (ref(hh, dy),))
       runs["down_dh" + name] = (functools.partial(
-          lambda dt, cfg: bwd.csc_down_dh(
+          lambda dt, cfg, pc: bwd.csc_down_dh(
               b16(dy), b16(wd), col_ptr, rows_j, b16(p_ell).reshape(ell_shape),
               b16(u_ell).reshape(ell_shape), jnp.full((1,), c, F32), jnp.asarray(ids),
-              ell_shape, config=cfg, out_dtype=dt, interpret=self.INTERPRET), cfg=cfg),
+              ell_shape, config=cfg, piece_config=pc, out_dtype=dt,
+              interpret=self.INTERPRET), cfg=cfg, pc=pc),
           (ref(hh, dy), dh * p_csc, dh * u_csc))
     for name, (run, refs) in runs.items():
       full, rounded = run(F32), run(jnp.bfloat16)
@@ -141,12 +147,51 @@ class BackwardKernelsTestBase(ktu.KernelTestBase):
           np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
 
   def test_rejects_bad_shapes(self):
+    with self.assertRaisesRegex(ValueError, "PieceConfig"):
+      bwd.PieceConfig(length=0)
     z = jnp.zeros((8,), F32)
     with self.assertRaisesRegex(ValueError, "column_sums"):
       bwd.column_sums(jnp.zeros((8, 100), jnp.bfloat16), jnp.zeros((5,), jnp.int32),
                       jnp.zeros((8,), jnp.int32), z, interpret=self.INTERPRET)
     with self.assertRaisesRegex(ValueError, "group"):
       row_loops.GatherConfig(group=0)
+
+
+class ColumnPiecesTest(absltest.TestCase):
+  """``column_pieces`` (XLA glue) on random column lengths, some far longer than the rest:
+  every entry of every column in exactly one piece, no piece longer than L or outside its
+  column, a column's pieces summed into that column's row and only a long column's."""
+
+  def test_pieces_cover_each_entry_once(self):
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+      h = int(rng.integers(1, 12))
+      lens = rng.integers(0, 30, h) * (rng.random(h) < 0.7)
+      if trial % 2:
+        lens[rng.integers(h)] = int(rng.integers(30, 200))     # one long column
+      n_entries = max(1, int(lens.sum()) + int(rng.integers(0, 20)))   # padding entries
+      ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+      cfg = bwd.PieceConfig(length=int(rng.integers(1, 10)), extra=int(rng.integers(1, 40)))
+      pc = bwd.column_pieces(jnp.asarray(ptr), n_entries, cfg)
+      start, end, col, slot, long_cols, seg = (np.asarray(a) for a in pc)
+      x = pc.n_extra
+      length = max(cfg.length, -(-int(ptr[-1]) // x))
+      cover = np.zeros(n_entries, int)
+      summed = {}
+      for g in range(start.shape[0]):
+        self.assertTrue(0 <= col[g] < h)
+        if end[g] > start[g]:
+          self.assertTrue(ptr[col[g]] <= start[g] and end[g] <= ptr[col[g] + 1], (trial, g))
+          self.assertLessEqual(end[g] - start[g], length)
+          cover[start[g]:end[g]] += 1
+        if slot[g] < 0:
+          self.assertLess(g, h)              # a whole column: its own CTA, its own row
+          self.assertLessEqual(lens[col[g]], length)
+        elif slot[g] < 2 * x:
+          summed.setdefault(int(long_cols[seg[slot[g]]]), set()).add(int(col[g]))
+      np.testing.assert_array_equal(cover[:ptr[-1]], 1, err_msg=f"trial {trial}")
+      self.assertTrue(all(k == v.pop() for k, v in summed.items()), trial)
+      self.assertEqual(sorted(summed), sorted(np.flatnonzero(lens > length)), trial)
 
 
 class BackwardKernelsInterpretTest(BackwardKernelsTestBase):
