@@ -14,10 +14,12 @@
 #   e2e       benchmarks.e2e (whole-model training and inference, sparse vs dense)
 #   whole_run benchmarks.whole_run: whole training commands from random initialisation, dense
 #             SiLU and sparse twice, concurrently one GPU each where there are several, started
-#             $WHOLE_RUN_STAGGER (30) s apart ($WHOLE_RUN_FLAGS)
+#             $WHOLE_RUN_STAGGER (30) s apart ($WHOLE_RUN_FLAGS; --runs=...,sparse+KEY=VALUE
+#             adds a run with config overrides)
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
 #             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
-#             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~4 min)
+#             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~4 min; with
+#             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures: ~4 min)
 #   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
 #             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
 #             training one), then the paper 0.5B shape trained through train.main on those

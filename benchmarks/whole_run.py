@@ -16,6 +16,11 @@ trainer defaults otherwise (held-out evaluations every `--eval_every` steps, che
                per layer, `train.training.layer_choice`); named twice, it runs twice, to show the
                spread
   NAME@DIR     run NAME from the checkout in DIR (another version of the code)
+  NAME+KEY=VALUE[+KEY=VALUE...]
+               run NAME with config overrides (--config.KEY=VALUE), e.g.
+               sparse+layer_choice.landing_steps=200: a variant beside the default runs
+Runs of another checkout or with overrides get their own ratios to dense SiLU but stay out of
+the summary's (`wall_ratios`, `same_decisions`).
 
 With `--parallel` the runs start together (or `--stagger_s` apart), one GPU each (each process
 sees only its GPU;
@@ -69,8 +74,9 @@ def _define_flags():
   flags.DEFINE_string("workdir", "/tmp/twell_whole_run", "where the runs' workdirs go")
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, byte tokenizer, a few steps")
   flags.DEFINE_string("shape", "paper_0p5b", "config (configs/<shape>.py)")
-  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order; NAME@DIR "
-                    "runs NAME from the checkout in DIR (another version of the code)")
+  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order: dense_silu or "
+                    "sparse; NAME@DIR runs NAME from the checkout in DIR (another version of "
+                    "the code); NAME+KEY=VALUE+... with config overrides")
   flags.DEFINE_integer("steps", 2500, "training steps of every run")
   flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the sparse runs")
   flags.DEFINE_integer("warmup_steps", 100, "learning-rate warm-up")
@@ -96,11 +102,32 @@ def _define_flags():
                     "run per invocation, then --runs= --merge=a.json,b.json,c.json)")
 
 
-def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[str], str]:
-  """(the `train.main` command of run `name` (the `index`-th), its workdir)."""
+RUN_KINDS = ("dense_silu", "sparse")
+
+
+def parse_run(spec: str) -> tuple[str, list[str], str]:
+  """A `--runs` entry as (kind, config override flags, checkout dir or "")."""
+  name, _, root = spec.partition("@")
+  kind, *overrides = name.split("+")
+  if kind not in RUN_KINDS:
+    raise app.UsageError(f"run {spec!r}: {kind!r} is not one of {', '.join(RUN_KINDS)}")
+  for o in overrides:
+    if "=" not in o or o.startswith("="):
+      raise app.UsageError(f"run {spec!r}: override {o!r} is not KEY=VALUE")
+  return kind, [f"--config.{o}" for o in overrides], root
+
+
+def _in_summary(run: dict) -> bool:
+  """Runs of this checkout with the defaults (not NAME@DIR, not NAME+KEY=VALUE)."""
+  return "@" not in run["name"] and "+" not in run["name"]
+
+
+def run_command(fl, spec: str, index: int, data_flags: list[str]) -> tuple[list[str], str]:
+  """(the `train.main` command of run `spec` (the `index`-th), its workdir)."""
   from benchmarks import trained  # pylint: disable=import-outside-toplevel
-  workdir = os.path.join(fl.workdir, f"{index}_{name}")
-  dense = name == "dense_silu"
+  kind, overrides, _ = parse_run(spec)
+  workdir = os.path.join(fl.workdir, f"{index}_{kind}")
+  dense = kind == "dense_silu"
   config = f"configs/{fl.shape}.py" + (":dense" if dense else "")
   schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
               else [f"--config.warmup_steps={fl.warmup_steps}"])
@@ -109,7 +136,7 @@ def run_command(fl, name: str, index: int, data_flags: list[str]) -> tuple[list[
       f"--config.num_train_steps={fl.steps}", f"--config.log_every={fl.log_every}",
       f"--config.eval_every={fl.eval_every}", f"--config.eval_batches={fl.eval_batches}",
       f"--config.checkpoint_every={fl.checkpoint_every}", "--config.keep_checkpoints=1",
-      *schedule, *data_flags, *model, *fl.extra_flags])
+      *schedule, *data_flags, *model, *fl.extra_flags, *overrides])
   return cmd, workdir
 
 
@@ -179,11 +206,11 @@ def warm_corpus(dataset: str) -> float:
 
 
 def summarize(results: dict) -> None:
-  """The ratios to dense SiLU (module docstring); runs of another checkout (NAME@DIR) get
-  theirs but stay out of the summary."""
+  """The ratios to dense SiLU (module docstring); runs of another checkout or with overrides
+  get theirs but stay out of the summary."""
   runs = results["runs"]
   base = next((r for r in runs if r["name"] == "dense_silu"), None)
-  sparse = [r for r in runs if r is not base and "@" not in r["name"]]
+  sparse = [r for r in runs if r is not base and _in_summary(r)]
   results["same_decisions"] = (all(r["decisions"] == sparse[0]["decisions"] for r in sparse)
                                if len(sparse) > 1 else None)
   for r in runs:
@@ -253,6 +280,8 @@ def main(argv):
     # On the CPU the default FFN is dense; the portable sparse one makes the decisions.
     fl.extra_flags = [*fl.extra_flags, "--config.layer_choice.sparse=xla",
                       "--config.layer_choice.every=2"]
+  for spec in fl.runs:   # every entry checked before anything runs
+    parse_run(spec)
   os.makedirs(fl.workdir, exist_ok=True)
   tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
   data_flags = cli_run.data_flags(fl.dataset, tokenizer)
@@ -278,8 +307,8 @@ def main(argv):
     results.setdefault("tokens_per_step", earlier.get("tokens_per_step"))
   started = []
   for i, spec in enumerate(fl.runs):
-    name, _, root = spec.partition("@")
-    cmd, workdir = run_command(fl, name, i, data_flags)
+    root = parse_run(spec)[2]
+    cmd, workdir = run_command(fl, spec, i, data_flags)
     ids = fl.gpus or [str(g) for g in range(len(gpus))]
     env = {"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} if fl.parallel and gpus else {}
     if fl.deterministic:
@@ -297,7 +326,8 @@ def main(argv):
     _finish(fl, results, *item, wall=wall)
   if fl.runs:
     from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
-    cfg = workdir_config.read_workdir_config(os.path.join(fl.workdir, f"0_{fl.runs[0]}"))
+    cfg = workdir_config.read_workdir_config(
+        os.path.join(fl.workdir, f"0_{parse_run(fl.runs[0])[0]}"))
     results["tokens_per_step"] = cfg["batch_size"] * cfg["data"]["seq_len"]
   summarize(results)
   if fl.out:

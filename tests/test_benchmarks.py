@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 from absl import app
 from absl.testing import absltest
@@ -20,6 +21,7 @@ from benchmarks import kernels
 from benchmarks import matrix
 from benchmarks import scaling
 from benchmarks import specs
+from benchmarks import whole_run
 from benchmarks.probes import l2_rows
 
 _DATA = os.path.join(os.path.dirname(__file__), "data", "real_activity_h100.json")
@@ -459,6 +461,31 @@ class WholeRunSmokeTest(absltest.TestCase):
                           "--runs=", f"--merge={halves[0]}", f"--workdir={tmp}/none")
       self.assertEqual(alone["same_decisions"], same)
       self.assertNotIn("wall_ratios", alone)
+
+
+class WholeRunVariantsTest(absltest.TestCase):
+  """`--runs` entries NAME+KEY=VALUE: the overrides reach that run's command only, and the run
+  gets its ratios but stays out of the summary's; a bad entry is named before anything runs."""
+
+  def test_overrides_and_summary(self):
+    fl = types.SimpleNamespace(workdir="/w", shape="tiny", warmup_steps=2, steps=6, log_every=2,
+                               eval_every=6, eval_batches=2, checkpoint_every=0, l1=3e-5,
+                               extra_flags=["--config.seed=3"])
+    cmd, workdir = whole_run.run_command(fl, "sparse+layer_choice.landing_steps=200", 2, [])
+    self.assertEqual(workdir, "/w/2_sparse")
+    self.assertEqual(cmd[-2:], ["--config.seed=3", "--config.layer_choice.landing_steps=200"])
+    plain, _ = whole_run.run_command(fl, "sparse", 1, [])
+    self.assertNotIn("--config.layer_choice.landing_steps=200", plain)
+    for bad in ("sprase", "sparse+landing_steps", "dense_silu+=3"):
+      with self.assertRaisesRegex(app.UsageError, "run "):
+        whole_run.parse_run(bad)
+    run = lambda name, wall: {"name": name, "wall_s": wall, "first_step_s": 1.0, "evals": [],
+                              "points": [], "eval_ce": None, "decisions": []}
+    results = {"runs": [run("dense_silu", 300.0), run("sparse", 250.0),
+                        run("sparse+layer_choice.landing_steps=200", 240.0)]}
+    whole_run.summarize(results)
+    self.assertEqual(results["wall_ratios"], [1.2])
+    self.assertAlmostEqual(results["runs"][2]["wall_ratio"], 1.25)
 
 
 class TailColumnsTest(absltest.TestCase):
