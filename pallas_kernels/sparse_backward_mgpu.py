@@ -28,8 +28,9 @@ ahead, D-long contiguous row reads, no atomics, no tensor cores. Tuned choices p
 Column pieces (``column_pieces``, ``PieceConfig``): a CTA walks its entries one after another,
 so one long column sets a column kernel's time. Captured activations of a from-init run (paper
 0.5B, step 300, features in the trainer's order) had single columns of 2,000-5,700 entries
-outside the hot features where a fair share was a few hundred: csc_down_dh took 2.98 ms, 5.2x
-the dense FFN's slowest GEMM. So the column kernels walk pieces of at most L entries:
+outside the hot features where a fair share was a few hundred: csc_down_dh took 2.98 ms (H200),
+more than the dense FFN's two largest GEMMs together; in pieces, 0.25 ms. So the column kernels
+walk pieces of at most L entries:
     L = max(PieceConfig.length, ceil(E / X)),  X = extra pieces (static)
 CTA j < H takes column j's first piece and CTAs H .. H + X - 1 the rest of every longer column
 (at most X: the pieces past each column's first are at most E / L). A column of one piece is
@@ -297,11 +298,11 @@ def _cols_down_dh_kernel(dy_gmem, wd_gmem, start_gmem, end_gmem, col_gmem, slot_
                          rows_gmem, p_gmem, u_gmem, c_gmem, ids_gmem, dwd_gmem, dwd_part_gmem,
                          du_gmem, dg_gmem, du_ell_gmem, dg_ell_gmem, *, gated: bool,
                          group: int, rows_ahead: bool):
-  """Column-side dh: per piece of column j, with W_down[j] held in registers, for each CSC entry e
-  (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s] read from
-  the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
-  computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and
-  writes du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
+  """Column-side dh: per piece of column j, with W_down[j] held in registers, for each CSC
+  entry e (token m = rows[e], ELL slot s = ids[e], gate / up values p_e = p[s], u_e = u[s]
+  read from the ELL arrays, h_e = round(p_e u_e) to their dtype; non-gated h_e = p_e)
+  computes dh_e = dy[m] . W_down[j] + c sign(h_e) (0 where p_e = 0) and writes
+  du_e = dh_e p_e, dg_e = dh_e u_e (non-gated: dg_e = dh_e), while accumulating
   dW_down[j] = sum_e h_e dy[m]. The dy row gathered for dW_down serves dh as well, so the row
   side needs no dh pass (which gathers a W_down row per entry). du / dg are written twice:
   at e (CSC order, for the weight-gradient pass) and at ids[e] (ELL order, for dx), so no
