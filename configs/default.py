@@ -107,8 +107,11 @@ def get_config() -> ml_collections.ConfigDict:
                               # compiled (paper 0.5B, H100 host: 100 dense steps' time,
                               # 12.6 s, made the loop wait 16 s over six landings)
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
-                              # goes on with the running step (builds take 8-22 s; one on
+                              # goes on with the running step (builds take 8-25 s; one on
                               # four H200s never came back)
+      bridge=False,           # run the step compiled at the start (first layer dense, the
+                              # others at K = 256) while a choice builds, where predicted
+                              # faster (train/training/choice_steps.py _bridge)
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):

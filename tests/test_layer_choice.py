@@ -330,6 +330,33 @@ class StepBuildsTest(absltest.TestCase):
     self.assertEqual(asked(background=False), ([], None))
     self.assertEqual(asked(sparse="xla"), ([], None))
 
+  def test_the_step_compiled_ahead_bridges_when_predicted_faster_than_the_running_one(self):
+    """`_bridge` (`layer_choice.bridge`): the step compiled ahead runs while a choice builds
+    once it counts as built and is predicted `BRIDGE_GAIN` faster than the running step, on
+    this decision's counts: from the dense step, and from a first choice made at higher
+    activity (K = 2560). Off (the default), never."""
+    tokens, h = 16384, 5632
+    counts = np.zeros((3, h), np.int64)
+    counts[:, :200] = tokens // 10
+    counts[:, 200:1200] = tokens // 400
+    ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
+
+    def bridge(running, done=20, ready=10, on=True):
+      steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
+      steps.choice = layer_choice.LayerChoice(3, h)
+      steps.choice.current, steps.choice.hot = ["mosaic_gpu"] * 3, [512] * 3
+      steps.ahead, steps.running, steps.bridge = (ahead, ready), running, on
+      return steps._bridge(done, counts, None, tokens)  # pylint: disable=protected-access
+
+    dense = (("dense",) * 3, (0,) * 3)
+    self.assertEqual(bridge(dense), ahead)
+    self.assertIsNone(bridge(dense, on=False))
+    self.assertEqual(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 2560, 2560))), ahead)
+    self.assertIsNone(bridge(dense, done=9))    # not built by then
+    self.assertIsNone(bridge(ahead))            # it runs already
+    # The running step as fast, up to BRIDGE_GAIN: stays.
+    self.assertIsNone(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 512, 512))))
+
   def test_a_checkpoint_keeps_the_votes_for_dense(self):
     """A sparse layer predicted over dense_above at the last decision goes dense at the next
     one in a resumed run too: the checkpoint's metadata keeps the vote."""
@@ -470,6 +497,38 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     step, choice, land = decided[0]
     self.assertEqual({running[s] for s in range(1, land)}, {"D D"})
     self.assertEqual(running[land], choice)
+
+  def test_with_bridge_the_step_compiled_ahead_runs_alike_in_every_run_and_after_resume(self):
+    """`layer_choice.bridge`: while every layer runs dense, the step compiled ahead runs from
+    the step after a choice is decided, once it counts as built (`landing_steps` after the
+    start) and is predicted faster, until that choice lands: on the same steps when builds
+    are slow, and in a run resumed between the two."""
+    self._micro_sparse_model()
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
+                                                  ("xla",)))
+    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=2,
+                          keep_checkpoints=9, l1_coeff=3e-2, learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 7,
+                             "layer_choice.bridge": True})
+    unsaved = cfg.copy_and_resolve_references()
+    unsaved.checkpoint_every = 0    # checkpoints only for the resume below
+    runs = [(self._decisions(logs.output), [l for l in logs.output if "compiled ahead" in l])
+            for logs in self._runs_with_slower_builds(unsaved, 1.0)]
+    ((decided, running), bridged), second = runs
+    self.assertEqual((decided, running), second[0])
+    step, choice, land = decided[0]
+    self.assertGreaterEqual(step, 1 + 7)          # the step compiled ahead counts as built
+    self.assertLen(bridged, 1)
+    self.assertIn(f"step {step + 1}: now running FFN per layer D S256", bridged[0])
+    self.assertEqual([running[s] for s in range(1, step + 1)], ["D D"] * step)
+    self.assertEqual({running[s] for s in range(step + 1, land)}, {"D S256"})
+    self.assertEqual(running[land], choice)
+    # Killed while the bridge runs (checkpoints after it lost), resumed: the same state.
+    lost = tuple(s for s in range(2, 19, 2) if s > step + 2)
+    logs = self._resume_after_losing(cfg, lost, 18)
+    self.assertTrue(any(f"Resumed from checkpoint step {step + 2}" in l for l in logs))
+    self.assertEqual(self._decisions(logs)[1][step + 3], "D S256")
   def test_a_failed_build_of_the_step_compiled_ahead_leaves_training_going(self):
     """The step compiled ahead fails to build: the worker logs it and training goes on with
     the running step; the decided choice still lands."""

@@ -11,11 +11,12 @@ steps when the running choice's steps are predicted faster; the loop waits for a
 by then; without `layer_choice.background`, built at once and running from the next step).
 While a choice is pending no other is decided: each decision lands. The sparse kernels are
 compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
-mostly the XLA program around them; a choice equal to that step lands at once. What runs when
-follows from the decisions, the predictions and step numbers alone: the same seed gives the
-same decisions and switches on the same steps on any machine, and a checkpoint keeps the
-choice in use, the one pending and the step from which the step compiled ahead counts as
-built (`meta`, `_restore`).
+mostly the XLA program around them; a choice equal to that step lands at once, and with
+`layer_choice.bridge` the step also runs from any decision that predicts it faster than the
+running one until a choice lands (`_bridge`). What runs when follows from the decisions, the
+predictions and step numbers alone: the same seed gives the same decisions and switches on the
+same steps on any machine, and a checkpoint keeps the choice in use, the one pending and the
+step from which the step compiled ahead counts as built (`meta`, `_restore`).
 """
 
 import concurrent.futures
@@ -239,6 +240,7 @@ class ChoiceSteps:
         background=cfg.layer_choice.background)
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
     self.build_timeout_s = cfg.layer_choice.get("build_timeout_s", None)
+    self.bridge = bool(cfg.layer_choice.get("bridge", False))
     self.pending = None   # (key, step): a choice decided, running from that step on
     # The feature counts and heavy rows summed over the steps since the last decision (device
     # arrays), and how many steps that is.
@@ -279,10 +281,12 @@ class ChoiceSteps:
     initialisation measured, layers 1-7 fell to 10-60 active features per token by step
     300-400 and the first one only by step 850-1,000.
 
-    The step is not run in place of a choice still building, though predicted faster: two
-    runs on 4x H200 that did so (steps 301-463, 361-544) ran it at 0.93-1.01 of dense SiLU's
-    speed, where the choices' own steps (K = 512-2,560) ran at 1.08-1.22 at the same
-    activity; the prediction at K = 256 and the early steps' activity was too low."""
+    It runs in place of a choice still building only with `layer_choice.bridge` (`_bridge`):
+    two runs on 4x H200 that did so (steps 301-463, 361-544) ran it at 0.93-1.01 of dense
+    SiLU's speed, where the choices' own steps (K = 512-2,560) ran at 1.08-1.22 at the same
+    activity, with one CTA per column in the backward's column kernels; cut in pieces since,
+    the captured step-300 layers at K = 256-768 measured 0.54-0.73 of the dense FFN where
+    they had measured 0.80-1.67."""
     choice = self.choice
     if (choice.sparse not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
@@ -307,6 +311,42 @@ class ChoiceSteps:
     if self.ahead is None or done < self.ahead[1]:
       return None
     return self.ahead[0]
+
+  # How much faster than the running step the step compiled ahead must be predicted to run
+  # in the meantime: its FFN's time over the dense FFN's, mean over the layers.
+  BRIDGE_GAIN = 0.05
+
+  def _bridge(self, done: int, counts, heavy, tokens: int):
+    """With `layer_choice.bridge`: the step compiled ahead, if it should run from the next
+    step on (it counts as built, is neither running nor the choice just decided, and its FFN
+    is predicted `BRIDGE_GAIN` faster than the running step's, over the dense FFN's, mean over
+    the layers, on this decision's counts). Else None.
+
+    Asked at every decision, a choice pending or not (`_run_bridge`): runs of the paper shape
+    from initialisation made their first choice at 100-250 active features per token (K =
+    2048-2560, 0.77-0.93 of dense predicted) at step 140-180, and their layers 1-7 were at
+    60-100 by step 200 and 20-50 by step 300; the first choice landed at step ~290-330 and the
+    next at ~470-500."""
+    key, choice = self._ahead_built(done), self.choice
+    if not self.bridge or key is None or key in (self.running, choice.key):
+      return None
+    cost = lambda k: float(choice.costs(k, counts, tokens, heavy).mean())
+    return key if cost(key) < cost(self.running) - self.BRIDGE_GAIN else None
+
+  def _run_bridge(self, done: int, counts, heavy, tokens: int) -> None:
+    """Runs the step compiled ahead from the next step on if `_bridge` says so: until a choice
+    lands, or a later decision finds it no longer the faster one."""
+    key = self._bridge(done, counts, heavy, tokens)
+    if key is None:
+      return
+    until = ("" if self.pending is None else
+             f", until {self.choice.describe(self.pending[0])} lands")
+    try:
+      self._run(key, done, ", compiled ahead" + until)
+    except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
+      logging.exception("building the step compiled ahead failed (%s: %s); training goes on "
+                        "with %s", type(e).__name__, e, self.choice.describe(self.running))
+      self.ahead = None
 
   @property
   def eval_ffn(self):
@@ -369,7 +409,7 @@ class ChoiceSteps:
         self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
     return self.train_step
 
-  def _run(self, key, step: int) -> None:
+  def _run(self, key, step: int, note: str = "") -> None:
     """Runs the step of `key` from step `step` (0-based) on, waiting for its build if it is
     not done."""
     t0 = time.perf_counter()
@@ -379,9 +419,9 @@ class ChoiceSteps:
     # The device idles while the loop waits: a build slower than the landing lag (a busy
     # host) shows here.
     waited = 0.0 if ready else time.perf_counter() - t0
-    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)",
+    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)%s",
                  step + 1, self.choice.describe(key), self.builds.build_s.get(key, 0.0),
-                 waited)
+                 waited, note)
 
   def after_step(self, done: int, metrics: dict, state):
     """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
@@ -420,6 +460,7 @@ class ChoiceSteps:
       # later, would otherwise supersede one another and none would land while activity
       # moves); the next decision comes after it lands.
       choice.current, choice.hot = list(target[0]), list(target[1])
+      self._run_bridge(done, counts, heavy, tokens)
       return state
     # The step compiled ahead, once it counts as built, runs from the next step: no build.
     built = choice.key == self._ahead_built(done)
@@ -438,6 +479,7 @@ class ChoiceSteps:
                    land + 1)
       self.pending = (choice.key, land)
       self.builds.request(choice.key)
+    self._run_bridge(done, counts, heavy, tokens)
     return state
 
   def close(self):
