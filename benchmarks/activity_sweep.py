@@ -142,8 +142,9 @@ def _heavy_by_hot(active: np.ndarray) -> np.ndarray:
 def tail_columns(active: np.ndarray, hot: int) -> dict:
   """The work the column kernels get outside the first `hot` features of an activity mask
   [M, H] in its feature order: entries per token, and the longest such column over a fair
-  share (those entries over `twell_jax.features.PARALLEL_COLUMNS` CTAs): one CTA walks each
-  column, so a column many shares long sets the kernel's time on its own."""
+  share (those entries over `twell_jax.features.PARALLEL_COLUMNS` CTAs): with one CTA per
+  column, a column many shares long set the kernel's time on its own (the kernels cut such
+  columns into pieces: `pallas_kernels.sparse_backward_mgpu.column_pieces`)."""
   cols = active[:, hot:].sum(axis=0)
   entries = int(cols.sum())
   share = max(entries / tj_features.PARALLEL_COLUMNS, 1.0)

@@ -112,6 +112,9 @@ def get_config() -> ml_collections.ConfigDict:
       bridge=False,           # run the step compiled at the start (first layer dense, the
                               # others at K = 256) while a choice builds, where predicted
                               # faster (train/training/choice_steps.py _bridge)
+      column_floor=True,      # features on more than twice a fair share of a layer's entries
+                              # stay hot (twell_jax.features.column_floor); False: K from the
+                              # cost model alone
   ))
 
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):

@@ -120,8 +120,9 @@ class LongColumnsTest(absltest.TestCase):
     """A layer at 1.9 active per token with one feature on 22% of the tokens (the paper
     shape's layer 2 at step 2,500 of a run from initialisation): the linear model predicts
     K = 0 cheapest, but that feature's column would stall the backward's column kernels
-    (1.19-1.89x dense measured at K = 0), so the choice takes the floor, 256. Without long
-    columns K = 0 stays allowed."""
+    (1.19-1.89x dense measured at K = 0 with one CTA per column), so the choice takes the
+    floor, 256; with `column_floor=False`, the model's K = 0. Without long columns K = 0 stays
+    allowed."""
     tokens, h = 16384, 5632
     counts = np.zeros((1, h), np.int64)
     counts[0, 0] = int(0.22 * tokens)
@@ -131,6 +132,9 @@ class LongColumnsTest(absltest.TestCase):
     self.assertLess(c.predict(0, 1.9), c.predict(256, 0.0))   # what the model alone says
     c.update_from_counts(counts, tokens)
     self.assertEqual(c.key, (("mosaic_gpu",), (256,)))
+    c = layer_choice.LayerChoice(1, h, column_floor=False)
+    c.update_from_counts(counts, tokens)
+    self.assertEqual(c.key, (("mosaic_gpu",), (0,)))
     spread = np.zeros((1, h), np.int64)
     spread[0, :2000] = tokens // 1000  # no long column: K = 0 is cheapest and allowed
     self.assertEqual(features.column_floor(spread[0], tokens), 0)

@@ -31,7 +31,7 @@ __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_f
 # Firing rate at which a dense feature costs what a sparse one does (module docstring).
 BREAK_EVEN_RATE = 0.01
 # CTAs the column kernels run at once (an H100's 132 SMs, about 8 each): a feature with more
-# than 2 / PARALLEL_COLUMNS of a call's entries is a column that outlasts the others.
+# than 2 / PARALLEL_COLUMNS of a call's entries is a long column (`column_floor`).
 PARALLEL_COLUMNS = 1024
 
 
@@ -93,10 +93,11 @@ def hot_feature_count(feature_counts, tokens: int, *, break_even: float = BREAK_
   (host-side; `feature_counts` [H] over `tokens` tokens): the K that minimizes `sparse_work`,
   raised, with `backward`, until every feature with more than twice a fair share of the
   entries is dense (a share: all entries over `parallel_columns`, or over H when H is
-  smaller). The backward's weight-gradient kernels give each feature's column of entries to
-  one CTA, so a column much longer than a share of the work would set the kernel's time on
-  its own (measured: features on 17-25% of the tokens of a layer with 1.3 active per token
-  made its forward + backward slower than dense). The inference forward walks rows, not
+  smaller). With one CTA per column in the backward's weight-gradient kernels, features on
+  17-25% of the tokens of a layer with 1.3 active per token made its forward + backward
+  slower than dense. Those kernels cut long columns into pieces
+  (`pallas_kernels.sparse_backward_mgpu.column_pieces`); the floor, not measured without since,
+  still keeps such features dense. The inference forward walks rows, not
   columns: for calls that are never differentiated, `backward=False` gives its K (an H100
   layer with 1.2 active per token: forward 0.49 of dense at K = 0, 0.75 at the K = 256 that
   its long columns ask for)."""
@@ -121,9 +122,8 @@ def _column_floor(rates, tail, parallel_columns: int, multiple: int) -> int:
 def column_floor(feature_counts, tokens: int, *, parallel_columns: int = PARALLEL_COLUMNS,
                  multiple: int = TILE_N) -> int:
   """The smallest K (a multiple of `multiple`) that makes dense every feature with more than
-  twice a fair share of the entries, for features sorted hottest first: below it the
-  backward's weight-gradient kernels wait on the long columns (`hot_feature_count`), whatever
-  the rest of the layer costs."""
+  twice a fair share of the entries, for features sorted hottest first (the long columns of
+  `hot_feature_count`)."""
   rates = _sorted_rates(feature_counts, tokens)
   return _column_floor(rates, _suffix_sums(rates), parallel_columns, multiple)
 

@@ -139,6 +139,9 @@ class LayerChoice:
   # what to pass for the interpreter, which runs for correctness, not speed).
   d_model: int | None = None
   tokens: int | None = None
+  # Keep every feature with more than twice a fair share of a layer's entries among its hot
+  # ones (`twell_jax.features.column_floor`); False: K from the cost model alone.
+  column_floor: bool = True
 
   def __post_init__(self):
     if not 0 <= self.sparse_below <= self.dense_above:
@@ -243,16 +246,18 @@ class LayerChoice:
           k, tail_of(k), self._heavy(heavy[l], k, tokens)))
       # The K of the linear model (and the long columns, `hot_feature_count`), raised where
       # more hot features take heavy rows off the dense tail.
-      k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even)
+      k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even,
+                                         backward=self.column_floor)
       if heavy[l] is not None and np.any(heavy[l]):
         k = min(range(k, c.shape[0], features_lib.TILE_N), key=predict, default=k)
       if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
-        # Below the long columns' floor the linear model cannot see what the backward's
-        # column kernels lose (a layer at 1.9 active per token, one feature on 22% of the
-        # tokens: 0.36 predicted at K = 0, 1.19-1.89x dense measured on an H200), so a K
-        # under it is never kept, however the prediction compares.
+        # A K under the long columns' floor is never kept, however the prediction compares:
+        # with one CTA per column the backward's column kernels lost what the linear model
+        # cannot see (a layer at 1.9 active per token, one feature on 22% of the tokens: 0.36
+        # predicted at K = 0, 1.19-1.89x dense measured on an H200); they cut long columns
+        # into pieces since (`sparse_backward_mgpu.column_pieces`), not measured at K = 0.
         if (predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN
-            or hot[l] < features_lib.column_floor(c, tokens)):
+            or (self.column_floor and hot[l] < features_lib.column_floor(c, tokens))):
           hot[l] = k
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
       ratio = lambda k, c=c, predict=predict: np.inf if k >= c.shape[0] else predict(k)

@@ -136,7 +136,8 @@ class Trainer:
                                         sparse_below=lc.sparse_below,
                                         dense_above=lc.dense_above,
                                         d_model=None if mc.interpret else mc.d_model,
-                                        tokens=tokens)
+                                        tokens=tokens,
+                                        column_floor=lc.get("column_floor", True))
 
   def sort_features(self, state, order):
     """`state` with each layer's hidden features in `order` [L, H] (the parameters, the
