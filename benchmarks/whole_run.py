@@ -41,7 +41,8 @@ steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "gpus
 with `--parallel`, else every GPU of the machine: a data-parallel mesh), "runs": [{"name",
 "wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
 "sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]],
-"landing_waits_s": [[step, seconds the loop waited for that landing's build]], ...,
+"landing_waits_s": [[step, seconds the loop waited for that landing's build]], "build_s":
+[[step, seconds that landing's build took]], ...,
 "phases" ([label, seconds] of the wall-clock cut at the first step and the evaluations,
 `phases`), "phase_ratios" (dense SiLU's seconds over the run's, per phase)}], "wall_ratios"
 (dense SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
@@ -64,7 +65,7 @@ from benchmarks import cli_run
 
 _DECISION = re.compile(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
                        r"running from step (\d+)")
-_LANDING = re.compile(r"step (\d+): now running FFN per layer [SD0-9 ]+ \(built in [0-9.]+ s; "
+_LANDING = re.compile(r"step (\d+): now running FFN per layer [SD0-9 ]+ \(built in ([0-9.]+) s; "
                       r"waited ([0-9.]+) s\)")
 
 
@@ -160,13 +161,15 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
     log = f.read()
   decisions = [[int(m.group(1)), m.group(2), int(m.group(3))] for m in _DECISION.finditer(log)]
   # [step, seconds] of each landing: how long the loop waited for the choice's build.
-  waits = [[int(m.group(1)), float(m.group(2))] for m in _LANDING.finditer(log)]
+  landings = list(_LANDING.finditer(log))
+  waits = [[int(m.group(1)), float(m.group(3))] for m in landings]
+  builds = [[int(m.group(1)), float(m.group(2))] for m in landings]
   evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"]}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,
           "first_step_s": train_rows[0]["wall_time"] - t0,
           "eval_ce": evals[-1]["ce"] if evals else None, "evals": evals, "points": points,
-          "decisions": decisions, "landing_waits_s": waits,
+          "decisions": decisions, "landing_waits_s": waits, "build_s": builds,
           "peak_memory_gib": max((r["peak_memory_gib"] for r in rows if "peak_memory_gib" in r),
                                  default=None)}
 
@@ -339,7 +342,8 @@ def main(argv):
     print(f"  {r['name']:<12} wall {r['wall_s']:7.1f} s (first step {r['first_step_s']:.1f} s)"
           f"  held-out CE {r['eval_ce']}  whole-run ratio {r.get('wall_ratio', 1.0):.3f}"
           f"  {len(r['decisions'])} decisions, waited "
-          f"{sum(w for _, w in r.get('landing_waits_s', [])):.1f} s for builds", flush=True)
+          f"{sum(w for _, w in r.get('landing_waits_s', [])):.1f} s for builds (longest "
+          f"{max((b for _, b in r.get('build_s', [])), default=0.0):.1f} s)", flush=True)
   for r in results["runs"]:
     ratios = dict(r.get("phase_ratios", []))
     print(f"  {r['name']:<12} " + " | ".join(
