@@ -137,6 +137,7 @@ class MatrixTest(absltest.TestCase):
     self.assertEqual(matrix.meshes(1), ["1"])
     self.assertEqual(matrix.meshes(2), ["data=2", "fsdp=2"])
     self.assertEqual(matrix.meshes(4), ["data=4", "fsdp=4", "data=2,fsdp=2"])
+    self.assertEqual(matrix.meshes(8), ["data=8", "fsdp=8", "data=2,fsdp=4"])   # a full node
     # The 1.5B and 2B cells (~100 GB of checkpoints each) one at a time, after the others.
     cells = [("paper_2b", "default", "fsdp=4"), ("tiny", "default", "fsdp=4"),
              ("paper_1p5b", "mosaic_gpu", "data=2,fsdp=2")]
