@@ -246,6 +246,7 @@ class LayerChoice:
           k, tail_of(k), self._heavy(heavy[l], k, tokens)))
       # The K of the linear model (and the long columns, `hot_feature_count`), raised where
       # more hot features take heavy rows off the dense tail.
+      # `backward` is what raises K to the long-column floor (off: the cost model's K alone).
       k = features_lib.hot_feature_count(c, tokens, break_even=self.cost.break_even,
                                          backward=self.column_floor)
       if heavy[l] is not None and np.any(heavy[l]):
