@@ -301,6 +301,20 @@ class StepBuildsTest(absltest.TestCase):
     self.assertIsNone(saves(1000))
     self.assertIn(f"less than the {layer_choice.BUILD_COST_STEPS:.0f}", saves(50))
 
+  def test_a_layer_held_at_an_infinite_prediction_saves_nothing(self):
+    """A layer predicted infinitely slow in the running step and in the choice (held there for
+    one decision) gives no saving, not inf - inf: the other layers' change decides."""
+    running = (("mosaic_gpu", "dense"), (256, 0))
+    class Choice:
+      key = (("mosaic_gpu", "mosaic_gpu"), (256, 256))
+      def costs(self, key, counts, tokens, heavy):
+        del counts, tokens, heavy
+        return np.array([np.inf, 1.0 if key[0][1] == "dense" else 0.5])
+    why = choice_steps.payback(Choice(), running, None, None, 1, 1000, 0.5)
+    self.assertIsNone(why)                       # 0.5 * 0.25 * 1000 = 125 dense steps
+    why = choice_steps.payback(Choice(), running, None, None, 1, 100, 0.5)
+    self.assertIn("predicted to save 12.5 dense steps", why)
+
   def test_the_kernels_are_compiled_ahead_while_every_layer_runs_dense(self):
     """A run whose steps have no sparse layer builds, when it starts, a step with the first
     layer dense and the others on the kernels (compiling them once for every later choice's
@@ -482,9 +496,9 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertIn("S", running[max(running)])
 
   def test_the_step_compiled_ahead_does_not_stand_in_for_a_choice_building(self):
-    """While every layer runs dense and a choice builds, the step compiled ahead (first layer
-    dense, the others at K = 256) does not run in its place (measured slower than the
-    choices' own steps); the choices land on the same steps when builds are slow. (The
+    """With `layer_choice.bridge` off, while every layer runs dense and a choice builds, the
+    step compiled ahead (first layer dense, the others at K = 256) does not run in its place;
+    the choices land on the same steps when builds are slow. (The
     portable sparse FFN stands in for the kernels: on the CPU nothing is compiled ahead.)"""
     self._micro_sparse_model()
     self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
@@ -492,7 +506,8 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0,
                           l1_coeff=3e-2, learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 7})
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 7,
+                             "layer_choice.bridge": False})
     runs = [(self._decisions(logs.output), logs.output)
             for logs in self._runs_with_slower_builds(cfg, 1.0)]
     ((decided, running), output), (second, _) = runs

@@ -195,10 +195,13 @@ def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
   Saving: the predicted FFN time of the running step and of the new one
   (`LayerChoice.costs`, over the dense FFN's), the FFN being `ffn_share` of a dense step,
   over the steps left, in dense steps. Cost: `layer_choice.BUILD_COST_STEPS`. Steps, not
-  seconds, so that the decision is the same in every run of a seed."""
-  old = float(choice.costs(running, counts, tokens, heavy).mean())
-  new = float(choice.costs(choice.key, counts, tokens, heavy).mean())
-  saving = ffn_share * (old - new) * steps_left
+  seconds, so that the decision is the same in every run of a seed. A layer the choice leaves
+  as it runs saves nothing, also where its predicted time is infinite (rows over the ELL
+  width past the last tail bucket, held for one decision by `LayerChoice.update_from_counts`)."""
+  old = choice.costs(running, counts, tokens, heavy)
+  new = choice.costs(choice.key, counts, tokens, heavy)
+  kept = np.array([a == b for a, b in zip(zip(*running), zip(*choice.key))]) | (old == new)
+  saving = ffn_share * float(np.where(kept, 0.0, old - new).mean()) * steps_left
   if saving > layer_choice_lib.BUILD_COST_STEPS:
     return None
   return (f"predicted to save {saving:.1f} dense steps' time over the {steps_left} steps "
