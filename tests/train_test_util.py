@@ -57,10 +57,14 @@ def write_bpe_tokenizer(path: str, texts, vocab_size: int, **kwargs) -> str:
 
 
 def main_cmd(workdir: str, *flags: str) -> list[str]:
-  """Command line for `python -m train.main` on the tiny config."""
+  """Command line for `python -m train.main` on the tiny config. Without
+  tensorflow-datasets (the GPU image) the corpus is read from its generator, as the
+  pipeline does for a user who lacks it."""
+  from train.data import pipeline  # pylint: disable=g-import-not-at-top
+  data = ([f"--config.data.data_dir={offline_data_dir()}"] if pipeline.tfds_available()
+          else ["--config.data.use_tfds=False"])
   return [sys.executable, "-m", "train.main", "--config=configs/tiny.py",
-          f"--workdir={workdir}",
-          f"--config.data.data_dir={offline_data_dir()}", *flags]
+          f"--workdir={workdir}", *data, *flags]
 
 
 def run_env(**extra) -> dict:
