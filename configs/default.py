@@ -103,13 +103,13 @@ def get_config() -> ml_collections.ConfigDict:
       sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=150,      # builds take 10-16 s beside training once the kernels are
-                              # compiled (paper 0.5B, H100 host: 100 dense steps' time,
-                              # 12.6 s, made the loop wait 16 s over six landings)
+      landing_steps=200,      # builds take 10-25 s beside training once the kernels are
+                              # compiled (paper 0.5B, 4x H200 host, runs side by side: 150
+                              # dense steps' time, 15-17 s, made the loop wait 7-14 s)
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
                               # goes on with the running step (builds take 8-25 s; one on
                               # four H200s never came back)
-      bridge=False,           # run the step compiled at the start (first layer dense, the
+      bridge=True,            # run the step compiled at the start (first layer dense, the
                               # others at K = 256) while a choice builds, where predicted
                               # faster (train/training/choice_steps.py _bridge)
       column_floor=True,      # features on more than twice a fair share of a layer's entries
