@@ -103,11 +103,12 @@ def get_config() -> ml_collections.ConfigDict:
       sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=200,      # builds take 10-25 s beside training once the kernels are
-                              # compiled (paper 0.5B, 4x H200 host, runs side by side: 150
-                              # dense steps' time, 15-17 s, made the loop wait 7-14 s)
+      landing_steps=200,      # builds take 9-15 s beside training once the kernels are
+                              # compiled (paper 0.5B, one run on an H200), 18-28 s with four
+                              # runs on one host; 150 dense steps' time (15-17 s) made the
+                              # loop wait 7-14 s there, 200 (21-23 s) 0-12 s
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
-                              # goes on with the running step (builds take 8-25 s; one on
+                              # goes on with the running step (builds take 9-28 s; one on
                               # four H200s never came back)
       bridge=True,            # run the step compiled at the start (first layer dense, the
                               # others at K = 256) while a choice builds, where predicted

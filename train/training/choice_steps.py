@@ -201,7 +201,7 @@ def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
   old = choice.costs(running, counts, tokens, heavy)
   new = choice.costs(choice.key, counts, tokens, heavy)
   kept = np.array([a == b for a, b in zip(zip(*running), zip(*choice.key))]) | (old == new)
-  saving = ffn_share * float(np.where(kept, 0.0, old - new).mean()) * steps_left
+  saving = ffn_share * float((old[~kept] - new[~kept]).sum() / old.shape[0]) * steps_left
   if saving > layer_choice_lib.BUILD_COST_STEPS:
     return None
   return (f"predicted to save {saving:.1f} dense steps' time over the {steps_left} steps "
