@@ -15,7 +15,9 @@
 #   whole_run benchmarks.whole_run: whole training commands from random initialisation, dense
 #             SiLU and sparse twice, concurrently one GPU each where there are several, started
 #             $WHOLE_RUN_STAGGER (30) s apart ($WHOLE_RUN_FLAGS; --runs=...,sparse+KEY=VALUE
-#             adds a run with config overrides)
+#             adds a run with config overrides). One at a time, alone on one GPU (builds take
+#             9-15 s there, 18-28 s with four runs on the host): CUDA_VISIBLE_DEVICES=0 and
+#             --noparallel, one call per run or two, joined by whole_run --runs= --merge=a,b
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
 #             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
 #             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~4 min; with
