@@ -243,7 +243,7 @@ class ChoiceSteps:
         background=cfg.layer_choice.background)
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
     self.build_timeout_s = cfg.layer_choice.get("build_timeout_s", None)
-    self.bridge = bool(cfg.layer_choice.get("bridge", False))
+    self.bridge = cfg.layer_choice.bridge
     self.pending = None   # (key, step): a choice decided, running from that step on
     # The feature counts and heavy rows summed over the steps since the last decision (device
     # arrays), and how many steps that is.

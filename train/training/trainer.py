@@ -137,7 +137,7 @@ class Trainer:
                                         dense_above=lc.dense_above,
                                         d_model=None if mc.interpret else mc.d_model,
                                         tokens=tokens,
-                                        column_floor=lc.get("column_floor", True))
+                                        column_floor=lc.column_floor)
 
   def sort_features(self, state, order):
     """`state` with each layer's hidden features in `order` [L, H] (the parameters, the
