@@ -24,6 +24,10 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
    earlier result. `--scan_hot` times more K at every last-layer point, each beside its
    bytes-and-FLOPs floor (`floor_ms`); at `--profile_active` the last layer's sparse and dense
    forward + backward are listed kernel by kernel (CUPTI).
+5. Every sweep point's floors over dense's nine GEMMs (`best_floors`): the kernels' method at
+   its best K and dense rows, any method on non-zero 128 x 128 tiles, and the FLOPs of the
+   active entries alone. `--floors` computes them without timing anything (a CPU will do):
+   `python -m benchmarks.activity_sweep --floors --skews_from=benchmarks/results/h200/activity_sweep.json`.
 Times: medians of synchronized calls (`benchmarks.timing.wall_ms`), the loss
 sum(y * ct) + 2e-5 * l1 of `benchmarks.kernels`. JSON (`--out`): {"device", "captures":
 [{"step", "layers": [...]}], "sweep": [{"skew", "active", "hot_features", "ratio", ...}]}.
@@ -71,6 +75,8 @@ def _define_flags():
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation")
   flags.DEFINE_string("skews_from", None, "an earlier result's JSON: sweep its fitted skews, "
                       "without the training run and its captures")
+  flags.DEFINE_bool("floors", False, "the sweep's floors (`best_floors`) only, nothing timed: "
+                    "runs on a CPU with --skews_from")
   flags.DEFINE_list("scan_hot", [], "more K (hot features) timed at every last-layer point")
   flags.DEFINE_float("profile_active", 200, "the last layer's point listed kernel by kernel "
                      "(0: none)")
@@ -97,6 +103,51 @@ def floor_ms(m: int, d: int, h: int, hot: int, tail_per_token: float) -> float:
   gemm_s = 2 * m * d * (h + 8 * hot) / GEMM_FLOP_PER_S
   rows_s = ROW_PASSES * m * tail_per_token * d * 2 / ROW_BYTES_PER_S
   return (gemm_s + rows_s) * 1e3
+
+
+def best_floors(active: np.ndarray, d: int, step: int = 128, block: int = 128) -> dict:
+  """The least forward + backward time over dense's nine GEMMs, from bytes and FLOPs alone, of
+  an activity mask [M, H] (features sorted by count), three ways:
+
+  * `kernels`: this library's method at its best setting: the gate GEMM, K hot features as
+    eight GEMMs, and per token the cheaper of its entries outside K as `ROW_PASSES` row reads
+    each (`floor_ms`) or its non-hot features as dense rows (eight GEMM rows of H - K): the
+    hybrid's overflow path. Searched over K in multiples of `step`.
+  * `blocks`: any tensor-core method that skips all-zero [block x block] tiles of the token x
+    feature matrix: the gate GEMM and eight GEMMs over the non-zero tiles' share.
+  * `entries`: the FLOP floor of any exact method: the gate GEMM and eight D-long products per
+    active entry, all at the GEMM rate (no gather costs anything).
+  """
+  m, h = active.shape
+  gemm = 2 * d / GEMM_FLOP_PER_S          # seconds per token per feature-GEMM column
+  row = ROW_PASSES * d * 2 / ROW_BYTES_PER_S   # seconds per entry outside K
+  dense_s = 9 * gemm * m * h
+  # Entries per token beyond each K of the grid (features are sorted: a suffix sum).
+  ks = list(range(0, h, step)) + [h]
+  per_block = np.add.reduceat(active, list(range(0, h, step)), axis=1).astype(np.int64)
+  beyond = np.concatenate([np.cumsum(per_block[:, ::-1], axis=1)[:, ::-1],
+                           np.zeros((m, 1), np.int64)], axis=1)     # [M, len(ks)]
+  best = None
+  for j, k in enumerate(ks):
+    per_token = np.minimum(beyond[:, j] * row, 8 * gemm * (h - k))
+    total = gemm * m * (h + 8 * k) + per_token.sum()
+    if best is None or total < best[0]:
+      best = (total, k, int(np.sum(beyond[:, j] * row > 8 * gemm * (h - k))))
+  mb, hb = -(-m // block), -(-h // block)
+  padded = np.zeros((mb * block, hb * block), bool)
+  padded[:m, :h] = active
+  tiles = padded.reshape(mb, block, hb, block).any(axis=(1, 3)).mean()
+  entries = float(active.sum())
+  return {"kernels": {"ratio": best[0] / dense_s, "hot_features": best[1], "dense_rows": best[2]},
+          "blocks": {"ratio": (1 + 8 * tiles) / 9, "block": block, "nonzero_tiles": float(tiles)},
+          "entries": {"ratio": (m * h + 8 * entries) / (9 * m * h)},
+          "row_over_gemm": row / (8 * gemm)}
+
+
+def block_desc(floors: dict) -> str:
+  b = floors["blocks"]
+  return (f"{b['block']}x{b['block']} tiles {b['ratio']:.3f} ({100 * b['nonzero_tiles']:.0f}% "
+          f"non-zero)")
 
 
 _GRADS: dict = {}
@@ -236,10 +287,11 @@ def _profile(x, wg, wu, wd, hot: int, impl: str) -> dict:
 
 
 def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: int,
-                scan_hot=(), profile: bool = False) -> dict:
-  """The fitted skew at `active` features per token: the per-layer choice's K on it, and
-  forward + backward against dense; each K of `scan_hot` too (`k_scan`, with the floor of
-  `floor_ms`), and the kernels at the choice's K if `profile`."""
+                scan_hot=(), profile: bool = False, timed: bool = True) -> dict:
+  """The fitted skew at `active` features per token: the per-layer choice's K on it, the
+  floors of `best_floors`, and (if `timed`) forward + backward against dense; each K of
+  `scan_hot` too (`k_scan`, with the floor of `floor_ms`), and the kernels at the choice's K if
+  `profile`."""
   m, d, h = shape
   scale = active / max(fit["active_fraction"] * h, 1e-9)
   args = dict(fit, active_fraction=min(1.0, fit["active_fraction"] * scale))
@@ -250,9 +302,17 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
   active_mask = np.asarray(jnp.take(fires, order, axis=1))
   name, k, predicted, tail = _choice(active_mask)
   st = testing.activity_stats(active_mask)
+  floors = best_floors(active_mask, d)
   out = {"skew": skew, "active": float(active), "generated": st, "choice": name,
          "rows_over_width": _rows_over(active_mask, k), "predicted": predicted,
-         "tail_per_token": tail, **time_call(x, wg, wu, wd, k, impl, iters)}
+         "tail_per_token": tail, "hot_features": k, "floors": floors}
+  print(f"  {skew} at {active:g}: floors over dense's: the kernels "
+        f"{floors['kernels']['ratio']:.3f} (K {floors['kernels']['hot_features']}, "
+        f"{floors['kernels']['dense_rows']} dense rows), {block_desc(floors)}, entries "
+        f"{floors['entries']['ratio']:.3f}", flush=True)
+  if not timed:
+    return out
+  out.update(time_call(x, wg, wu, wd, k, impl, iters))
   print(f"  {skew} at {active:g}: measured {st['active_per_token']:.1f} active, rows "
         f"p50/p99/max {st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']}, K {k} "
         f"(predicted {out['predicted']:.2f}), rows over W {out['rows_over_width']}: fwd+bwd "
@@ -343,16 +403,23 @@ def main(argv):
   results["sweep"] = [
       sweep_point(name, skew["fit"], float(a), shape, impl, fl.iters,
                   scan_hot=scan if name == "last_layer" else (),
-                  profile=name == "last_layer" and float(a) == fl.profile_active)
+                  profile=name == "last_layer" and float(a) == fl.profile_active,
+                  timed=not fl.floors)
       for name, skew in results["skews"].items() for a in fl.actives]
   if fl.out:
     os.makedirs(os.path.dirname(os.path.abspath(fl.out)), exist_ok=True)
     with open(fl.out, "w") as f:
       json.dump(results, f, indent=1)
-  print(f"\n{'skew':<11}{'active':>8}{'K':>6}{'rows>W':>8}{'ratio':>8}{'floor':>8}")
+  print(f"\n{'skew':<11}{'active':>8}{'K':>6}{'rows>W':>8}{'ratio':>8}{'floor':>8}"
+        f"{'best K':>8}{'floor':>7}{'tiles':>7}{'FLOPs':>7}")
   for p in results["sweep"]:
+    f = p["floors"]
+    measured = (f"{p['ratio']:>8.3f}{p['floor_ratio']:>8.3f}" if "ratio" in p
+                else f"{'-':>8}{'-':>8}")
     print(f"{p['skew']:<11}{p['active']:>8.0f}{p['hot_features']:>6}"
-          f"{p['rows_over_width']:>8}{p['ratio']:>8.3f}{p['floor_ratio']:>8.3f}")
+          f"{p['rows_over_width']:>8}{measured}{f['kernels']['hot_features']:>8}"
+          f"{f['kernels']['ratio']:>7.3f}{f['blocks']['ratio']:>7.3f}"
+          f"{f['entries']['ratio']:>7.3f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
 #             SiLU and sparse twice, concurrently one GPU each where there are several, started
 #             $WHOLE_RUN_STAGGER (30) s apart ($WHOLE_RUN_FLAGS; --runs=...,sparse+KEY=VALUE
 #             adds a run with config overrides). One at a time, alone on one GPU (builds take
-#             9-15 s there, 18-28 s with four runs on the host): CUDA_VISIBLE_DEVICES=0 and
+#             6-23 s there, 18-28 s with four runs on the host): CUDA_VISIBLE_DEVICES=0 and
 #             --noparallel, one call per run or two, joined by whole_run --runs= --merge=a,b
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
 #             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with

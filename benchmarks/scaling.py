@@ -298,8 +298,10 @@ _SETTINGS = ("layers", "batch_per_device", "grad_accum", "remat", "weights", "tr
 def merge_results(results: list[dict]) -> dict:
   """Several invocations' results (each model at its own setting: remat, micro-batches) as
   one: every run with its invocation's `_SETTINGS`, and per depth and mesh the sparse model's
-  tokens/s over the dense one's and its largest measured peak memory per device over the
-  dense one's (`ratios`)."""
+  tokens/s over the dense one's (`speedup`), the timed step's compiled peak memory per device
+  over the dense one's (`peak_memory_ratio`, XLA's memory analysis) and the processes' largest
+  measured peaks' (`process_peak_ratio`: a process that trained its weights first, as the
+  sparse one does with `--weights=trained`, counts that run's peak too)."""
   runs = [{**{k: r[k] for k in _SETTINGS if k in r}, **run}
           for r in results for run in r["runs"] if "error" not in run]
   ratios = []
@@ -312,7 +314,9 @@ def merge_results(results: list[dict]) -> dict:
         peak = lambda run: max(p or 0 for p in run["measured_peak_bytes_per_device"])
         ratios.append({"layers": layers, "mesh": mesh,
                        "speedup": sp["tokens_per_s"] / de["tokens_per_s"],
-                       "peak_memory_ratio": peak(sp) / max(peak(de), 1)})
+                       "peak_memory_ratio": (sp["xla_peak_bytes_per_device"]
+                                             / max(de["xla_peak_bytes_per_device"], 1)),
+                       "process_peak_ratio": peak(sp) / max(peak(de), 1)})
   first = results[0]
   return {"device": first["device"], "device_count": first["device_count"],
           "jax": first["jax"], "runs": runs, "ratios": ratios,
@@ -330,7 +334,8 @@ def main(argv):
     merged = merge_results(loaded)
     for r in merged["ratios"]:
       print(f"  {r['layers']} layers, mesh {r['mesh']}: sparse {r['speedup']:.3f}x dense, "
-            f"peak memory {r['peak_memory_ratio']:.3f}x", flush=True)
+            f"step's peak memory {r['peak_memory_ratio']:.3f}x (process peaks "
+            f"{r['process_peak_ratio']:.3f}x)", flush=True)
     if fl.out:
       with open(fl.out, "w") as f:
         json.dump(merged, f, indent=1)

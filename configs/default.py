@@ -103,10 +103,10 @@ def get_config() -> ml_collections.ConfigDict:
       sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=200,      # builds take 9-15 s beside training once the kernels are
-                              # compiled (paper 0.5B, one run on an H200), 18-28 s with four
-                              # runs on one host; 150 dense steps' time (15-17 s) made the
-                              # loop wait 7-14 s there, 200 (21-23 s) 0-12 s
+      landing_steps=200,      # builds take 6-23 s beside training once the kernels are
+                              # compiled (paper 0.5B, one run alone on an H200; mostly
+                              # 12-18 s), 18-28 s with four runs on one host; 200 dense steps'
+                              # time (21-23 s) made the loop wait 0-2.5 s alone, 0-12 s there
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
                               # goes on with the running step (builds take 9-28 s; one on
                               # four H200s never came back)

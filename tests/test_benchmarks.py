@@ -207,18 +207,20 @@ class ScalingSmokeTest(absltest.TestCase):
   def test_merge_results_pairs_each_depth_and_mesh(self):
     """Invocations with each model at its own setting merge into one: every run keeps its
     invocation's setting, and per depth and mesh the sparse/dense tokens/s and peak memory."""
-    run = lambda model, mesh, tps, peak: {"model": model, "mesh": mesh, "tokens_per_s": tps,
-                                          "measured_peak_bytes_per_device": [peak, None]}
+    run = lambda model, mesh, tps, peak, step_peak: {
+        "model": model, "mesh": mesh, "tokens_per_s": tps,
+        "xla_peak_bytes_per_device": step_peak, "measured_peak_bytes_per_device": [peak, None]}
     top = {"device": "H", "device_count": 4, "jax": "0", "weights": "trained",
            "train_steps": 500}
     sparse = {**top, "layers": 28, "batch_per_device": 8, "grad_accum": 1, "remat": False,
-              "runs": [run("sparse", "1x4", 300.0, 40), run("sparse", "2x2", 280.0, 50)]}
+              "runs": [run("sparse", "1x4", 300.0, 60, 30), run("sparse", "2x2", 280.0, 50, 25)]}
     dense = {**top, "layers": 28, "batch_per_device": 4, "grad_accum": 2, "remat": False,
-             "runs": [run("dense", "1x4", 200.0, 80),
+             "runs": [run("dense", "1x4", 200.0, 80, 60),
                       {"model": "dense", "mesh": "2x2", "error": "RESOURCE_EXHAUSTED"}]}
     merged = scaling.merge_results([sparse, dense])
     self.assertEqual(merged["ratios"], [{"layers": 28, "mesh": "1x4", "speedup": 1.5,
-                                         "peak_memory_ratio": 0.5}])
+                                         "peak_memory_ratio": 0.5,
+                                         "process_peak_ratio": 0.75}])
     self.assertLen(merged["runs"], 3)
     self.assertEqual([r["grad_accum"] for r in merged["runs"]], [1, 1, 2])
     self.assertEqual(merged["failed"][0]["mesh"], "2x2")
@@ -545,6 +547,8 @@ class ActivitySweepSmokeTest(absltest.TestCase):
       self.assertGreater(s["floor_ratio"], 0)
       self.assertAlmostEqual(s["ratio"], s["sparse_ms"] / last["dense_ms"])
     self.assertIn("profile", last)   # empty where CUPTI is unavailable (this CPU)
+    for p in r["sweep"]:
+      self.assertLessEqual(p["floors"]["entries"]["ratio"], p["floors"]["kernels"]["ratio"])
 
 
 class SavedSkewsTest(absltest.TestCase):
@@ -567,6 +571,49 @@ class FloorTest(absltest.TestCase):
     self.assertAlmostEqual(activity_sweep.floor_ms(m, d, h, 0, 0.0), dense / 9)
     one_row = activity_sweep.floor_ms(m, d, h, 0, 1.0) - activity_sweep.floor_ms(m, d, h, 0, 0.0)
     self.assertAlmostEqual(one_row, 6 * m * d * 2 / activity_sweep.ROW_BYTES_PER_S * 1e3)
+
+
+class BestFloorsTest(absltest.TestCase):
+  """`activity_sweep.best_floors`: the kernels' best K and dense rows, the tile bound and the
+  FLOP bound, each over dense's nine GEMMs."""
+
+  D = 2048
+
+  def test_empty_and_full_activity(self):
+    empty = activity_sweep.best_floors(np.zeros((256, 512), bool), self.D)
+    for key in ("kernels", "blocks", "entries"):
+      self.assertAlmostEqual(empty[key]["ratio"], 1 / 9)
+    self.assertEqual(empty["kernels"]["hot_features"], 0)
+    full = activity_sweep.best_floors(np.ones((256, 512), bool), self.D)
+    for key in ("kernels", "blocks", "entries"):
+      self.assertAlmostEqual(full[key]["ratio"], 1.0)
+
+  def test_features_on_every_token_become_hot(self):
+    """128 features on every token: as hot columns they cost less than as row reads (76
+    GEMM columns an entry) or as dense rows of all 512 features."""
+    active = np.zeros((256, 512), bool)
+    active[:, :128] = True
+    f = activity_sweep.best_floors(active, self.D, step=128)
+    self.assertEqual((f["kernels"]["hot_features"], f["kernels"]["dense_rows"]), (128, 0))
+    self.assertAlmostEqual(f["kernels"]["ratio"], (512 + 8 * 128) / (9 * 512))
+    self.assertAlmostEqual(f["entries"]["ratio"], (512 + 8 * 128) / (9 * 512))
+    self.assertAlmostEqual(f["blocks"]["nonzero_tiles"], 0.25)   # one of four feature tiles
+    one = np.zeros((256, 512), bool)
+    one[:, 0] = True              # one entry a token: a row read beats 128 hot columns
+    self.assertEqual(activity_sweep.best_floors(one, self.D)["kernels"]["hot_features"], 0)
+
+  def test_heavy_rows_go_dense(self):
+    """Tokens with every feature active: cheaper as dense rows than as 512 row reads each."""
+    active = np.zeros((256, 512), bool)
+    active[:16] = True
+    active[16:, 200] = True       # one entry per light token: stays a row read (76 > 1)
+    f = activity_sweep.best_floors(active, self.D, step=128)
+    self.assertEqual((f["kernels"]["hot_features"], f["kernels"]["dense_rows"]), (0, 16))
+    gemm = 2 * self.D / activity_sweep.GEMM_FLOP_PER_S
+    row = activity_sweep.ROW_PASSES * self.D * 2 / activity_sweep.ROW_BYTES_PER_S
+    expected = (gemm * 256 * 512 + 16 * 8 * gemm * 512 + 240 * row) / (9 * gemm * 256 * 512)
+    self.assertAlmostEqual(f["kernels"]["ratio"], expected)
+    self.assertAlmostEqual(f["row_over_gemm"], row / (8 * gemm))
 
 
 class DataPipelineSmokeTest(absltest.TestCase):
