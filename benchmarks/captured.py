@@ -76,6 +76,9 @@ def capture(cfg, params):
 # captured alive features: until the alive features expected to fire in no row are at most
 # _UNSEEN_TARGET of all features, lowering the top-10% share by at most _TAIL_SHARE_BUDGET.
 _UNSEEN_TARGET = 0.01
+# The popularity anchors fitted (fraction of the features, `activity_stats` key); captures
+# made before the top-50% share was recorded fit the first two.
+_SHARES = ((0.01, "top1pct_share"), (0.1, "top10pct_share"), (0.5, "top50pct_share"))
 _TAIL_SHARE_BUDGET = 0.05
 
 
@@ -104,14 +107,17 @@ def _row_length_quantiles(q, row_spread: float, probs) -> list[float]:
   return out
 
 
-def fit_generator(stats: dict, m: int, h: int) -> dict:
+def fit_generator(stats: dict, m: int, h: int, extra_shares=()) -> dict:
   """`twell_jax.testing.ffn_inputs` arguments reproducing a layer's activity statistics
-  (`testing.activity_stats`) in batches of m tokens, for h features.
+  (`testing.activity_stats`) in batches of m tokens, for h features; `extra_shares`: more
+  (fraction of the features, share of all actives) anchors past the top 10% measured
+  otherwise (e.g. a capture's share of its K hot features).
 
   * Near-dense rows: one heavy row per m tokens, filling the longest captured row
     (heavy_fill = row_max / alive features). Its firings are taken out of the ordinary rows'
     mean, hottest feature and top shares, so the batch as a whole matches.
-  * Popularity: the dead fraction, hottest feature and top-1% / top-10% shares directly.
+  * Popularity: the dead fraction, hottest feature and top-1% / top-10% / top-50% shares
+    directly (the top-50% where the statistics have it).
     A captured feature counts as alive when it fired anywhere in the captured batch, often
     only in a near-dense row; when one heavy row would leave many alive features unseen in m
     tokens, the cold tail's rate rises (see _UNSEEN_TARGET).
@@ -125,9 +131,13 @@ def fit_generator(stats: dict, m: int, h: int) -> dict:
   hottest = min(1.0, max((stats["hottest_fraction"] * m - fill) / (m - 1), 1e-6))
   shares = [[frac, min(1.0, (stats[key] * mu * m - fill * min(alive, round(frac * h)))
                        / max(mu_o * (m - 1), 1e-9))]
-            for frac, key in ((0.01, "top1pct_share"), (0.1, "top10pct_share"))]
+            for frac, key in _SHARES if key in stats]
+  shares += [[frac, min(1.0, (share * mu * m - fill * min(alive, round(frac * h)))
+                        / max(mu_o * (m - 1), 1e-9))] for frac, share in extra_shares]
+  shares = shares[:2] + sorted(shares[2:])
   rates = lambda s10: testing.feature_rates(
-      h, mu_o, dead_fraction=dead, hottest=hottest, top_shares=(shares[0], (0.1, s10)))
+      h, mu_o, dead_fraction=dead, hottest=hottest,
+      top_shares=(shares[0], (0.1, s10), *shares[2:]))
   unseen = lambda s10: (1.0 - fill) * np.sum(np.exp(-m * rates(s10)[:alive])) / h
   if alive > round(0.1 * h) and unseen(shares[1][1]) > _UNSEEN_TARGET:
     lo, hi = max(shares[0][1], shares[1][1] - _TAIL_SHARE_BUDGET), shares[1][1]

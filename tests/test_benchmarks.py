@@ -95,6 +95,27 @@ class CalibratedSpecsTest(absltest.TestCase):
         np.testing.assert_allclose(fit[k], ref[k], rtol=2e-3, atol=1e-3, err_msg=k)
 
 
+class ThreeAnchorFitTest(absltest.TestCase):
+
+  def test_the_top_half_share_is_fitted_where_recorded(self):
+    """A layer whose top half holds 97% of the firings: fitted with the top-50% share, the
+    generated batch has it; the first two anchors alone leave the top half near 70%."""
+    m, d, h = 4096, 128, 1024
+    want = captured.generated_stats(
+        {"active_fraction": 0.04, "dead_fraction": 0.03, "hottest": 0.6,
+         "top_shares": ((0.01, 0.09), (0.1, 0.48), (0.5, 0.97)), "row_spread": 0.3}, m, d, h)
+    self.assertAlmostEqual(want["top50pct_share"], 0.97, delta=0.01)
+    got = captured.generated_stats(captured.fit_generator(want, m, h), m, d, h)
+    self.assertAlmostEqual(got["top50pct_share"], want["top50pct_share"], delta=0.01)
+    older = {k: v for k, v in want.items() if k != "top50pct_share"}
+    two = captured.generated_stats(captured.fit_generator(older, m, h), m, d, h)
+    self.assertLess(two["top50pct_share"], 0.85)
+    # The same anchor given as a measured extra share (fraction, share).
+    extra = captured.fit_generator(older, m, h, extra_shares=((0.5, want["top50pct_share"]),))
+    self.assertAlmostEqual(captured.generated_stats(extra, m, d, h)["top50pct_share"],
+                           want["top50pct_share"], delta=0.01)
+
+
 class L2ProbeTest(parameterized.TestCase):
 
   @parameterized.parameters("random", "sequential")

@@ -47,6 +47,25 @@ class GeneratorTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "needs hottest"):
       testing.feature_rates(100, 4.0, top_shares=((0.1, 0.5),))
 
+  def test_a_third_anchor_adds_a_warm_segment(self):
+    """Past the top 10%, a third anchor's share is carried by a geometric decay from the
+    head's last rate; the cold tail past it takes the rest equally. Without it the 90% past
+    the head fire at one rate (the shape that overstated a last layer's spread: its real top
+    half held 98% of the firings)."""
+    shares = ((0.01, 0.09), (0.1, 0.48), (0.5, 0.97))
+    q = testing.feature_rates(5632, 200.0, dead_fraction=0.03, hottest=0.6, top_shares=shares)
+    self.assertAlmostEqual(q.sum(), 200.0, places=5)
+    for frac, share in shares:
+      self.assertAlmostEqual(q[:int(round(frac * 5632))].sum() / 200.0, share, places=5)
+    np.testing.assert_array_equal(np.diff(q) <= 1e-12, True)
+    warm = q[563:2816]
+    self.assertGreater(warm[0] / warm[-1], 5.0)         # decays across the segment
+    alive = int(round(0.97 * 5632))
+    np.testing.assert_allclose(q[2816:alive], q[alive - 1])
+    two = testing.feature_rates(5632, 200.0, dead_fraction=0.03, hottest=0.6,
+                                top_shares=shares[:2])
+    self.assertLess(two[:2816].sum() / 200.0, 0.8)     # flat past the head
+
   def test_popularity_follows_a_measured_profile(self):
     """Fitted to the two anchors of a trained run's popularity profile (the features firing on
     more than 10% / 1% of the tokens and their share), the curve between and past them

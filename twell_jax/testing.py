@@ -15,11 +15,13 @@ popularity rank k (which column has which rank is random):
     that the q_k sum to the mean active count per token;
   * `hottest` and `top_shares`: a hot head and a cold tail, the shape of L1-trained layers.
     The head is a Zipf curve with an exponential cutoff, q_k = hottest * k^-s * exp(-(k-1)/K),
-    over the ranks up to the last anchor of `top_shares`; s and K are solved so that the
-    most popular features carry the given shares of all firings (one anchor: K infinite). The
-    alive features past the head share the rest of the firings equally (the cold tail, which
-    no head rate falls below).
-    Captured layers are matched by their top-1% and top-10% shares, `((0.01, s1), (0.1, s10))`.
+    over the ranks up to the second anchor of `top_shares`; s and K are solved so that the
+    most popular features carry the given shares of all firings (one anchor: K infinite).
+    Each further anchor adds a warm segment up to its rank, decaying geometrically from the
+    rate before it to carry its share. The alive features past the last anchor share the
+    rest of the firings equally (the cold tail, which no head rate falls below).
+    Captured layers are matched by their top-1%, top-10% and top-50% shares,
+    `((0.01, s1), (0.1, s10), (0.5, s50))`.
 The thresholds t_j are solved so that each feature's firing rate over the ordinary rows is
 q_j whatever the row spread.
 
@@ -101,7 +103,7 @@ def feature_rates(h: int, active_per_token: float, *, dead_fraction: float = 0.0
                   hottest: float | None = None, top_shares=()) -> np.ndarray:
   """Per-feature firing probabilities q [h] of an ordinary row, sorted hottest first.
 
-  They sum to `active_per_token` when the alive features can hold it. `top_shares`: up to two
+  They sum to `active_per_token` when the alive features can hold it. `top_shares`:
   (fraction of the h features, share of all firings) pairs, e.g. ((0.01, 0.42), (0.1, 0.96));
   needs `hottest` (see the module docstring).
   """
@@ -112,8 +114,6 @@ def feature_rates(h: int, active_per_token: float, *, dead_fraction: float = 0.0
   top_shares = tuple(top_shares or ())
   if top_shares and hottest is None:
     raise ValueError("top_shares needs hottest (the firing rate of the most popular feature).")
-  if len(top_shares) > 2:
-    raise ValueError(f"top_shares takes one or two (fraction, share) pairs; got {top_shares}.")
   if hottest is None or hottest * alive <= active_per_token:
     q[:alive] = min(1.0, active_per_token / alive)
     return q
@@ -121,9 +121,12 @@ def feature_rates(h: int, active_per_token: float, *, dead_fraction: float = 0.0
                    for f, s in top_shares)
   # An anchor that spans every alive feature says nothing more than the mean activity.
   anchors = [a for a in anchors if a[0] < alive] or [(alive, active_per_token)]
-  n_head = anchors[-1][0]
-  s, inv_k = _head_shape(min(hottest, 1.0), anchors)
+  n_head = anchors[min(1, len(anchors) - 1)][0]
+  s, inv_k = _head_shape(min(hottest, 1.0), anchors[:2])
   head = _head(min(hottest, 1.0), n_head, s, inv_k)
+  for n, mass in anchors[2:]:
+    head = np.concatenate([head, _warm(head[-1], n - head.shape[0], mass - head.sum())])
+  n_head = head.shape[0]
   q[:n_head] = head
   if alive > n_head:
     # The cold tail's rate c, which also lifts any head rate below it: the rates sum to the
@@ -134,6 +137,20 @@ def feature_rates(h: int, active_per_token: float, *, dead_fraction: float = 0.0
     q[:n_head] = np.maximum(head, c)
     q[n_head:alive] = c
   return np.sort(np.minimum(q, 1.0))[::-1]
+
+
+def _warm(start: float, n: int, mass: float) -> np.ndarray:
+  """The n ranks after a head whose last rate is `start`, carrying `mass` firings: a
+  geometric decay start * r^j (j = 1..n) from it, or equal rates where even r = 1 carries
+  too little."""
+  if n <= 0:
+    return np.zeros(0)
+  if mass >= start * n:
+    return np.full(n, max(mass, 0.0) / n)
+  j = np.arange(1, n + 1, dtype=np.float64)
+  r = 1.0 - _bisect(lambda one_minus_r: (start * (1.0 - one_minus_r) ** j).sum() - mass,
+                    0.0, 1.0)
+  return start * r ** j
 
 
 def gate_thresholds(q, row_spread: float = 0.0) -> np.ndarray:
@@ -224,8 +241,8 @@ def activity_stats(active) -> dict:
   """Statistics of a boolean activity mask [M, H] (host numpy), as reported for real layers.
 
   tokens (M), active_per_token, dead_fraction (features that fire on no token),
-  alive_fraction, top1pct_share / top10pct_share (share of all actives carried by the most
-  popular 1% / 10% of the features), hottest_fraction (share of tokens the most popular
+  alive_fraction, top1pct_share / top10pct_share / top50pct_share (share of all actives
+  carried by the most popular 1% / 10% / 50% of the features), hottest_fraction (share of tokens the most popular
   feature fires on), row_p50 / row_p99 / row_max (active features per token).
   """
   a = np.asarray(active, bool)
@@ -241,6 +258,7 @@ def activity_stats(active) -> dict:
       "alive_fraction": float(np.mean(per_feature > 0)),
       "top1pct_share": top(0.01),
       "top10pct_share": top(0.10),
+      "top50pct_share": top(0.50),
       "hottest_fraction": float(per_feature[0] / m),
       "row_p50": float(np.percentile(per_row, 50)),
       "row_p99": float(np.percentile(per_row, 99)),
