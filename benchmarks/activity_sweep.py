@@ -144,7 +144,8 @@ def best_floors(active: np.ndarray, d: int, step: int = 128, block: int = 128) -
           "row_over_gemm": row / (8 * gemm)}
 
 
-def block_desc(floors: dict) -> str:
+def _block_desc(floors: dict) -> str:
+  """The tile bound of `best_floors`, in words."""
   b = floors["blocks"]
   return (f"{b['block']}x{b['block']} tiles {b['ratio']:.3f} ({100 * b['nonzero_tiles']:.0f}% "
           f"non-zero)")
@@ -308,7 +309,7 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
          "tail_per_token": tail, "hot_features": k, "floors": floors}
   print(f"  {skew} at {active:g}: floors over dense's: the kernels "
         f"{floors['kernels']['ratio']:.3f} (K {floors['kernels']['hot_features']}, "
-        f"{floors['kernels']['dense_rows']} dense rows), {block_desc(floors)}, entries "
+        f"{floors['kernels']['dense_rows']} dense rows), {_block_desc(floors)}, entries "
         f"{floors['entries']['ratio']:.3f}", flush=True)
   if not timed:
     return out

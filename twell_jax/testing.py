@@ -242,8 +242,9 @@ def activity_stats(active) -> dict:
 
   tokens (M), active_per_token, dead_fraction (features that fire on no token),
   alive_fraction, top1pct_share / top10pct_share / top50pct_share (share of all actives
-  carried by the most popular 1% / 10% / 50% of the features), hottest_fraction (share of tokens the most popular
-  feature fires on), row_p50 / row_p99 / row_max (active features per token).
+  carried by the most popular 1% / 10% / 50% of the features), hottest_fraction (share of
+  tokens the most popular feature fires on), row_p50 / row_p99 / row_max (active features per
+  token).
   """
   a = np.asarray(active, bool)
   m, h = a.shape
