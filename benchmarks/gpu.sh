@@ -20,8 +20,9 @@
 #             --noparallel, one call per run or two, joined by whole_run --runs= --merge=a,b
 #   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
 #             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
-#             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~4 min; with
-#             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures: ~4 min)
+#             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~2.5 min; with
+#             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures: ~4 min;
+#             --capture_steps=2500 --actives=200: the last layer as trained, ~8 min)
 #   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
 #             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
 #             training one), then the paper 0.5B shape trained through train.main on those
