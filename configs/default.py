@@ -108,7 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
                               # 12-18 s), 18-28 s with four runs on one host; 200 dense steps'
                               # time (21-23 s) made the loop wait 0-2.5 s alone, 0-12 s there
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
-                              # goes on with the running step (builds take 9-28 s; one on
+                              # goes on with the running step (builds take 6-28 s; one on
                               # four H200s never came back)
       bridge=True,            # run the step compiled at the start (first layer dense, the
                               # others at K = 256) while a choice builds, where predicted
