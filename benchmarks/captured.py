@@ -129,12 +129,11 @@ def fit_generator(stats: dict, m: int, h: int, extra_shares=()) -> dict:
   fill = min(1.0, stats["row_max"] / alive)
   mu_o = max((mu * m - fill * alive) / (m - 1), 0.0)
   hottest = min(1.0, max((stats["hottest_fraction"] * m - fill) / (m - 1), 1e-6))
-  shares = [[frac, min(1.0, (stats[key] * mu * m - fill * min(alive, round(frac * h)))
-                       / max(mu_o * (m - 1), 1e-9))]
-            for frac, key in _SHARES if key in stats]
-  shares += [[frac, min(1.0, (share * mu * m - fill * min(alive, round(frac * h)))
-                        / max(mu_o * (m - 1), 1e-9))] for frac, share in extra_shares]
-  shares = shares[:2] + sorted(shares[2:])
+  # A share of the whole batch as one of the ordinary rows (the heavy row's firings out).
+  ordinary = lambda frac, share: [frac, min(1.0, (share * mu * m - fill * min(alive, round(
+      frac * h))) / max(mu_o * (m - 1), 1e-9))]
+  shares = [ordinary(frac, stats[key]) for frac, key in _SHARES if key in stats]
+  shares = shares[:2] + sorted(shares[2:] + [ordinary(f, s) for f, s in extra_shares])
   rates = lambda s10: testing.feature_rates(
       h, mu_o, dead_fraction=dead, hottest=hottest,
       top_shares=(shares[0], (0.1, s10), *shares[2:]))

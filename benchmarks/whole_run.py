@@ -283,8 +283,7 @@ def main(argv):
     # On the CPU the default FFN is dense; the portable sparse one makes the decisions.
     fl.extra_flags = [*fl.extra_flags, "--config.layer_choice.sparse=xla",
                       "--config.layer_choice.every=2"]
-  for spec in fl.runs:   # every entry checked before anything runs
-    parse_run(spec)
+  parsed = [parse_run(spec) for spec in fl.runs]   # every entry checked before anything runs
   os.makedirs(fl.workdir, exist_ok=True)
   tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
   data_flags = cli_run.data_flags(fl.dataset, tokenizer)
@@ -310,7 +309,7 @@ def main(argv):
     results.setdefault("tokens_per_step", earlier.get("tokens_per_step"))
   started = []
   for i, spec in enumerate(fl.runs):
-    root = parse_run(spec)[2]
+    root = parsed[i][2]
     cmd, workdir = run_command(fl, spec, i, data_flags)
     ids = fl.gpus or [str(g) for g in range(len(gpus))]
     env = {"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} if fl.parallel and gpus else {}
@@ -330,7 +329,7 @@ def main(argv):
   if fl.runs:
     from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
     cfg = workdir_config.read_workdir_config(
-        os.path.join(fl.workdir, f"0_{parse_run(fl.runs[0])[0]}"))
+        os.path.join(fl.workdir, f"0_{parsed[0][0]}"))
     results["tokens_per_step"] = cfg["batch_size"] * cfg["data"]["seq_len"]
   summarize(results)
   if fl.out:

@@ -242,7 +242,7 @@ class ChoiceSteps:
         lambda key: tr.compile_train_step(key, state_spec, batch_spec, autotune=False),
         background=cfg.layer_choice.background)
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
-    self.build_timeout_s = cfg.layer_choice.get("build_timeout_s", None)
+    self.build_timeout_s = cfg.layer_choice.build_timeout_s
     self.bridge = cfg.layer_choice.bridge
     self.pending = None   # (key, step): a choice decided, running from that step on
     # The feature counts and heavy rows summed over the steps since the last decision (device
