@@ -269,8 +269,10 @@ class StepBuildsTest(absltest.TestCase):
     self.addCleanup(running.wait)
     self.addCleanup(running.kill)
     children = choice_steps._child_processes  # pylint: disable=protected-access
+    # Both settle within a moment: a child just started reads "R" until it sleeps.
+    settled = lambda c: f"sleep {running.pid} S" in c and f"true {exited.pid} Z" in c
     deadline = time.time() + 5
-    while f"true {exited.pid} Z" not in children() and time.time() < deadline:
+    while not settled(children()) and time.time() < deadline:
       time.sleep(0.05)
     children = children()
     self.assertIn(f"sleep {running.pid} S", children)
