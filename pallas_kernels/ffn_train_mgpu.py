@@ -26,7 +26,7 @@ Forward:
     after the sparse kernels.
 Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, entries per
 hidden column ([H], from the scatter that also gives the feature counts), the hot features'
-gate / up values ([M, K]), the tail index and tail gate / up rows ([R, H]); never a dense
+gate and up values side by side ([M, 2K]), the tail index and tail gate / up rows ([R, H]); never a dense
 [M, H] tensor.
 
 Backward:
@@ -243,15 +243,17 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
   # synchronization per conditional).
-  y_hot = p_hot = u_hot = None
+  y_hot = p_hot = pu_hot = None
   feature_counts = col_count
   l1_hot = jnp.zeros((), _F32)
   if k:
     # The hot features on every row the ELL covers (the tail rows are dense over all of H);
     # their products start the ELL kernel's sums.
-    y_hot, p_hot, u_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, k, ~heavy)
+    y_hot, pu_hot, h_hot = _hot_forward(xp, wg, wu, wd, k, ~heavy)
+    p_hot = pu_hot[:, :k]
     l1_hot = jnp.sum(jnp.abs(h_hot.astype(_F32)))
-    feature_counts = feature_counts.at[:k].add(jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32))
+    feature_counts = lax.dynamic_update_slice(
+        feature_counts, feature_counts[:k] + jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32), (0,))
   y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, entries, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
@@ -311,7 +313,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
            "overflow_rows": heavy_rows, "feature_counts": feature_counts,
            "heavy_rows_by_hot": heavy_by_hot}
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-               p_hot, u_hot, nonfinite)
+               pu_hot, nonfinite)
   return (y, stats), residuals
 
 
@@ -350,7 +352,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   """
   dy, dl1 = cotangents[0], cotangents[1]["l1"]
   (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-   p_hot, u_hot, nonfinite) = residuals
+   pu_hot, nonfinite) = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -396,12 +398,14 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   dx_hot = None
   if cfg.k_hot:
     k = cfg.k_hot
-    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, p_hot, u_hot)
-    # The gather kernels leave the hot rows zero: no ELL entry names a hot feature.
-    dwg_t = dwg_t.at[:k].set(dw_hot[:k].astype(dwg_t.dtype))
+    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, pu_hot)
+    # The gather kernels leave the hot rows zero: no ELL entry names a hot feature. Written in
+    # place (a dynamic_update_slice; `.at[:k].set` is a scatter, a kernel reading every row).
+    put = lambda a, rows: lax.dynamic_update_slice(a, rows.astype(a.dtype), (0, 0))
+    dwg_t = put(dwg_t, dw_hot[:k])
     if gated:
-      dwu_t = dwu_t.at[:k].set(dw_hot[k:].astype(dwu_t.dtype))
-    dwd = dwd.at[:k].set(dwd_hot.astype(dwd.dtype))
+      dwu_t = put(dwu_t, dw_hot[k:])
+    dwd = put(dwd, dwd_hot)
   # The hot columns' dx products start the dx kernel's sums.
   dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, dx_init=dx_hot, config=cfg.dx,
                   dx_dtype=dt, interpret=interpret)
@@ -459,20 +463,40 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   return dx, None, dw_in, dw_down
 
 
-def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, p, u):
-  """The first k (hot) features' backward as dense products: (dx part [Mp, Dp] x.dtype,
-  weight-gradient rows [k or 2k, Dp] f32 (dW_in^T, then dW_up^T when gated), dW_down rows
-  [k, Dp] f32)."""
+def _hot_forward(xp, wg, wu, wd, k: int, rows):
+  """``reference.dense_ffn_columns`` on the first k (hot) features, with p and u kept side by
+  side: (y [Mp, Dp], pu [Mp, 2k] = [p | u] (gated; [Mp, k] = p otherwise), h [Mp, k]), all
+  x.dtype. One array for the backward: its [dg | du] is one elementwise pass over pu, with
+  no concatenation."""
+  dt = xp.dtype
+  gu = jnp.dot(xp, reference.column_weights(wg, wu, k))   # x.dtype out, as dense_ffn's GEMMs
+  p = jnp.where(rows[:, None], jnp.maximum(gu, 0), 0)
+  if wg is None:
+    return jnp.dot(p, reference.columns(wd, k, 0)), p, p
+  pu = jnp.where(lax.broadcasted_iota(jnp.int32, gu.shape, 1) < k, p, gu)
+  h = (pu[:, :k].astype(_F32) * pu[:, k:].astype(_F32)).astype(dt)
+  return jnp.dot(h, reference.columns(wd, k, 0)), pu, h
+
+
+def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, pu):
+  """The first k (hot) features' backward as dense products, from ``_hot_forward``'s pu:
+  (dx part [Mp, Dp] x.dtype, weight-gradient rows [k or 2k, Dp] f32 (dW_in^T, then dW_up^T
+  when gated), dW_down rows [k, Dp] f32)."""
   dt = xp.dtype
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+  gated = pu.shape[1] == 2 * k
+  p = pu[:, :k]
   pf = p.astype(_F32)
-  h = (pf * u.astype(_F32)).astype(dt) if u is not None else p
+  h = (pf * pu[:, k:].astype(_F32)).astype(dt) if gated else p
   dh = dot(dyp, reference.columns(wd, k, 0).T)                         # [Mp, k]
   dh = jnp.where(p > 0, dh + c[0] * jnp.sign(h.astype(_F32)), 0)
-  coefs = [(dh * u.astype(_F32) if u is not None else dh).astype(dt)]
-  if u is not None:
-    coefs.append((dh * pf).astype(dt))
-  d_cat = jnp.concatenate(coefs, axis=1) if len(coefs) > 1 else coefs[0]
+  if gated:
+    # [dg | du] = dh * [u | p]: pu with its halves swapped, in one pass.
+    mp = pu.shape[0]
+    swapped = pu.reshape(mp, 2, k)[:, ::-1, :].astype(_F32)
+    d_cat = (dh[:, None, :] * swapped).astype(dt).reshape(mp, 2 * k)
+  else:
+    d_cat = dh.astype(dt)
   dx = jnp.dot(d_cat, reference.column_weights(wg, wu, k).T)
   return dx, dot(d_cat.T, xp), dot(h.T, dyp)
 
