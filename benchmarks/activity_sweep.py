@@ -166,18 +166,24 @@ def _grad(impl: str, hot: int, shape):
 
 def time_call(x, wg, wu, wd, hot: int, impl: str, iters: int, dense_ms=None) -> dict:
   """Forward + backward of `impl` with `hot` hot features and of the dense FFN on these
-  inputs (or `dense_ms`, measured before on them): ms each, their ratio, and the rows that
-  left the sparse kernels."""
+  inputs (or `dense_ms`, measured before on them): ms each and their ratio, waited for call by
+  call (`ratio`: the smaller of two medians each, as the host's timing moves a single median
+  by a few percent) and back to back (`pipelined_ratio`: launches overlap the GPU's work, as in
+  a training step of many layers); and the rows that left the sparse kernels."""
   ct = jax.random.normal(jax.random.key(1), x.shape, F32)
   shape = (x.shape[0], x.shape[1], wu.shape[1])
-  dense = dense_ms or min(timing.wall_ms(_grad("dense", 0, shape), x, wg, wu, wd, ct,
-                                         iters=iters)
-                          for _ in range(2))   # data-independent: the smaller of two medians
-  sparse = timing.wall_ms(_grad(impl, hot, shape), x, wg, wu, wd, ct, iters=iters)
+  args = (x, wg, wu, wd, ct)
+  wall = lambda f: min(timing.wall_ms(f, *args, iters=iters) for _ in range(2))
+  dense_f, sparse_f = _grad("dense", 0, shape), _grad(impl, hot, shape)
+  if dense_ms is None:
+    dense_ms = (wall(dense_f), timing.pipelined_ms(dense_f, *args, iters=iters))
+  sparse_ms = (wall(sparse_f), timing.pipelined_ms(sparse_f, *args, iters=iters))
   _, st = jax.jit(lambda *a: tj.ffn(*a, implementation=impl, return_stats=True,
                                     hot_features=hot))(x, wg, wu, wd)
-  return {"hot_features": hot, "dense_ms": dense, "sparse_ms": sparse,
-          "ratio": sparse / dense, "overflow_rows": int(st.overflow_rows)}
+  return {"hot_features": hot, "dense_ms": dense_ms[0], "sparse_ms": sparse_ms[0],
+          "ratio": sparse_ms[0] / dense_ms[0], "dense_pipelined_ms": dense_ms[1],
+          "sparse_pipelined_ms": sparse_ms[1], "pipelined_ratio": sparse_ms[1] / dense_ms[1],
+          "overflow_rows": int(st.overflow_rows)}
 
 
 def _rows_over(active: np.ndarray, hot: int, width: int = 128) -> int:
@@ -256,9 +262,10 @@ class Capture:
                                                        jnp.asarray(active.sum(axis=0)))
       order = np.asarray(order)
       sorted_time = time_call(x, swg, swu, swd, k, self.impl, self.iters,
-                              dense_ms=row["dense_ms"])
+                              dense_ms=(row["dense_ms"], row["dense_pipelined_ms"]))
       row["sorted"] = {**tail_columns(active[:, order], k),
-                       "sparse_ms": sorted_time["sparse_ms"], "ratio": sorted_time["ratio"]}
+                       "sparse_ms": sorted_time["sparse_ms"], "ratio": sorted_time["ratio"],
+                       "pipelined_ratio": sorted_time["pipelined_ratio"]}
       if (step, l) in self.profile:
         row["profile"] = _profile(x, wg, wu, wd, k, self.impl)
       self.fits[(step, l)] = captured.fit_generator(st, x.shape[0], wu.shape[1])
@@ -317,13 +324,14 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
   print(f"  {skew} at {active:g}: measured {st['active_per_token']:.1f} active, rows "
         f"p50/p99/max {st['row_p50']:.0f}/{st['row_p99']:.0f}/{st['row_max']}, K {k} "
         f"(predicted {out['predicted']:.2f}), rows over W {out['rows_over_width']}: fwd+bwd "
-        f"{out['ratio']:.3f}", flush=True)
+        f"{out['ratio']:.3f} ({out['pipelined_ratio']:.3f} back to back)", flush=True)
   scan = []
   for hot in sorted(set(scan_hot) | {k}):
     hot = min(hot, h)
     t = float(active_mask[:, hot:].sum()) / m
     row = (dict(out) if hot == k else
-           time_call(x, wg, wu, wd, hot, impl, iters, dense_ms=out["dense_ms"]))
+           time_call(x, wg, wu, wd, hot, impl, iters,
+                     dense_ms=(out["dense_ms"], out["dense_pipelined_ms"])))
     row = {"hot_features": hot, "tail_per_token": t, "ratio": row["ratio"],
            "sparse_ms": row["sparse_ms"], "rows_over_width": _rows_over(active_mask, hot),
            "floor_ratio": floor_ms(m, d, h, hot, t) / out["dense_ms"]}

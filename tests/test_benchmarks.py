@@ -547,6 +547,8 @@ class ActivitySweepSmokeTest(absltest.TestCase):
     self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])
     for p in r["sweep"] + r["captures"][0]["layers"]:
       self.assertAlmostEqual(p["ratio"], p["sparse_ms"] / p["dense_ms"])
+      self.assertAlmostEqual(p["pipelined_ratio"],
+                             p["sparse_pipelined_ms"] / p["dense_pipelined_ms"])
 
   def test_smoke_on_saved_skews(self):
     """`--skews_from`: no training run; `--scan_hot` times more K at the last layer's points,
