@@ -26,7 +26,7 @@ Forward:
     after the sparse kernels.
 Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, entries per
 hidden column ([H], from the scatter that also gives the feature counts), the hot features'
-gate and up values side by side ([M, 2K]), the tail index and tail gate / up rows ([R, H]); never a dense
+gate and up GEMM's output ([M, 2K]) and the rows it covers, the tail index and tail gate / up rows ([R, H]); never a dense
 [M, H] tensor.
 
 Backward:
@@ -243,14 +243,13 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   # results are dropped): one conditional per step direction instead of two, because XLA runs
   # every conditional from the host (the branch index is copied to it: a device -> host
   # synchronization per conditional).
-  y_hot = p_hot = pu_hot = None
+  y_hot = p_hot = gu_hot = None
   feature_counts = col_count
   l1_hot = jnp.zeros((), _F32)
   if k:
     # The hot features on every row the ELL covers (the tail rows are dense over all of H);
     # their products start the ELL kernel's sums.
-    y_hot, pu_hot, h_hot = _hot_forward(xp, wg, wu, wd, k, ~heavy)
-    p_hot = pu_hot[:, :k]
+    y_hot, gu_hot, p_hot, h_hot = _hot_forward(xp, wg, wu, wd, k, ~heavy)
     l1_hot = jnp.sum(jnp.abs(h_hot.astype(_F32)))
     feature_counts = lax.dynamic_update_slice(
         feature_counts, feature_counts[:k] + jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32), (0,))
@@ -313,7 +312,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
            "overflow_rows": heavy_rows, "feature_counts": feature_counts,
            "heavy_rows_by_hot": heavy_by_hot}
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-               pu_hot, nonfinite)
+               gu_hot, heavy if k else None, nonfinite)
   return (y, stats), residuals
 
 
@@ -352,7 +351,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   """
   dy, dl1 = cotangents[0], cotangents[1]["l1"]
   (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-   pu_hot, nonfinite) = residuals
+   gu_hot, heavy, nonfinite) = residuals
   m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
   gated = w_gate is not None
   xp, wg, wu, wd = _padded(cfg, *residuals[:4])
@@ -398,7 +397,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   dx_hot = None
   if cfg.k_hot:
     k = cfg.k_hot
-    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, pu_hot)
+    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, gu_hot, ~heavy)
     # The gather kernels leave the hot rows zero: no ELL entry names a hot feature. Written in
     # place (a dynamic_update_slice; `.at[:k].set` is a scatter, a kernel reading every row).
     put = lambda a, rows: lax.dynamic_update_slice(a, rows.astype(a.dtype), (0, 0))
@@ -464,36 +463,38 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
 
 
 def _hot_forward(xp, wg, wu, wd, k: int, rows):
-  """``reference.dense_ffn_columns`` on the first k (hot) features, with p and u kept side by
-  side: (y [Mp, Dp], pu [Mp, 2k] = [p | u] (gated; [Mp, k] = p otherwise), h [Mp, k]), all
-  x.dtype. One array for the backward: its [dg | du] is one elementwise pass over pu, with
-  no concatenation."""
-  dt = xp.dtype
+  """``reference.dense_ffn_columns`` on the first k (hot) features of the rows where ``rows``
+  [Mp] is True: (y [Mp, Dp], gu [Mp, 2k] = x [W_gate | W_up] as the GEMM wrote it ([Mp, k] of
+  x W_up when non-gated), p [Mp, k], h [Mp, k]), all x.dtype. gu is the backward's residual:
+  p and h follow from it and ``rows`` in the passes that read them, and its [dg | du] is one
+  elementwise pass over it (``_hot_backward``)."""
   gu = jnp.dot(xp, reference.column_weights(wg, wu, k))   # x.dtype out, as dense_ffn's GEMMs
-  p = jnp.where(rows[:, None], jnp.maximum(gu, 0), 0)
-  if wg is None:
-    return jnp.dot(p, reference.columns(wd, k, 0)), p, p
-  pu = jnp.where(lax.broadcasted_iota(jnp.int32, gu.shape, 1) < k, p, gu)
-  h = (pu[:, :k].astype(_F32) * pu[:, k:].astype(_F32)).astype(dt)
-  return jnp.dot(h, reference.columns(wd, k, 0)), pu, h
+  p, h = _hot_p_h(gu, k, rows)
+  return jnp.dot(h, reference.columns(wd, k, 0)), gu, p, h
 
 
-def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, pu):
-  """The first k (hot) features' backward as dense products, from ``_hot_forward``'s pu:
-  (dx part [Mp, Dp] x.dtype, weight-gradient rows [k or 2k, Dp] f32 (dW_in^T, then dW_up^T
-  when gated), dW_down rows [k, Dp] f32)."""
+def _hot_p_h(gu, k: int, rows):
+  """p = relu(gate) on ``rows`` (0 elsewhere) and h = bf16(p * u) (h = p non-gated) of gu."""
+  p = jnp.where(rows[:, None], jnp.maximum(gu[:, :k], 0), 0)
+  if gu.shape[1] == k:
+    return p, p
+  return p, (p.astype(_F32) * gu[:, k:].astype(_F32)).astype(gu.dtype)
+
+
+def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, gu, rows):
+  """The first k (hot) features' backward as dense products, from ``_hot_forward``'s gu and
+  rows: (dx part [Mp, Dp] x.dtype, weight-gradient rows [k or 2k, Dp] f32 (dW_in^T, then
+  dW_up^T when gated), dW_down rows [k, Dp] f32)."""
   dt = xp.dtype
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-  gated = pu.shape[1] == 2 * k
-  p = pu[:, :k]
-  pf = p.astype(_F32)
-  h = (pf * pu[:, k:].astype(_F32)).astype(dt) if gated else p
+  p, h = _hot_p_h(gu, k, rows)
   dh = dot(dyp, reference.columns(wd, k, 0).T)                         # [Mp, k]
   dh = jnp.where(p > 0, dh + c[0] * jnp.sign(h.astype(_F32)), 0)
-  if gated:
-    # [dg | du] = dh * [u | p]: pu with its halves swapped, in one pass.
-    mp = pu.shape[0]
-    swapped = pu.reshape(mp, 2, k)[:, ::-1, :].astype(_F32)
+  if gu.shape[1] == 2 * k:
+    # [dg | du] = dh * [u | p] = dh * [u | gate]: dh is 0 wherever p is not the gate value
+    # (p = 0). So gu with its halves swapped, in one pass.
+    mp = gu.shape[0]
+    swapped = gu.reshape(mp, 2, k)[:, ::-1, :].astype(_F32)
     d_cat = (dh[:, None, :] * swapped).astype(dt).reshape(mp, 2 * k)
   else:
     d_cat = dh.astype(dt)

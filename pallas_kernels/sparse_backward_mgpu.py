@@ -130,7 +130,12 @@ def _merge_pieces(out, partial, pieces: ColumnPieces):
   """``out`` with each long column's row replaced by the f32 sum of its pieces' partial rows,
   rounded once to ``out``'s dtype."""
   x = pieces.n_extra
-  sums = jax.ops.segment_sum(partial[:2 * x], pieces.seg, num_segments=x + 1)[:x]
+  # The first pieces' rows (slot = segment) are added as they are; the extra pieces' by a
+  # segment sum in which the unused ones (segment x: most of the X rows in most batches) fall
+  # out of range and are dropped, instead of all adding into one spare row (the same D
+  # addresses X times).
+  sums = partial[:x] + jax.ops.segment_sum(partial[x:2 * x], pieces.seg[x:], num_segments=x,
+                                           indices_are_sorted=True)
   return out.at[pieces.long_cols].set(sums.astype(out.dtype), mode="drop")
 
 

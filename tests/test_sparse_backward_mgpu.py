@@ -194,6 +194,31 @@ class ColumnPiecesTest(absltest.TestCase):
       self.assertEqual(sorted(summed), sorted(np.flatnonzero(lens > length)), trial)
 
 
+  def test_merge_sums_each_long_columns_pieces_and_ignores_unused_rows(self):
+    """``_merge_pieces``: a long column's row is the sum of its pieces' partial rows, rounded
+    once; other rows stay; partial rows no piece wrote (NaN here) reach no output."""
+    rng = np.random.default_rng(7)
+    lens = np.array([3, 40, 0, 17, 2, 90], np.int32)
+    ptr = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    pc = bwd.column_pieces(ptr, 200, bwd.PieceConfig(length=8, extra=32))
+    x, d = pc.n_extra, 128
+    slot, col = np.asarray(pc.slot), np.asarray(pc.col)
+    partial = np.full((2 * x + 1, d), np.nan, np.float32)
+    written = [g for g in range(slot.shape[0]) if 0 <= slot[g] < 2 * x]
+    for g in written:
+      partial[slot[g]] = rng.normal(size=d)
+    out = rng.normal(size=(lens.shape[0], d)).astype(np.float32)
+    got = np.asarray(bwd._merge_pieces(jnp.asarray(out, jnp.bfloat16), jnp.asarray(partial),
+                                       pc).astype(jnp.float32))
+    want = np.array(jnp.asarray(out, jnp.bfloat16).astype(jnp.float32))
+    for j in np.flatnonzero(lens > 8):
+      rows = [slot[g] for g in written if col[g] == j]
+      self.assertGreater(len(rows), 1)
+      want[j] = np.asarray(jnp.asarray(partial[rows].sum(axis=0), jnp.bfloat16)
+                           .astype(jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    self.assertTrue(np.isfinite(got).all())
+
 class BackwardKernelsInterpretTest(BackwardKernelsTestBase):
   INTERPRET = True
 
