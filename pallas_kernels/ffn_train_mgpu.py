@@ -26,8 +26,8 @@ Forward:
     after the sparse kernels.
 Residuals: x, the weights, ELL columns / gate / up values ([M, W]), row counts, entries per
 hidden column ([H], from the scatter that also gives the feature counts), the hot features'
-gate and up GEMM's output ([M, 2K]) and the rows it covers, the tail index and tail gate / up rows ([R, H]); never a dense
-[M, H] tensor.
+gate / up GEMM output ([M, 2K]) and the rows it covers, the tail index and tail gate / up rows
+([R, H]); never a dense [M, H] tensor.
 
 Backward:
  1. CSC of the pattern by a stable XLA sort of the [M * W] ELL entries by column (padding
@@ -399,7 +399,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
     k = cfg.k_hot
     dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, gu_hot, ~heavy)
     # The gather kernels leave the hot rows zero: no ELL entry names a hot feature. Written in
-    # place (a dynamic_update_slice; `.at[:k].set` is a scatter, a kernel reading every row).
+    # place (a dynamic_update_slice of the first k rows).
     put = lambda a, rows: lax.dynamic_update_slice(a, rows.astype(a.dtype), (0, 0))
     dwg_t = put(dwg_t, dw_hot[:k])
     if gated:
