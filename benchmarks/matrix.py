@@ -80,6 +80,21 @@ def meshes(n: int) -> list[str]:
   return out
 
 
+def select_meshes(available: list[str], wanted: list[str]) -> list[str]:
+  """The meshes of `available` that `wanted` (the --meshes flag, split at commas) names: by
+  kind (the axis before "=": "data" also takes "data=2,fsdp=2"), whole ("data=4"), or by each
+  of its axes ("data=2", "fsdp=2" take "data=2,fsdp=2"). ValueError naming the entries that
+  select nothing (a mesh this machine does not have), rather than running fewer cells."""
+  chosen = [m for m in available
+            if m.split("=")[0] in wanted or all(part in wanted for part in m.split(","))]
+  used = {part for m in chosen for part in m.split(",")} | {m.split("=")[0] for m in chosen}
+  unknown = [w for w in wanted if w not in used]
+  if unknown:
+    raise ValueError(f"--meshes {','.join(unknown)}: not among this machine's meshes "
+                     f"{available}")
+  return chosen
+
+
 def split_cells(cells):
   """(cells run `--parallel` at a time, cells run one at a time after them: `ONE_AT_A_TIME`)
   of (config, impl, mesh) cells."""
@@ -285,7 +300,10 @@ def main(argv):
   wanted = [m for m in fl.meshes.split(",") if m] if fl.meshes else None
   all_meshes = ["1"] + (meshes(n) if n > 1 else [])
   if wanted:
-    all_meshes = [m for m in all_meshes if m.split("=")[0] in wanted or m in wanted]
+    try:
+      all_meshes = select_meshes(all_meshes, wanted)
+    except ValueError as e:
+      sys.exit(str(e))
   root = fl.workdir or tempfile.mkdtemp(prefix="twell_matrix_")
   one = [(c, i, "1") for c in configs for i in impls if "1" in all_meshes]
   many = [(c, i, m) for m in all_meshes if m != "1" for c in configs for i in impls]

@@ -159,6 +159,14 @@ class MatrixTest(absltest.TestCase):
     self.assertEqual(matrix.meshes(2), ["data=2", "fsdp=2"])
     self.assertEqual(matrix.meshes(4), ["data=4", "fsdp=4", "data=2,fsdp=2"])
     self.assertEqual(matrix.meshes(8), ["data=8", "fsdp=8", "data=2,fsdp=4"])   # a full node
+    four = ["1"] + matrix.meshes(4)
+    self.assertEqual(matrix.select_meshes(four, ["data", "fsdp"]), four[1:])
+    self.assertEqual(matrix.select_meshes(four, ["fsdp"]), ["fsdp=4"])
+    self.assertEqual(matrix.select_meshes(four, "data=4,fsdp=4,data=2,fsdp=2".split(",")),
+                     four[1:])
+    self.assertEqual(matrix.select_meshes(four, ["data=2", "fsdp=2"]), ["data=2,fsdp=2"])
+    with self.assertRaisesRegex(ValueError, "data=8"):
+      matrix.select_meshes(four, ["data=4", "data=8"])
     # The 1.5B and 2B cells (~100 GB of checkpoints each) one at a time, after the others.
     cells = [("paper_2b", "default", "fsdp=4"), ("tiny", "default", "fsdp=4"),
              ("paper_1p5b", "mosaic_gpu", "data=2,fsdp=2")]
