@@ -179,7 +179,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   hot_l1 = jnp.zeros((mp,), jnp.float32)
   hot_active = jnp.zeros((mp, 0), bool)
   if k_hot:
-    y_hot, p_hot, _, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, k_hot)
+    y_hot, _, p_hot, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, k_hot)
     hot_l1 = jnp.sum(jnp.abs(h_hot.astype(jnp.float32)), axis=1)
     hot_active = p_hot > 0
   if n_tiles == 0:

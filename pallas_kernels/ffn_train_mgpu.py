@@ -249,10 +249,9 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   if k:
     # The hot features on every row the ELL covers (the tail rows are dense over all of H);
     # their products start the ELL kernel's sums.
-    y_hot, gu_hot, p_hot, h_hot = _hot_forward(xp, wg, wu, wd, k, ~heavy)
+    y_hot, gu_hot, p_hot, h_hot = reference.dense_ffn_columns(xp, wg, wu, wd, k, ~heavy)
     l1_hot = jnp.sum(jnp.abs(h_hot.astype(_F32)))
-    feature_counts = lax.dynamic_update_slice(
-        feature_counts, feature_counts[:k] + jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32), (0,))
+    feature_counts = feature_counts.at[:k].add(jnp.sum(p_hot > 0, axis=0, dtype=jnp.int32))
   y_ell, u, l1_rows = ell_up_down_mgpu.ell_up_down(xp, entries, n, wu_t, wd, y_init=y_hot,
                                                    config=cfg.up_down, interpret=interpret)
   u = jnp.where(valid, u, 0).astype(dt) if gated else jnp.zeros((cfg.mp, 0), dt)
@@ -462,32 +461,13 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   return dx, None, dw_in, dw_down
 
 
-def _hot_forward(xp, wg, wu, wd, k: int, rows):
-  """``reference.dense_ffn_columns`` on the first k (hot) features of the rows where ``rows``
-  [Mp] is True: (y [Mp, Dp], gu [Mp, 2k] = x [W_gate | W_up] as the GEMM wrote it ([Mp, k] of
-  x W_up when non-gated), p [Mp, k], h [Mp, k]), all x.dtype. gu is the backward's residual:
-  p and h follow from it and ``rows`` in the passes that read them, and its [dg | du] is one
-  elementwise pass over it (``_hot_backward``)."""
-  gu = jnp.dot(xp, reference.column_weights(wg, wu, k))   # x.dtype out, as dense_ffn's GEMMs
-  p, h = _hot_p_h(gu, k, rows)
-  return jnp.dot(h, reference.columns(wd, k, 0)), gu, p, h
-
-
-def _hot_p_h(gu, k: int, rows):
-  """p = relu(gate) on ``rows`` (0 elsewhere) and h = bf16(p * u) (h = p non-gated) of gu."""
-  p = jnp.where(rows[:, None], jnp.maximum(gu[:, :k], 0), 0)
-  if gu.shape[1] == k:
-    return p, p
-  return p, (p.astype(_F32) * gu[:, k:].astype(_F32)).astype(gu.dtype)
-
-
 def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, gu, rows):
-  """The first k (hot) features' backward as dense products, from ``_hot_forward``'s gu and
-  rows: (dx part [Mp, Dp] x.dtype, weight-gradient rows [k or 2k, Dp] f32 (dW_in^T, then
-  dW_up^T when gated), dW_down rows [k, Dp] f32)."""
+  """The first k (hot) features' backward as dense products, from the gu of
+  ``reference.dense_ffn_columns`` and its rows: (dx part [Mp, Dp] x.dtype, weight-gradient
+  rows [k or 2k, Dp] f32 (dW_in^T, then dW_up^T when gated), dW_down rows [k, Dp] f32)."""
   dt = xp.dtype
   dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-  p, h = _hot_p_h(gu, k, rows)
+  p, h = reference.columns_p_h(gu, k, rows)
   dh = dot(dyp, reference.columns(wd, k, 0).T)                         # [Mp, k]
   dh = jnp.where(p > 0, dh + c[0] * jnp.sign(h.astype(_F32)), 0)
   if gu.shape[1] == 2 * k:

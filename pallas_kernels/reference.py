@@ -92,21 +92,25 @@ def column_weights(w_gate, w_up, cols):
 def dense_ffn_columns(x, w_gate, w_up, w_down, cols, rows=None):
   """The relu FFN of ``dense_ffn`` restricted to the hidden features ``cols`` (indices [K], or
   an int K for the first K) and to the rows where ``rows`` [M] is True (the others get zeros;
-  None: every row): (y [M, D], p [M, K], u [M, K] or None (non-gated), h [M, K]), all in
-  x.dtype; p = relu(x W_gate)[:, cols] (of x W_up when non-gated), u = (x W_up)[:, cols],
-  h = p * u."""
-  dt = x.dtype
+  None: every row): (y [M, D], gu [M, 2K] = x [W_gate | W_up] as the GEMM wrote it ([M, K] of
+  x W_up when non-gated), p [M, K], h [M, K]), all in x.dtype; p = relu(x W_gate)[:, cols]
+  (of x W_up when non-gated) on ``rows``, h = p * u with u = (x W_up)[:, cols]. p and h follow
+  from gu and ``rows`` (``columns_p_h``): a backward can keep gu alone."""
   k = cols if isinstance(cols, int) else cols.shape[0]
   gu = jnp.dot(x, column_weights(w_gate, w_up, cols))   # x.dtype out, as dense_ffn's GEMMs
+  p, h = columns_p_h(gu, k, rows)
+  return jnp.dot(h, columns(w_down, cols, 0)), gu, p, h
+
+
+def columns_p_h(gu, k: int, rows=None):
+  """(p, h) of ``dense_ffn_columns`` from its gu: p = relu(gate) on ``rows`` (zero elsewhere;
+  None: every row), h = x.dtype(p * u) (h = p when non-gated: gu has k columns)."""
   p = jnp.maximum(gu[:, :k], 0)
   if rows is not None:
     p = jnp.where(rows[:, None], p, 0)
-  if w_gate is not None:
-    u = gu[:, k:]
-    h = (p.astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
-  else:
-    u, h = None, p
-  return jnp.dot(h, columns(w_down, cols, 0)), p, u, h
+  if gu.shape[1] == k:
+    return p, p
+  return p, (p.astype(jnp.float32) * gu[:, k:].astype(jnp.float32)).astype(gu.dtype)
 
 
 def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
