@@ -56,15 +56,17 @@ SHORT = {
     "paper_0p5b": ["--config.batch_size=16", "--config.grad_accum_steps=2",
                    "--config.data.dataset=twell_stdlib_text", "--config.data.tokenizer=byte"],
 }
-# The 1.5B and 2B configs (28 and 38 layers, fsdp over every device, remat): the same short run,
-# on a node (`--configs=paper_1p5b,paper_2b --meshes=fsdp,data=2,fsdp=2`; not in `CONFIGS`: a
-# checkpoint of each holds 18-24 GB).
-SHORT["paper_1p5b"] = SHORT["paper_2b"] = SHORT["paper_0p5b"]
-# Cells whose workdirs hold ~100 GB (two runs of two checkpoints each) run one at a time, after
-# the others: two at once could fill a node's disk.
+# The 1.5B and 2B configs (28 and 38 layers, fsdp over every device, remat): the same short run
+# on several GPUs (`--configs=paper_1p5b,paper_2b --meshes=fsdp`; not in `CONFIGS`). A checkpoint
+# of each holds 18-24 GB, so each run keeps one: the killed run resumes from it, and the last
+# one is compared (a save writes the new checkpoint before it deletes the old: 2 x 2 x 24 GB
+# at the most, within a 2-GPU machine's 128 GB disk).
+SHORT["paper_1p5b"] = SHORT["paper_2b"] = SHORT["paper_0p5b"] + ["--config.keep_checkpoints=1"]
+# Cells whose workdirs hold ~100 GB run one at a time, after the others: two at once could fill
+# a node's disk.
 ONE_AT_A_TIME = ("paper_1p5b", "paper_2b")
-# Two checkpoints kept: the one the killed run resumes from and the last (a paper_0p5b
-# checkpoint holds 6 GB of parameters and AdamW state).
+# Two checkpoints kept (`SHORT` may override): the one the killed run resumes from and the last
+# (a paper_0p5b checkpoint holds 6 GB of parameters and AdamW state).
 COMMON = [f"--config.num_train_steps={STEPS}", f"--config.checkpoint_every={EVERY}",
           "--config.keep_checkpoints=2", f"--config.eval_every={STEPS}",
           "--config.eval_batches=2", f"--config.log_every={EVERY}",
@@ -111,7 +113,7 @@ def mesh_flags(mesh: str) -> list[str]:
 
 def train_cmd(config: str, impl: str, mesh: str, workdir: str) -> list[str]:
   cmd = [sys.executable, "-m", "train.main", f"--config=configs/{config}.py",
-         f"--workdir={workdir}", *SHORT[config], *COMMON, *mesh_flags(mesh)]
+         f"--workdir={workdir}", *COMMON, *SHORT[config], *mesh_flags(mesh)]
   if impl != "default":
     cmd.append(f"--config.model.ffn_implementation={impl}")
   return cmd

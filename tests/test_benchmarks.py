@@ -167,7 +167,7 @@ class MatrixTest(absltest.TestCase):
     self.assertEqual(matrix.select_meshes(four, ["data=2", "fsdp=2"]), ["data=2,fsdp=2"])
     with self.assertRaisesRegex(ValueError, "data=8"):
       matrix.select_meshes(four, ["data=4", "data=8"])
-    # The 1.5B and 2B cells (~100 GB of checkpoints each) one at a time, after the others.
+    # The 1.5B and 2B cells (~100 GB of checkpoints at the most) one at a time, after the others.
     cells = [("paper_2b", "default", "fsdp=4"), ("tiny", "default", "fsdp=4"),
              ("paper_1p5b", "mosaic_gpu", "data=2,fsdp=2")]
     self.assertEqual(matrix.split_cells(cells), ([cells[1]], [cells[0], cells[2]]))
@@ -178,6 +178,12 @@ class MatrixTest(absltest.TestCase):
     self.assertIn("--config.mesh.fsdp=2", cmd)
     default = matrix.train_cmd("tiny", "default", "1", "/w")
     self.assertFalse(any("ffn_implementation" in a for a in default))
+    # The big configs keep one checkpoint per run: their flag comes after the common one (the
+    # last of a repeated flag wins).
+    keep = lambda cmd: [a for a in cmd if a.startswith("--config.keep_checkpoints=")][-1]
+    self.assertEqual(keep(matrix.train_cmd("paper_2b", "default", "fsdp=2", "/w")),
+                     "--config.keep_checkpoints=1")
+    self.assertEqual(keep(cmd), "--config.keep_checkpoints=2")
 
   def test_committed_results_make_the_readme_table(self):
     paths = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results",
