@@ -35,7 +35,8 @@
 #             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
 #             JSON per run) with the default FFN choice (dense decode) and with the sparse
 #             kernels in every layer (prefill and decode), and train.report
-#   scaling   benchmarks.scaling: sparse and dense training on 1 GPU and on all ($SCALING_FLAGS)
+#   scaling   benchmarks.scaling: sparse and dense training data parallel over 1, 2, 4, ... and
+#             all GPUs ($SCALING_FLAGS)
 #   node      benchmarks.scaling at the paper 1.5B and 2B depths ($NODE_LAYERS, default 28 38)
 #             over all GPUs ($NODE_MESHES, default 1xN: fsdp over N), sparse (batch 8 per GPU,
 #             $NODE_SPARSE_FLAGS) and dense SiLU (batch 4 per GPU, 2 micro-batches,

@@ -1,6 +1,6 @@
 r"""Training throughput per mesh: the sparse and the dense model on 1 device and on many.
 
-    python -m benchmarks.scaling --out=scaling.json                 # all GPUs of the machine
+    python -m benchmarks.scaling --out=scaling.json                 # 1, 2, 4, ... all GPUs
     python -m benchmarks.scaling --meshes=1x1,2x1,1x2 --layers=4    # explicit meshes
     python -m benchmarks.scaling --options=trainer,zero1,gspmd_reduction+priority  # compared
     python -m benchmarks.scaling --scan_layers=false                # one block per layer
@@ -57,7 +57,8 @@ from benchmarks import trained
 
 
 def _define_flags():
-  flags.DEFINE_list("meshes", None, "DATAxFSDP meshes (default: 1x1 and Nx1 for N devices)")
+  flags.DEFINE_list("meshes", None, "DATAxFSDP meshes (default: data parallel over 1, 2, "
+                    "4, ... devices and over all N: `default_meshes`)")
   flags.DEFINE_enum("shape", "paper", ["paper", "tiny"], "paper: D=2048, H=5632; tiny: CPU")
   flags.DEFINE_integer("layers", 4, "layers of the paper shape")
   flags.DEFINE_integer("batch_per_device", 8, "sequences per device and micro-batch")
@@ -180,6 +181,13 @@ def _state(tr, params):
   params = jax.device_put(params, tr.state_sharding["params"])
   opt_state = jax.jit(tr.tx.init, out_shardings=tr.state_sharding["opt_state"])(params)
   return {**state, "params": params, "opt_state": opt_state}
+
+
+def default_meshes(n: int) -> list[str]:
+  """Data parallel over 1, 2, 4, ... devices up to all `n` of the machine ("1x1", "2x1", ...):
+  the scaling curve of a node in one call."""
+  sizes = [1 << i for i in range(n.bit_length()) if 1 << i < n] + [n]
+  return [f"{k}x1" for k in sizes]
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -341,7 +349,7 @@ def main(argv):
         json.dump(merged, f, indent=1)
     return
   n = jax.device_count()
-  meshes = fl.meshes or (["1x1"] + ([f"{n}x1"] if n > 1 else []))
+  meshes = fl.meshes or default_meshes(n)
   meshes = [parse_mesh(m) for m in meshes]
   parse_mesh(fl.choose_mesh)   # a bad one stops the run before its first mesh
   unknown = {n for o in fl.options for n in o.split("+")} - set(OPTION_SETS)

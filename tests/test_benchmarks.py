@@ -232,6 +232,13 @@ class ScalingSmokeTest(absltest.TestCase):
     fl.frozen_weights = False
     self.assertGreater(config(fl, "sparse", 1, 1).learning_rate, 0.0)
 
+  def test_default_meshes_double_up_to_every_device(self):
+    self.assertEqual(scaling.default_meshes(1), ["1x1"])
+    self.assertEqual(scaling.default_meshes(2), ["1x1", "2x1"])
+    self.assertEqual(scaling.default_meshes(4), ["1x1", "2x1", "4x1"])
+    self.assertEqual(scaling.default_meshes(8), ["1x1", "2x1", "4x1", "8x1"])
+    self.assertEqual(scaling.default_meshes(6), ["1x1", "2x1", "4x1", "6x1"])
+
   def test_parse_mesh_names_a_bad_value(self):
     from absl import app  # pylint: disable=import-outside-toplevel
     self.assertEqual(scaling.parse_mesh("2x2"), (2, 2))
