@@ -1,12 +1,13 @@
 """Training on a device mesh (train/sharding.py, twell_jax/sharded.py) with host CPU devices.
 
 * `MeshRulesTest` (in process): mesh sizes from the config, the FSDP rule, the HLO parser.
-* `FourDevicesTest`: a subprocess with 4 host devices (the device count is fixed when the
+* `MeshesTest`: a subprocess with 8 host devices (the device count is fixed when the
   backend starts) trains the micro model with the sparse "xla" implementation (its custom VJP
-  runs per device under shard_map) on meshes 1, data=4, data=2 x fsdp=2 and fsdp=4: the same
-  loss curve and parameters as one device; the compiled steps gather weights only (no
-  all-gather, all-to-all or all-reduce of an activation); a checkpoint written from one mesh
-  restores onto the others and continues identically; with two micro-batches a step, the
+  runs per device under shard_map) on meshes 1, data=4, data=2 x fsdp=2 and fsdp=4 (four of
+  the devices) and the full node's data=8, data=2 x fsdp=4 and fsdp=8: the same loss curve
+  and parameters as one device; the compiled steps gather weights only (no all-gather,
+  all-to-all or all-reduce of an activation); a checkpoint written from one mesh restores
+  onto the others (data=2 x fsdp=4 among them) and continues identically; with two micro-batches a step, the
   same on meshes 1, data=4 and data=2 x fsdp=2, and data parallel reduces the gradients once
   per step, not inside the micro-batch loop.
 The Mosaic GPU kernels themselves refuse the interpreter inside shard_map over more than one
@@ -27,7 +28,7 @@ import train_test_util as tu
 from train.runtime import mesh as sharding
 from train.runtime import hlo as hlo_lib
 
-_FOUR_DEVICES = textwrap.dedent("""
+_MESHES = textwrap.dedent("""
     import json, tempfile
     import jax, numpy as np
     jax.config.update("jax_disable_most_optimizations", True)
@@ -62,7 +63,8 @@ _FOUR_DEVICES = textwrap.dedent("""
     # with them replicated, reduced under GSPMD and per device (mesh.gradient_reduction).
     runs = ((1, 1, 1, "auto", ""), (4, 1, 1, "auto", ""), (2, 2, 1, "auto", ""),
             (1, 4, 1, "auto", ""), (4, 1, 0, "gspmd", "_replicated_moments"),
-            (4, 1, 0, "per_device", "_per_device"))
+            (4, 1, 0, "per_device", "_per_device"),
+            (8, 1, 1, "auto", ""), (2, 4, 1, "auto", ""), (1, 8, 1, "auto", ""))
     for data, fsdp, zero, reduction, suffix in runs:
       tr = trainer(data, fsdp, bool(zero), reduction)
       state, losses, hlo = steps(tr, tr.new_state(jax.random.key(0)), tokens[:3])
@@ -85,7 +87,7 @@ _FOUR_DEVICES = textwrap.dedent("""
         mngr.wait_until_finished()
         mngr.close()
         saved = jax.device_get(state)
-    for data, fsdp in ((2, 2), (1, 1)):  # restored onto other meshes, then one more step
+    for data, fsdp in ((2, 2), (2, 4), (1, 1)):  # restored onto other meshes, one more step
       tr = trainer(data, fsdp)
       mngr, restored = checkpointing.restore_latest(wd, tr.abstract_state())
       mngr.close()
@@ -317,17 +319,18 @@ class TwoGpuOverlapTest(absltest.TestCase):
     self.assertEqual(reduced, [{"bf16"}, {"bf16"}])
 
 
-class FourDevicesTest(absltest.TestCase):
+class MeshesTest(absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.out = _run(_FOUR_DEVICES, 4)
+    cls.out = _run(_MESHES, 8)
 
   def test_same_loss_curve_and_parameters_on_every_mesh(self):
     ref = self.out["1x1"]["losses"]
     self.assertLess(ref[-1], ref[0])
-    for mesh in ("4x1", "2x2", "1x4", "4x1_replicated_moments", "4x1_per_device"):
+    for mesh in ("4x1", "2x2", "1x4", "4x1_replicated_moments", "4x1_per_device", "8x1", "2x4",
+                 "1x8"):
       np.testing.assert_allclose(self.out[mesh]["losses"], ref, rtol=1e-5, err_msg=mesh)
       self.assertLess(self.out[mesh]["param_diff"], 1e-5, mesh)
 
@@ -358,24 +361,29 @@ class FourDevicesTest(absltest.TestCase):
     self.assertEqual(self.out["4x1"]["w_up_shard"], [32, 256])   # replicated
     self.assertEqual(self.out["2x2"]["w_up_shard"], [32, 128])
     self.assertEqual(self.out["1x4"]["w_up_shard"], [32, 64])
+    self.assertEqual(self.out["2x4"]["w_up_shard"], [32, 64])
+    self.assertEqual(self.out["1x8"]["w_up_shard"], [32, 32])
 
   def test_optimizer_moments_split_over_every_axis(self):
-    """ZeRO stage 1: AdamW's moments split over all 4 devices whatever the mesh, and
+    """ZeRO stage 1: AdamW's moments split over all the mesh's devices whatever its axes, and
     following the parameters with mesh.shard_optimizer=False."""
     for mesh in ("4x1", "2x2", "1x4"):
       self.assertEqual(self.out[mesh]["moment_shard"], [32, 64], mesh)
+    for mesh in ("8x1", "2x4", "1x8"):
+      self.assertEqual(self.out[mesh]["moment_shard"], [32, 32], mesh)
     self.assertEqual(self.out["4x1_replicated_moments"]["moment_shard"], [32, 256])
     self.assertEqual(self.out["1x1"]["moment_shard"], [32, 256])
 
   def test_no_activation_moves_between_devices(self):
-    for mesh in ("4x1", "2x2", "1x4", "4x1_replicated_moments", "4x1_per_device"):
+    for mesh in ("4x1", "2x2", "1x4", "4x1_replicated_moments", "4x1_per_device", "8x1", "2x4",
+                 "1x8"):
       r = self.out[mesh]
       kinds = {kind for kind, _ in r["collectives"]}
       self.assertTrue(kinds & {"all-reduce", "reduce-scatter"}, mesh)   # the gradients
       # The activations ([8, 24, D], [192, D], [192, H], ...) match no parameter's shape.
-      fsdp = int(mesh.split("x")[1][0])
+      data, fsdp = (int(a) for a in mesh.split("_")[0].split("x"))
       self.assertEqual(hlo_lib.non_weight_collectives(r["collectives"], r["param_shapes"],
-                                                       fsdp, devices=4), [], mesh)
+                                                       fsdp, devices=data * fsdp), [], mesh)
     gathers = lambda mesh: [ops for kind, ops in self.out[mesh]["collectives"]
                             if kind == "all-gather"]
     self.assertNotEmpty(gathers("2x2"))          # FSDP: weights are gathered
@@ -384,12 +392,12 @@ class FourDevicesTest(absltest.TestCase):
     self.assertEmpty(gathers("4x1_per_device"))
 
   def test_checkpoint_restores_onto_other_meshes(self):
-    for mesh in ("2x2", "1x1"):
+    for mesh in ("2x2", "2x4", "1x1"):
       r = self.out[f"restored_{mesh}"]
       self.assertTrue(r["equal"], mesh)
       self.assertTrue(r["laid_out"], mesh)
-    np.testing.assert_allclose(self.out["restored_2x2"]["losses"],
-                               self.out["restored_1x1"]["losses"], rtol=1e-5)
+      np.testing.assert_allclose(r["losses"], self.out["restored_1x1"]["losses"], rtol=1e-5,
+                                 err_msg=mesh)
 
   def test_inference_parameters_on_one_device(self):
     self.assertEqual(self.out["inference_devices"], [1])
