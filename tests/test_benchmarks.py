@@ -187,7 +187,8 @@ class MatrixTest(absltest.TestCase):
 
   def test_committed_results_make_the_readme_table(self):
     paths = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results",
-                          d, "matrix.json") for d in ("h100", "h200", "h200x2", "h100x2", "h200x4")]
+                          d, "matrix.json")
+             for d in ("h100", "h200", "h200x2", "h100x2", "h200x4")]
     results = []
     for path in paths:
       with open(path) as f:

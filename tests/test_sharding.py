@@ -7,9 +7,9 @@
   the devices) and the full node's data=8, data=2 x fsdp=4 and fsdp=8: the same loss curve
   and parameters as one device; the compiled steps gather weights only (no all-gather,
   all-to-all or all-reduce of an activation); a checkpoint written from one mesh restores
-  onto the others (data=2 x fsdp=4 among them) and continues identically; with two micro-batches a step, the
-  same on meshes 1, data=4 and data=2 x fsdp=2, and data parallel reduces the gradients once
-  per step, not inside the micro-batch loop.
+  onto the others (data=2 x fsdp=4 among them) and continues identically; with two
+  micro-batches a step, the same on meshes 1, data=4 and data=2 x fsdp=2, and data parallel
+  reduces the gradients once per step, not inside the micro-batch loop.
 The Mosaic GPU kernels themselves refuse the interpreter inside shard_map over more than one
 device (the interpreter keeps one simulated GPU memory per process); they run per device
 under shard_map on a one-device mesh in tests/test_transforms.py, and on GPUs.
