@@ -333,6 +333,7 @@ def sweep_point(skew: str, fit: dict, active: float, shape, impl: str, iters: in
            time_call(x, wg, wu, wd, hot, impl, iters,
                      dense_ms=(out["dense_ms"], out["dense_pipelined_ms"])))
     row = {"hot_features": hot, "tail_per_token": t, "ratio": row["ratio"],
+           "pipelined_ratio": row["pipelined_ratio"],
            "sparse_ms": row["sparse_ms"], "rows_over_width": _rows_over(active_mask, hot),
            "floor_ratio": floor_ms(m, d, h, hot, t) / out["dense_ms"]}
     scan.append(row)

@@ -58,10 +58,10 @@ SHORT = {
 }
 # The 1.5B and 2B configs (28 and 38 layers, fsdp over every device, remat): the same short run
 # on several GPUs (`--configs=paper_1p5b,paper_2b --meshes=fsdp,data=2,fsdp=2` on a node:
-# fsdp=N and data=2 x fsdp=N/2; not in `CONFIGS`). A checkpoint
-# of each holds 18-24 GB, so each run keeps one: the killed run resumes from it, and the last
-# one is compared (a save writes the new checkpoint before it deletes the old: 2 x 2 x 24 GB
-# at the most, within a 2-GPU machine's 128 GB disk).
+# fsdp=N and data=2 x fsdp=N/2; not in `CONFIGS`). A checkpoint of each holds 18-24 GB, so each
+# run keeps one: the killed run resumes from it, and the last one is compared (a save writes the
+# new checkpoint before it deletes the old: 2 x 2 x 24 GB at the most, within a 2-GPU machine's
+# 128 GB disk).
 SHORT["paper_1p5b"] = SHORT["paper_2b"] = SHORT["paper_0p5b"] + ["--config.keep_checkpoints=1"]
 # Cells whose workdirs hold ~100 GB run one at a time, after the others: two at once could fill
 # a node's disk.

@@ -193,7 +193,6 @@ class ColumnPiecesTest(absltest.TestCase):
       self.assertTrue(all(k == v.pop() for k, v in summed.items()), trial)
       self.assertEqual(sorted(summed), sorted(np.flatnonzero(lens > length)), trial)
 
-
   def test_merge_sums_each_long_columns_pieces_and_ignores_unused_rows(self):
     """``_merge_pieces``: a long column's row is the sum of its pieces' partial rows, rounded
     once; other rows stay; partial rows no piece wrote (NaN here) reach no output."""
@@ -218,6 +217,7 @@ class ColumnPiecesTest(absltest.TestCase):
                            .astype(jnp.float32))
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
     self.assertTrue(np.isfinite(got).all())
+
 
 class BackwardKernelsInterpretTest(BackwardKernelsTestBase):
   INTERPRET = True
