@@ -57,8 +57,8 @@ SHORT = {
                    "--config.data.dataset=twell_stdlib_text", "--config.data.tokenizer=byte"],
 }
 # The 1.5B and 2B configs (28 and 38 layers, fsdp over every device, remat): the same short run
-# on several GPUs (`--configs=paper_1p5b,paper_2b --meshes=fsdp,data=2,fsdp=2` on a node:
-# fsdp=N and data=2 x fsdp=N/2; not in `CONFIGS`). A checkpoint of each holds 18-24 GB, so each
+# on several GPUs (`--configs=paper_1p5b,paper_2b --meshes=fsdp`, plus `data=2,fsdp=N/2` on N
+# GPUs for data=2 x fsdp=N/2; not in `CONFIGS`). A checkpoint of each holds 18-24 GB, so each
 # run keeps one: the killed run resumes from it, and the last one is compared (a save writes the
 # new checkpoint before it deletes the old: 2 x 2 x 24 GB at the most, within a 2-GPU machine's
 # 128 GB disk).
