@@ -55,18 +55,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 
 from absl import app
 from absl import flags
 
 from benchmarks import cli_run
-
-_DECISION = re.compile(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
-                       r"running from step (\d+)")
-_LANDING = re.compile(r"step (\d+): now running FFN per layer [SD0-9 ]+ \(built in ([0-9.]+) s; "
-                      r"waited ([0-9.]+) s\)")
 
 
 def _define_flags():
@@ -142,7 +136,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str]) -> tuple[list[
 
 
 def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
-  """A finished run's measurements (module docstring) from its metrics and log."""
+  """A finished run's measurements (module docstring) from its metrics.jsonl."""
   from train.training import metrics  # pylint: disable=import-outside-toplevel
   rows = metrics.read_jsonl(workdir)
   train_rows = [r for r in rows if "tokens_per_s" in r]
@@ -157,13 +151,12 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
              "hot_features": [int(v) for v in per_layer(r, "hot_features")]
                              if "hot_features/layer_0" in r else None}
             for r in train_rows]
-  with open(workdir + ".log") as f:
-    log = f.read()
-  decisions = [[int(m.group(1)), m.group(2), int(m.group(3))] for m in _DECISION.finditer(log)]
+  decisions = [[e["step"], e["choice"], e["runs_from"]]
+                for e in metrics.events(rows, "ffn_decision")]
   # [step, seconds] of each landing: how long the loop waited for the choice's build.
-  landings = list(_LANDING.finditer(log))
-  waits = [[int(m.group(1)), float(m.group(3))] for m in landings]
-  builds = [[int(m.group(1)), float(m.group(2))] for m in landings]
+  landings = metrics.events(rows, "ffn_landing")
+  waits = [[e["step"], e["waited_s"]] for e in landings]
+  builds = [[e["step"], e["build_s"]] for e in landings]
   evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"]}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,
