@@ -1,45 +1,56 @@
 r"""lm-evaluation-harness on our backend: cross-checked against lm-eval's `hf` model, and timed
 sparse against dense.
 
-    python -m benchmarks.lm_eval_check --workdir=W --out=DIR          # one GPU
-    python -m benchmarks.lm_eval_check --hf_dir=D --out=DIR           # a Llama directory
-    python -m benchmarks.lm_eval_check --workdir=W --out=DIR --smoke  # CPU, a tiny model
+    python -m benchmarks.lm_eval_check --workdir=W --out=R.json          # a training workdir
+    python -m benchmarks.lm_eval_check --hf_dir=D --out=R.json           # a Llama directory
+    python -m benchmarks.lm_eval_check --trained=paper_0p5b --out=R.json # benchmarks.trained's
+    python -m benchmarks.lm_eval_check --workdir=W --out=R.json --smoke  # CPU, a tiny model
 
-Two local tasks are written to DIR/tasks (`write_tasks`) from held-out documents of the
+The model: W's latest checkpoint; D imported (`train.import_hf`, configs/default.py's
+settings); or the paper shape trained to the paper-like activity (`benchmarks.trained`,
+cached on the machine: the weights the decode and e2e benchmarks time). Files go to
+--scratch (default: a temporary directory, removed after).
+
+Two local tasks are written to SCRATCH/tasks (`write_tasks`) from held-out documents of the
 offline corpus (`twell_stdlib_text`, validation split): "twell_next_passage", multiple
-choice (a passage's opening; the passage's true next words against the same number of words
-from three other passages), and "twell_passages", perplexity (loglikelihood_rolling over
-whole passages).
+choice (a passage's opening; the passage's next words against the words at the same place in
+three other passages), and "twell_passages", perplexity (loglikelihood_rolling over
+passages).
 
-(a) Cross-check. The checkpoint of W is written as a Hugging Face Llama directory
-(`train.export_hf`; or D is imported into DIR/workdir with `train.import_hf`), and both tasks
-run through our backend (`train.inference.lm_eval_backend`) and through lm-eval's own `hf`
-model (torch + transformers) on the same directory, both in float32, with the same tokens
-(contexts as their text's tokens, the EOS id as lm-eval's prefix token: our
+(a) Cross-check. The model is written as a Hugging Face Llama directory (`train.export_hf`;
+D itself when given), and both tasks run through our backend
+(`train.inference.lm_eval_backend`) and through lm-eval's own `hf` model (torch +
+transformers) on that directory, both in float32 (full-precision products), with the same
+tokens (contexts as their text's tokens, the EOS id as lm-eval's prefix token: our
 `prefix_eos=False`, the hf model's `add_bos_token=False, prefix_token_id=EOS`). Passes when
 every item's log-likelihood (each choice, each passage) is within `TOLERANCE` and the
 accuracies are equal. Without torch or transformers (CI) this side is skipped and said so.
 
 (b) Throughput. The multiple-choice task's loglikelihood requests through our backend in the
 model's own dtype with the FFN generation's prefill runs ("auto": the sparse kernels per
-layer where they win) and with the dense FFN, each timed warm (`--repeats` passes after the
-compiling one, the median) as requests/s; "ratio" is sparse over dense. The "auto" run's
-log-likelihoods are also compared with the hf model's float32 ones (reported, not checked:
-a 16-bit model differs from float32 by its rounding).
+layer where they win, by the activity training logged, else measured on the first pass) and
+with the dense FFN, each timed warm (the median of `--repeats` passes after an untimed one)
+as requests/s; "ratio" is sparse over dense. The "auto" run's log-likelihoods are also
+compared with the hf model's float32 ones ("model_dtype_vs_hf": reported, not checked, a
+16-bit model differs from float32 by its rounding).
 
-JSON (DIR/lm_eval_check.json): {"device", "model", "tasks", "cross_check": {"passed",
-"max_abs_diff", "acc_ours", "acc_hf", ...}, "model_dtype_vs_hf", "throughput": {"auto",
-"dense", "ratio"}}. Exit status 1 when the cross-check ran and failed.
+JSON (--out): {"device", "model", "tasks", "ours_float32", "cross_check":
+{"passed", "max_abs_diff", "acc_ours", "acc_hf", ...}, "model_dtype_vs_hf", "throughput":
+{"auto", "dense", "ratio"}}. Exit status 1 when the cross-check ran and failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from typing import Any
 
 TOLERANCE = 2e-2
 CHOICE_TASK, PPL_TASK = "twell_next_passage", "twell_passages"
@@ -201,66 +212,84 @@ def timed(lm, repeats: int) -> dict:
           "ffn": lm.stats["loglikelihood"]["ffn"][-1]}
 
 
-def _workdir(out_dir: str, workdir: str | None, hf_dir: str | None) -> str:
-  """The workdir to evaluate: `workdir`, or `hf_dir` imported into out_dir/workdir."""
-  if (workdir is None) == (hf_dir is None):
-    raise ValueError("give exactly one of workdir and hf_dir")
-  if workdir is not None:
-    return workdir
-  from configs import default  # pylint: disable=import-outside-toplevel
-  from train.training import hf_import  # pylint: disable=import-outside-toplevel
-  imported = os.path.join(out_dir, "workdir")
-  if not os.path.isdir(os.path.join(imported, "checkpoints")):
-    hf_import.import_checkpoint(hf_dir, imported, default.get_config())
-  return imported
+@dataclasses.dataclass
+class Model:
+  """What is evaluated: parameters with their training config and tokenizer, the activity
+  per layer training logged (None: the first "auto" pass measures it), and where it came
+  from."""
+  params: dict
+  config: Any
+  tokenizer: Any
+  active: list[float] | None
+  source: dict
+
+  def generator(self, **kwargs):
+    from train.inference import generator  # pylint: disable=import-outside-toplevel
+    return generator.Generator(self.params, self.config, tokenizer=self.tokenizer,
+                               active_per_token=self.active, **kwargs)
 
 
-def check(out_dir: str, *, workdir: str | None = None, hf_dir: str | None = None,
-          items: int = 64, passages: int = 8, batch_size: int = 32, repeats: int = 5,
-          context_words: int = 24, choice_words: int = 6) -> dict:
-  """Runs (a) and (b) of the module docstring; returns the JSON record."""
-  import jax  # pylint: disable=import-outside-toplevel
+def load_model(out_dir: str, *, workdir: str | None = None, hf_dir: str | None = None,
+               trained: str | None = None, trained_steps: int = 1500) -> Model:
+  """The latest checkpoint of `workdir`; or `hf_dir` imported into out_dir/workdir (with
+  configs/default.py's training settings); or `trained`, a shape's weights trained to the
+  paper-like activity by `benchmarks.trained` (cached: the ones the decode and e2e
+  benchmarks time)."""
   from train.inference import generator  # pylint: disable=import-outside-toplevel
-  from train.inference import hf_export  # pylint: disable=import-outside-toplevel
-  from train.inference import lm_eval_backend  # pylint: disable=import-outside-toplevel
   from train.inference import loading  # pylint: disable=import-outside-toplevel
-  os.makedirs(out_dir, exist_ok=True)
-  workdir = _workdir(out_dir, workdir, hf_dir)
+  if sum(x is not None for x in (workdir, hf_dir, trained)) != 1:
+    raise ValueError("give exactly one of workdir, hf_dir and trained")
+  if trained is not None:
+    from benchmarks import trained as trained_lib  # pylint: disable=import-outside-toplevel
+    from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    cfg, params = trained_lib.trained_params(trained, "paper", steps=trained_steps,
+                                             extreme_steps=0)
+    return Model(params, cfg, tokenizer_lib.make_tokenizer(cfg.data), None,
+                 {"trained": trained, "steps": trained_steps})
+  if hf_dir is not None:
+    from configs import default  # pylint: disable=import-outside-toplevel
+    from train.training import hf_import  # pylint: disable=import-outside-toplevel
+    workdir = os.path.join(out_dir, "workdir")
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+      hf_import.import_checkpoint(hf_dir, workdir, default.get_config())
   ck = loading.load_checkpoint(workdir)
-  context, eos = int(ck.config.data.seq_len), int(ck.tokenizer.eos_id)
-  mc_items, texts = corpus_tasks(items, passages, context_words=context_words,
-                                 choice_words=choice_words, max_bytes=min(context - 2, 250),
-                                 passage_bytes=min(3 * context, 1500))
-  tasks = write_tasks(os.path.join(out_dir, "tasks"), mc_items, texts)
-  include = os.path.join(out_dir, "tasks")
-  run = lambda lm, names: lm_eval_backend.run_tasks(lm, names, include_path=include,
-                                                    bootstrap_iters=0, log_samples=True)
-  record = {"device": jax.devices()[0].device_kind,
-            "model": {"workdir": workdir, "hf_dir": hf_dir, "step": ck.step,
-                      "dtype": ck.model_cfg.dtype, "context": context,
-                      "n_layers": ck.model_cfg.n_layers, "d_model": ck.model_cfg.d_model,
-                      "d_ff": ck.model_cfg.d_ff, "tokenizer": ck.config.data.tokenizer},
-            "tasks": {CHOICE_TASK: len(mc_items), PPL_TASK: len(texts)}}
+  return Model(ck.params, ck.config, ck.tokenizer,
+               generator.logged_activity(workdir, ck.step, ck.model_cfg.n_layers),
+               {"workdir": workdir, "hf_dir": hf_dir, "step": ck.step})
 
-  # (a) float32 against lm-eval's hf model on the same directory.
-  ours = run(_recording_lm(generator.from_checkpoint(ck, workdir, dtype="float32"),
-                           batch_size, prefix_eos=False), tasks)
-  record["ours_float32"] = {t: ours["results"][t] for t in tasks}
-  theirs, why = None, hf_missing()
-  if why is None:
-    if hf_dir is None:
-      hf_dir = os.path.join(out_dir, "hf")
-      hf_export.write_hf_dir(hf_dir, ck.params, ck.config, ck.tokenizer, overwrite=True)
-    theirs = run(hf_model(hf_dir, eos_id=eos, context=context, batch_size=batch_size), tasks)
-    record["cross_check"] = {"tolerance": TOLERANCE, **compare(ours, theirs, tasks)}
-  else:
-    record["cross_check"] = {"skipped": why}
 
-  # (b) the model's own dtype: generation's FFN choice against dense.
-  rates = {}
+def cross_check(model: Model, out_dir: str, run, tasks: list[str], *, batch_size: int,
+                hf_dir: str | None) -> tuple[dict, dict | None]:
+  """(a) of the module docstring: (the record, the hf model's results or None)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from train.inference import hf_export  # pylint: disable=import-outside-toplevel
+  # Full float32 products: on a GPU, JAX's default precision multiplies float32 matrices in
+  # TF32 (torch does not).
+  with jax.default_matmul_precision("highest"):
+    ours = run(_recording_lm(model.generator(dtype="float32"), batch_size, prefix_eos=False),
+               tasks)
+  record = {"ours_float32": {t: ours["results"][t] for t in tasks}}
+  why = hf_missing()
+  if why is not None:
+    return {**record, "cross_check": {"skipped": why}}, None
+  if hf_dir is None:
+    hf_dir = os.path.join(out_dir, "hf")
+    hf_export.write_hf_dir(hf_dir, model.params, model.config, model.tokenizer, overwrite=True)
+  theirs = run(hf_model(hf_dir, eos_id=int(model.tokenizer.eos_id),
+                        context=int(model.config.data.seq_len), batch_size=batch_size), tasks)
+  return {**record, "cross_check": {"tolerance": TOLERANCE, **compare(ours, theirs, tasks)}}, theirs
+
+
+def throughput(model: Model, run, *, batch_size: int, repeats: int, theirs: dict | None
+               ) -> dict:
+  """(b) of the module docstring: the record. One generator serves both runs (its compiled
+  programs are kept by FFN choice): "auto" first, whose activity-measuring first pass, where
+  training logged none, compiles the dense program the dense run then reuses."""
+  gen = model.generator(prefill_ffn="auto")
+  rates, record = {}, {}
   for name in ("auto", "dense"):
-    lm = _recording_lm(generator.from_checkpoint(ck, workdir, prefill_ffn=name), batch_size,
-                       prefix_eos=False)
+    gen.plan.prefill_ffn = name
+    lm = _recording_lm(gen, batch_size, prefix_eos=False)
     results = run(lm, [CHOICE_TASK])
     rates[name] = {**timed(lm, repeats), "acc": results["results"][CHOICE_TASK]["acc,none"]}
     if name == "auto" and theirs is not None:
@@ -268,7 +297,40 @@ def check(out_dir: str, *, workdir: str | None = None, hf_dir: str | None = None
       diff.pop("passed")
       record["model_dtype_vs_hf"] = diff
   rates["ratio"] = rates["auto"]["requests_per_s"] / rates["dense"]["requests_per_s"]
-  record["throughput"] = rates
+  return {**record, "throughput": rates}
+
+
+def check(out_dir: str, model: Model, *, hf_dir: str | None = None, items: int = 64,
+          passages: int = 8, batch_size: int = 32, repeats: int = 5, context_words: int = 24,
+          choice_words: int = 6) -> dict:
+  """Runs (a) and (b) of the module docstring on `model` (`hf_dir`: its Hugging Face
+  directory, if it came from one); returns the JSON record."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from train.inference import lm_eval_backend  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  os.makedirs(out_dir, exist_ok=True)
+  context = int(model.config.data.seq_len)
+  # Items and passages of at most 250 bytes: at a long context every row fits the 256 bucket
+  # (one program to compile per run); a short one (the smoke mode's) has passages of several
+  # windows.
+  mc_items, texts = corpus_tasks(items, passages, context_words=context_words,
+                                 choice_words=choice_words, max_bytes=min(context - 2, 250),
+                                 passage_bytes=min(3 * context, 250))
+  include = os.path.join(out_dir, "tasks")
+  tasks = write_tasks(include, mc_items, texts)
+  run = lambda lm, names: lm_eval_backend.run_tasks(lm, names, include_path=include,
+                                                    bootstrap_iters=0, log_samples=True)
+  mc = model_lib.ModelConfig.from_config(model.config.model)
+  record = {"device": jax.devices()[0].device_kind,
+            "model": {**model.source, "dtype": mc.dtype, "context": context,
+                      "n_layers": mc.n_layers, "d_model": mc.d_model, "d_ff": mc.d_ff,
+                      "tokenizer": model.config.data.tokenizer,
+                      "logged_activity": model.active is not None},
+            "tasks": {CHOICE_TASK: len(mc_items), PPL_TASK: len(texts)}}
+  checked, theirs = cross_check(model, out_dir, run, tasks, batch_size=batch_size,
+                                hf_dir=hf_dir)
+  record.update(checked)
+  record.update(throughput(model, run, batch_size=batch_size, repeats=repeats, theirs=theirs))
   return record
 
 
@@ -276,7 +338,12 @@ def _define_flags():
   from absl import flags  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string("workdir", None, "A training workdir (its latest checkpoint).")
   flags.DEFINE_string("hf_dir", None, "Or a Hugging Face Llama directory (imported).")
-  flags.DEFINE_string("out", None, "Output directory (tasks, exported model, JSON).")
+  flags.DEFINE_string("trained", None, "Or a shape (paper_0p5b) trained to the paper-like "
+                      "activity by benchmarks.trained (cached).")
+  flags.DEFINE_integer("trained_steps", 1500, "Training steps of --trained (the cache's name).")
+  flags.DEFINE_string("out", None, "Write the JSON record here.")
+  flags.DEFINE_string("scratch", None, "Directory for the tasks, the exported model and an "
+                      "imported workdir (default: a temporary one, removed after).")
   flags.DEFINE_integer("items", 64, "Multiple-choice items (four requests each).")
   flags.DEFINE_integer("passages", 8, "Perplexity passages.")
   flags.DEFINE_integer("batch_size", 32, "Rows per model call, both backends.")
@@ -297,12 +364,20 @@ def main(argv):
           if f.smoke else dict(items=f.items, passages=f.passages, batch_size=f.batch_size,
                                repeats=f.repeats))
   t0 = time.perf_counter()
-  record = check(f.out, workdir=f.workdir, hf_dir=f.hf_dir, **size)
+  scratch = f.scratch or tempfile.mkdtemp(prefix="twell_lm_eval_check_")
+  try:
+    model = load_model(scratch, workdir=f.workdir, hf_dir=f.hf_dir, trained=f.trained,
+                       trained_steps=f.trained_steps)
+    record = check(scratch, model, hf_dir=f.hf_dir, **size)
+  finally:
+    if not f.scratch:
+      shutil.rmtree(scratch, ignore_errors=True)
   record["wall_s"] = time.perf_counter() - t0
-  with open(os.path.join(f.out, "lm_eval_check.json"), "w") as fh:
+  os.makedirs(os.path.dirname(os.path.abspath(f.out)), exist_ok=True)
+  with open(f.out, "w") as fh:
     json.dump(record, fh, indent=1)
   cross, rates = record["cross_check"], record["throughput"]
-  print("cross-check: " + (cross["skipped"] if "skipped" in cross else
+  print("cross-check " + (cross["skipped"] if "skipped" in cross else
         f"{'PASS' if cross['passed'] else 'FAIL'}: max |diff| {cross['max_abs_diff']:.2e} "
         f"(tolerance {TOLERANCE}), acc ours {cross['acc_ours']:.4f} hf {cross['acc_hf']:.4f}"))
   print(f"loglikelihood requests/s: auto {rates['auto']['requests_per_s']:,.1f} (FFN "

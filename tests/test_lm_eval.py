@@ -194,7 +194,7 @@ def test_bad_input_is_one_clear_line(model, tasks_dir):
   with pytest.raises(errors.ConfigError, match=r"--tasks: unknown task 'arc_eazy', not in "
                      r"lm-eval's tasks or --include_path=.*; did you mean arc_easy"):
     lm_eval_backend.run_tasks(lm, ["arc_eazy"], include_path=tasks_dir)
-  with pytest.raises(errors.ConfigError, match="dtype='int8' not in"):
+  with pytest.raises(errors.ConfigError, match="config.model: dtype='int8' not in"):
     generator.from_checkpoint(ck, workdir(), dtype="int8")
 
 
@@ -239,8 +239,10 @@ def test_check_smoke(tmp_path):
   """benchmarks.lm_eval_check on the micro model: the corpus tasks, our float32 run, the hf
   cross-check where torch and transformers are installed (else said to be skipped), and
   both timed runs."""
-  record = lm_eval_check.check(str(tmp_path), workdir=workdir(), items=6, passages=2,
-                               batch_size=4, repeats=1, context_words=6, choice_words=2)
+  model = lm_eval_check.load_model(str(tmp_path), workdir=workdir())
+  assert model.source["step"] == 4 and model.active is not None   # logged by training
+  record = lm_eval_check.check(str(tmp_path), model, items=6, passages=2, batch_size=4,
+                               repeats=1, context_words=6, choice_words=2)
   assert record["tasks"] == {lm_eval_check.CHOICE_TASK: 6, lm_eval_check.PPL_TASK: 2}
   cross = record["cross_check"]
   if lm_eval_check.hf_missing() is None:
@@ -252,8 +254,8 @@ def test_check_smoke(tmp_path):
   assert rates["auto"]["acc"] == rates["dense"]["acc"] == (
       record["ours_float32"][lm_eval_check.CHOICE_TASK]["acc,none"])
   assert rates["ratio"] > 0
-  with pytest.raises(ValueError, match="exactly one of workdir and hf_dir"):
-    lm_eval_check.check(str(tmp_path), items=1)
+  with pytest.raises(ValueError, match="exactly one of workdir, hf_dir and trained"):
+    lm_eval_check.load_model(str(tmp_path), workdir=workdir(), trained="paper_0p5b")
 
 
 @pytest.mark.gpu

@@ -41,7 +41,6 @@ max_new_tokens fills the context after the longest prompt (at most 128).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import time
@@ -127,14 +126,17 @@ class Generator:
     decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
       see the module docstring.
     decode_attention: "auto", "kernel" or "xla" (`train.inference.plan.DECODE_ATTENTION`).
+    dtype: compute in this dtype instead of the config's `model.dtype`.
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
                prefill_ffn: str | Sequence[str] = "auto",
                active_per_token: Sequence[float] | None = None, decode_ffn: str = "auto",
-               decode_attention: str = "auto"):
+               decode_attention: str = "auto", dtype: str | None = None):
     try:
       mc = model_lib.ModelConfig.from_config(config.model)
+      if dtype is not None:
+        mc = dataclasses.replace(mc, dtype=dtype)
     except (TypeError, ValueError) as e:  # bad or unknown model fields
       raise errors.ConfigError(f"config.model: {e}") from e
     self.model_cfg = dataclasses.replace(mc, remat=False)
@@ -488,19 +490,11 @@ def generate(params: dict, config: Any, prompts: Sequence[str], *,
              stop_at_eos=stop_at_eos)
 
 
-def from_checkpoint(ck: inference.Checkpoint, workdir: str, *, dtype: str | None = None,
-                    **generator_kwargs) -> Generator:
-  """A `Generator` for the restored checkpoint `ck` of `workdir`, with the activity training
-  logged for prefill_ffn="auto". dtype: compute in this dtype instead of the config's
-  (`model.dtype`). `generator_kwargs` go to `Generator`."""
-  config = ck.config
-  if dtype is not None:
-    if dtype not in model_lib.DTYPES:
-      raise errors.ConfigError(f"dtype={dtype!r} not in {list(model_lib.DTYPES)}")
-    config = copy.deepcopy(config)
-    config.model.dtype = dtype
+def from_checkpoint(ck: inference.Checkpoint, workdir: str, **generator_kwargs) -> Generator:
+  """A `Generator` (`generator_kwargs`: its arguments) for the restored checkpoint `ck` of
+  `workdir`, with the activity training logged for prefill_ffn="auto"."""
   active = logged_activity(workdir, ck.step, ck.model_cfg.n_layers)
-  return Generator(ck.params, config, tokenizer=ck.tokenizer, active_per_token=active,
+  return Generator(ck.params, ck.config, tokenizer=ck.tokenizer, active_per_token=active,
                    **generator_kwargs)
 
 
