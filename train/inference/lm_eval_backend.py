@@ -40,7 +40,7 @@ import difflib
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 from lm_eval.api import model as lm_model
@@ -101,7 +101,10 @@ class TwellLM(lm_model.TemplateLM):
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     del kwargs
     rows = [(list(ctx) + list(cont), len(cont)) for _, ctx, cont in requests]
-    return self.score(rows, kind="loglikelihood", disable_tqdm=disable_tqdm)
+    results = self.score(rows, kind="loglikelihood", disable_tqdm=disable_tqdm)
+    for (args, _, _), result in zip(requests, results):
+      self.cache_hook.add_partial("loglikelihood", args, result)
+    return results
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     windows, owner = [], []
