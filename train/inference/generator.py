@@ -15,6 +15,9 @@ Two compiled functions, shapes static:
     key and value are written at its position (its prompt length plus the step), and its
     query attends to its cache prefix. It stops after max_new_tokens or once every row has
     emitted EOS (unless `stop_at_eos=False`).
+A third, `score_ids`, runs the prefill's forward pass on given rows and returns each
+position's log-probability of a given next token (lm-evaluation-harness's loglikelihood:
+`train.inference.lm_eval_backend`).
 Sampling: temperature (0: greedy), top-k (0: off) and top-p (nucleus; 1: off), from one
 seed (step i samples with `fold_in(key(seed), i)`).
 
@@ -181,7 +184,7 @@ class Generator:
       self._layers = (sparse, jax.jit(split)(self.params["blocks"]))
     return self._layers[1]
 
-  # ---- the two compiled functions ----
+  # ---- the compiled functions ----
 
   def _forward(self, params, tokens, *, names, keep_cache: bool):
     """(final hidden state [B, T, D] before the final norm, cache k, v [L, B, T, K, E] (None
