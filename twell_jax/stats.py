@@ -104,13 +104,13 @@ def from_dict(d: dict) -> FFNStats:
 def stack(stats: Sequence[FFNStats], *, concatenate: bool = False) -> FFNStats:
   """The stats of several calls as one FFNStats: every array stacked on a new leading axis
   (a model's per-layer stats), or with `concatenate` joined along its leading axis (runs of
-  layers already stacked). `implementation` is the calls' common name, or their distinct
-  names in order joined by "+" (a model whose layers run different implementations), which
-  `jax.tree.map` over stats of different names cannot do: the name is part of the tree
-  structure."""
+  layers already stacked). `implementation` is the calls' distinct names in order of first
+  appearance, joined by "+" (one name when all agree; names already joined count one by
+  one): a model whose layers run different implementations, which `jax.tree.map` over
+  their stats cannot combine, the name being part of the tree structure."""
   if not stats:
     raise ValueError("stats must hold at least one FFNStats; got none.")
-  names = list(dict.fromkeys(st.implementation for st in stats))
+  names = dict.fromkeys(name for st in stats for name in st.implementation.split("+") if name)
   join = jnp.concatenate if concatenate else jnp.stack
   arrays = [dataclasses.replace(st, implementation="") for st in stats]
   combined = jax.tree.map(lambda *a: join(a), *arrays)
