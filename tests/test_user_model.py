@@ -318,3 +318,34 @@ def test_explicit_and_auto_meshes_on_two_host_devices():
       assert out[f"{kind}_{name}"] < 1e-4, (kind, name, out)
     assert out[f"{kind}_ran"] == ["dense", "xla"], out
   assert out["explicit_y_spec"] == "P(None, None, None)", out   # x's sharding: none
+
+
+@pytest.mark.gpu
+def test_on_a_hopper_gpu_the_default_runs_the_kernels_and_says_so():
+  """Where `implementation=None` resolves to the kernels: the statistics name them, the
+  output is the dense FFN's, reverse mode works and forward mode is refused by name; under
+  `jax.default_device(cpu)` the same call runs (and says) dense."""
+  kind = jax.devices()[0].device_kind
+  if not any(name in kind for name in ("H100", "H200", "H800")):
+    pytest.skip(f"needs a Hopper GPU; the device is {kind!r}")
+  d, h = 2048, 5632                                   # the paper's shape: the kernels win
+  layer = twell_jax.FeedForward(d, h, rngs=nnx.Rngs(0))
+  x = 0.5 * jax.random.normal(jax.random.key(1), (4, 2048, d))
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  call = (sds(4, 2048, d), sds(d, h), sds(d, h), sds(h, d))
+  assert twell_jax.resolve_implementation(*call) == "mosaic_gpu"
+  assert twell_jax.resolve_implementation(*call, device=jax.devices("cpu")[0]) == "dense"
+  y, stats = nnx.jit(lambda m, x: m(x, return_stats=True))(layer, x)
+  assert stats.implementation == "mosaic_gpu"
+  weights = [jnp.asarray(w[...], jnp.bfloat16) for w in (layer.w_gate, layer.w_up, layer.w_down)]
+  y_dense = twell_jax.ffn(x.astype(jnp.bfloat16), *weights, implementation="dense")
+  assert _max_rel(y, y_dense) < 2e-2
+  grads = nnx.grad(lambda m: m(x, return_stats=True)[1].l1)(layer)
+  assert float(jnp.max(jnp.abs(grads.w_gate[...]))) > 0
+  with pytest.raises(NotImplementedError, match=r"implementation='dense'"):
+    jax.jvp(layer, (x,), (x,))
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert twell_jax.resolve_implementation(*call) == "dense"
+    layer_cpu = twell_jax.FeedForward(64, 256, rngs=nnx.Rngs(0))
+    _, stats_cpu = layer_cpu(jnp.ones((8, 64)), return_stats=True)
+  assert stats_cpu.implementation == "dense"
