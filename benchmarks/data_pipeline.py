@@ -87,7 +87,7 @@ def _measure(source, tokenizer, workers: int, rows: int, seq_len: int,
           "tokens_per_s": round(n * rows * (seq_len + 1) / dt)}
 
 
-# Tokens/s a training run consumes (README, docs/performance.md): the sparse 0.5B model on one
+# Tokens/s a training run consumes: the sparse 0.5B model on one
 # H100, and the `small` config on 4 and on 8 H100s.
 CONSUMERS = (("0.5B sparse, 1 H100", 180e3), ("small, 4 H100", 1.5e6), ("small, 8 H100", 3e6))
 

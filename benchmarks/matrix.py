@@ -267,7 +267,7 @@ def write(path: str | None, result: dict) -> None:
 
 
 def table(results: list[dict]) -> str:
-  """The README's "Tested GPU setups" table (markdown) of matrix results (one per machine)."""
+  """A markdown table of matrix results (one per machine), a row per cell."""
   lines = ["| config | FFN | mesh | device | train, kill, resume | same state | evaluate, "
            "generate, export | result |", "|---|---|---|---|---|---|---|---|"]
   yes = lambda v: "yes" if v else ("no" if v is not None else "-")
@@ -355,6 +355,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("parallel", 2, "cells at once per GPU (one-GPU cells) and of the "
                        "several-GPU cells (their compiles overlap)")
   flags.DEFINE_string("out", None, "write the matrix as JSON here")
-  flags.DEFINE_string("table", None, "print the README table of these matrix JSON files "
+  flags.DEFINE_string("table", None, "print the markdown table of these matrix JSON files "
                       "(comma-separated) and exit; no GPU needed")
   app.run(main)

@@ -10,7 +10,7 @@ with pretrained models). `python -m train.report --workdir=W` plots the activity
 
 Training settings are a fine-tune's: a lower peak learning rate than pre-training, a short
 warm-up, the L1 coefficient ramped from 0. `configs/relufy.py:tiny` is the CPU-sized run
-(the tiny config's data and batch) used by the README and the tests.
+(the tiny config's data and batch) used by docs/training.md and the tests.
 """
 
 from configs import default
