@@ -52,6 +52,26 @@ def test_gpu_blocks_run(tmp_path):
     _run_document(doc, True, tmp_path / str(i), dict(os.environ))
 
 
+def test_runner_names_the_failing_block_and_keeps_tmp_private(tmp_path):
+  """The runner's own contract: "/tmp/" maps into the sandbox, blocks run in order, a failing
+  bash or python block is named by its file and line, with the failing line's number."""
+  block = docs_blocks.Block
+  wrote = block("docs/a.md", 3, "bash", "echo made > /tmp/twell_docs_probe\n")
+  read = block("docs/a.md", 9, "python", "import pathlib\n"
+               "assert pathlib.Path('/tmp/twell_docs_probe').read_text() == 'made\\n'\n")
+  bash_fails = block("docs/b.md", 20, "bash", "echo fine\nfalse\necho never\n")
+  python_fails = block("docs/c.md", 40, "python", "x = 1\nraise ValueError('boom')\n")
+  result = docs_blocks.run([wrote, read, bash_fails], tmp_path / "one")
+  assert result.failed == "docs/b.md:20", result.output
+  assert "docs/b.md:22: exit status 1" in result.output and "never" not in result.output
+  assert list(result.seconds) == ["docs/a.md:3", "docs/a.md:9"], result.output
+  assert (tmp_path / "one" / "tmp" / "twell_docs_probe").exists()
+  assert not pathlib.Path("/tmp/twell_docs_probe").exists()
+  result = docs_blocks.run([python_fails], tmp_path / "two")
+  assert result.failed == "docs/c.md:40", result.output
+  assert 'File "docs/c.md", line 42' in result.output and "ValueError: boom" in result.output
+
+
 def test_every_id_block_has_its_test():
   """A block marked id=NAME is run by some test under tests/ that calls find("NAME")."""
   sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
