@@ -6,6 +6,8 @@ A block is code when its language is `python`, `bash`, `sh` or `shell`; config w
 An HTML comment on the line right above a fence tells the tests how the block runs:
 
     <!-- docs-test: gpu -->         needs a Hopper GPU: run by `benchmarks/gpu.sh tests`
+    <!-- docs-test: gpus=N -->      needs N Hopper GPUs (a document whose blocks need more GPUs
+                                    than the machine has is skipped there, saying so)
     <!-- docs-test: id=NAME -->     a dedicated test fetches it with `find("NAME")` and runs it
                                     (a cluster script under a local launcher, say)
 
@@ -62,6 +64,7 @@ class Block:
   code: str
   gpu: bool = False
   id: str | None = None
+  gpus: int = 0     # GPUs the block needs: 1 for `gpu`, N for `gpus=N`
 
   @property
   def where(self) -> str:
@@ -77,22 +80,24 @@ def doc_files() -> list[pathlib.Path]:
   return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _marker(lines: list[str], fence_line: int) -> tuple[bool, str | None]:
-  """(gpu, id) from the comment right above the fence at 0-based `fence_line`."""
+def _marker(lines: list[str], fence_line: int) -> tuple[int, str | None]:
+  """(GPUs needed, id) from the comment right above the fence at 0-based `fence_line`."""
   if fence_line == 0:
-    return False, None
+    return 0, None
   m = _MARKER.search(lines[fence_line - 1])
   if not m:
-    return False, None
-  gpu, ident = False, None
+    return 0, None
+  gpus, ident = 0, None
   for word in m.group(1).split():
     if word == "gpu":
-      gpu = True
+      gpus = max(gpus, 1)
+    elif re.fullmatch(r"gpus=[1-9]\d*", word):
+      gpus = int(word[5:])
     elif word.startswith("id="):
       ident = word[3:]
     else:
       raise ValueError(f"unknown docs-test word {word!r} above line {fence_line + 1}")
-  return gpu, ident
+  return gpus, ident
 
 
 def blocks(path: pathlib.Path) -> list[Block]:
@@ -103,9 +108,9 @@ def blocks(path: pathlib.Path) -> list[Block]:
     if tok.type != "fence" or tok.map is None:
       continue
     lang = (tok.info.split() or [""])[0].lower()
-    gpu, ident = _marker(lines, tok.map[0])
-    out.append(Block(str(path.relative_to(ROOT)), tok.map[0] + 1, lang, tok.content, gpu,
-                     ident))
+    gpus, ident = _marker(lines, tok.map[0])
+    out.append(Block(str(path.relative_to(ROOT)), tok.map[0] + 1, lang, tok.content,
+                     gpus > 0, ident, gpus))
   return out
 
 

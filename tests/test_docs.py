@@ -41,15 +41,17 @@ def test_cpu_blocks_run(doc, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_blocks_run(tmp_path):
-  """Every block marked `gpu`, document by document, on a Hopper GPU."""
+@pytest.mark.parametrize("doc", _docs(gpu=True))
+def test_gpu_blocks_run(doc, tmp_path):
+  """Every block of `doc` marked `gpu` or `gpus=N`, in order, on Hopper GPUs."""
   from pallas_kernels import _target  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   if not _target.on_hopper():
     pytest.skip("needs a Hopper GPU")
-  docs = _docs(gpu=True)
-  assert docs
-  for i, doc in enumerate(docs):
-    _run_document(doc, True, tmp_path / str(i), dict(os.environ))
+  needs = max(b.gpus for b in docs_blocks.blocks(ROOT / doc) if b.runs_here and b.gpu)
+  if needs > jax.device_count():
+    pytest.skip(f"{doc}'s blocks need {needs} GPUs, {jax.device_count()} here")
+  _run_document(doc, True, tmp_path, dict(os.environ))
 
 
 def test_runner_names_the_failing_block_and_keeps_tmp_private(tmp_path):
