@@ -151,6 +151,32 @@ def _run(cmd, env, log, timeout) -> None:
     raise CellError(f"{' '.join(cmd[2:4])} exited {p.returncode}:\n{_tail(log)}")
 
 
+def run_tools(run: str, wd: str, env: dict, timeout: int) -> tuple[dict, list[str]]:
+  """`train.evaluate`, `train.generate` and `train.export_hf` on the workdir `run`, at once,
+  one process each (logs, the generation JSON and the export under `wd`): ({tool: whether it
+  exited 0}, the failures' messages)."""
+  tools = {
+      "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
+      "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
+                   "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
+                   f"--out={os.path.join(wd, 'generate.json')}"],
+      "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
+                    f"--out={os.path.join(wd, 'hf')}"],
+  }
+  done, errors = {}, []
+  with concurrent.futures.ThreadPoolExecutor(len(tools)) as pool:
+    futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
+               for k, cmd in tools.items()}
+    for k, fut in futures.items():
+      try:
+        fut.result()
+        done[k] = True
+      except (CellError, subprocess.TimeoutExpired) as e:
+        done[k] = False
+        errors.append(f"{k}: {e}")
+  return done, errors
+
+
 def compare_states(a: str, b: str) -> dict:
   """Train states of the last checkpoints of workdirs a and b, compared on the CPU (a
   subprocess: this process keeps off the GPUs)."""
@@ -213,27 +239,11 @@ def run_cell(config: str, impl: str, mesh: str, root: str, gpus: str | None,
     cell["resumed"] = f"Resumed from checkpoint step {killed_at}" in _tail(log, 10**7)
     if not cell["resumed"]:
       raise CellError(f"the rerun did not resume from step {killed_at}:\n{_tail(log)}")
-    tools = {
-        "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
-        "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
-                     "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
-                     f"--out={os.path.join(wd, 'generate.json')}"],
-        "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
-                      f"--out={os.path.join(wd, 'hf')}"],
-    }
-    with concurrent.futures.ThreadPoolExecutor(len(tools) + 1) as pool:
-      futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
-                 for k, cmd in tools.items()}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
       same = pool.submit(compare_states, ref, run)
-      errors = []
-      for k, fut in futures.items():
-        try:
-          fut.result()
-          cell[k] = True
-        except (CellError, subprocess.TimeoutExpired) as e:
-          cell[k] = False
-          errors.append(f"{k}: {e}")
+      done, errors = run_tools(run, wd, env, timeout)
       cmp = same.result()
+    cell.update(done)
     if cell.get("generate"):
       # Which decode the CLI's defaults chose for this model (FFN per layer, attention).
       with open(os.path.join(wd, "generate.json")) as f:
