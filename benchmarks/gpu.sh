@@ -23,6 +23,11 @@
 #             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~2.5 min; with
 #             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures: ~4 min;
 #             --capture_steps=2500 --actives=200: the last layer as trained, ~8 min)
+#   time_to_quality benchmarks.time_to_quality: per seed ($TTQ_FLAGS, e.g. --seeds=0,1,2) dense
+#             SiLU, sparse at equal steps and sparse at dense's wall-clock, one after the
+#             other on the first GPU; carries on from $TTQ_OUT (default the committed
+#             benchmarks/results/h200/time_to_quality.json) and starts no run predicted to end
+#             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in
 #   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
 #             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
 #             training one), then the paper 0.5B shape trained through train.main on those
@@ -51,6 +56,12 @@
 #             bandwidth ceiling, exactness ($DECODE_FLAGS)
 #   decode_ffn benchmarks.decode_ffn: the few-row sparse FFN against dense by rows and union,
 #             and the tile sweep ($DECODE_FFN_FLAGS, default --sweep)
+#   lm_eval   benchmarks.lm_eval_check: local tasks through our lm-eval backend and through
+#             lm-eval's hf model (float32, item by item), and loglikelihood requests/s with the
+#             sparse prefill against dense ($LM_EVAL_MODEL: default --trained=paper_0p5b, the
+#             decode part's cached weights, trained first if missing; or --workdir=W;
+#             $LM_EVAL_FLAGS). Needs lm-eval, datasets and their needs the image lacks as
+#             wheels in .whl
 #   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
 #             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
 #             a rerun with the same $OUT skips the runs quality.json holds)
@@ -59,10 +70,11 @@ export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SPECS=${SPECS:-paper_16k,paper_16k_heavy,paper_16k_skew,paper_16k_extreme}
 FWD_BWD_SPECS=${FWD_BWD_SPECS:-$SPECS}
-# Wheels for what the image lacks (ml_collections), if carried in .whl.
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/ml_collections ]; then
+# Wheels for what the image lacks (ml_collections; lm-eval, datasets and their needs), if
+# carried in .whl; installed again when the carried set changes.
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .whl/*.whl && ls .whl > /tmp/site/.wheels
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
@@ -108,6 +120,13 @@ for part in "${parts[@]}"; do
         | tee /tmp/twell_whole_run.log | grep -E "^  |^wall|rror"
       cp /tmp/twell_whole_run.log /tmp/twell_whole_run/whole_run.log
       tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;
+    time_to_quality)
+      TTQ_OUT=${TTQ_OUT:-benchmarks/results/h200/time_to_quality.json}
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout ${T_TTQ:-590} \
+        python3 -m benchmarks.time_to_quality --out="$TTQ_OUT" --plot="$OUT/time_to_quality.png" \
+        --budget_s=${TTQ_BUDGET:-540} ${TTQ_FLAGS} 2>&1 | tee "$OUT/time_to_quality.log" \
+        | grep -E "^  |rror"
+      cp "$TTQ_OUT" "$OUT/" ;;
     data)
       timeout ${T_DATA:-300} python3 -m benchmarks.data_pipeline --out="$OUT/data_pipeline.json" \
         --plot="$OUT/data_pipeline.png" \
@@ -191,6 +210,10 @@ for part in "${parts[@]}"; do
     decode_ffn)
       timeout ${T_DECODE_FFN:-400} python3 -m benchmarks.decode_ffn --out="$OUT/decode_ffn.json" \
         ${DECODE_FFN_FLAGS:---sweep} 2>&1 | tee "$OUT/decode_ffn.log" | grep -E "^M |^break|^  \{" ;;
+    lm_eval)
+      timeout ${T_LM_EVAL:-400} python3 -m benchmarks.lm_eval_check \
+        ${LM_EVAL_MODEL:---trained=paper_0p5b} --out="$OUT/lm_eval_check.json" ${LM_EVAL_FLAGS} \
+        2>&1 | tee "$OUT/lm_eval.log" | grep -E "^cross-check|^loglikelihood|rror" ;;
     quality)
       timeout ${T_QUALITY:-3000} python3 -m benchmarks.quality --out="$OUT/quality.json" \
         --plots="$OUT/quality_plots" ${QUALITY_FLAGS} 2>&1 | tee "$OUT/quality.log" \
