@@ -52,7 +52,7 @@ def main(argv):
     sys.exit(f"error: {e}")
   job.say(f"{f.num_processes} processes of {' '.join(command[1:])} (coordinator localhost:"
           f"{job.port}, " + (f"GPUs {','.join(job.gpus[:f.num_processes])}" if job.gpus
-                             else f"{f.host_devices} host devices each") + ")")
+                             else f"{f.host_devices} host device(s) each") + ")")
 
   def stop(why: str) -> None:
     job.say(f"{why}: SIGTERM to every process")
