@@ -47,6 +47,10 @@
 #             $NODE_SPARSE_FLAGS) and dense SiLU (batch 4 per GPU, 2 micro-batches,
 #             $NODE_DENSE_FLAGS), merged into node.json
 #   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
+#   multiprocess benchmarks.multiprocess: one process per GPU on $MP_PROCESSES (default all)
+#             GPUs: lose a process, the coordinator, every process; resume to the same state;
+#             evaluate, generate, export; tokens/s against one process ($MP_FLAGS, e.g.
+#             --parts=checks or --merge=$OUT/multiprocess_2.json), into multiprocess_<N>.json
 #   matrix    benchmarks.matrix: every config x FFN x mesh of this machine through the CLIs
 #             (train, SIGKILL, resume, same state, evaluate, generate, export), then the
 #             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
@@ -191,6 +195,11 @@ for part in "${parts[@]}"; do
         done
       done
       python3 -m benchmarks.scaling --merge=$(IFS=,; echo "${node_files[*]}") --out="$OUT/node.json" ;;
+    multiprocess)
+      n=${MP_PROCESSES:-$(nvidia-smi -L | wc -l)}
+      timeout ${T_MP:-590} python3 -m benchmarks.multiprocess --processes=$n \
+        --workdir=/tmp/twell_multiprocess --out="$OUT/multiprocess_$n.json" ${MP_FLAGS} 2>&1 \
+        | tee "$OUT/multiprocess_$n.log" | grep -E "processes, |rror" ;;
     resume)
       timeout ${T_RESUME:-560} python3 -m benchmarks.kill_resume --out="$OUT/kill_resume.json" \
         ${RESUME_FLAGS:---config=configs/small.py --steps=60 --every=20 -- \

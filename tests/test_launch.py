@@ -126,6 +126,27 @@ class LaunchCliTest(absltest.TestCase):
     self.assertEqual(bad.returncode, 1)
     self.assertIn("No module named no_such_module_here", bad.stdout)
 
+  def test_stop_after_passes_sigterm_to_every_process(self):
+    probe = self.create_tempdir()
+    probe.create_file("sigterm_probe.py", content=(
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        "  print('stopping', os.environ['JAX_PROCESS_ID'], flush=True)\n"
+        "  sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"))
+    r = subprocess.run([sys.executable, "-m", "train.launch", "--num_processes=2",
+                        "--module=sigterm_probe", "--stop_after_s=5"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                PYTHONPATH=probe.full_path + os.pathsep + REPO))
+    self.assertEqual(r.returncode, 143, r.stdout)
+    self.assertIn("[launch] 5 s passed: SIGTERM to every process", r.stdout)
+    for i in range(2):
+      self.assertIn(f"[{i}] stopping {i}", r.stdout)
+      self.assertIn(f"[launch] process {i} exited with status 143", r.stdout)
+
   def test_bad_argument(self):
     r = self._launch("--num_processes=0")
     self.assertEqual(r.returncode, 1)
