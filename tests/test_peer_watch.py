@@ -1,6 +1,9 @@
 """The watch that ends every process of a multi-process run when one is lost or fails
 (`train.runtime.peer_watch`), on an in-memory key-value store and a hand-moved clock."""
 
+import os
+import subprocess
+import sys
 import threading
 
 from absl.testing import absltest
@@ -125,15 +128,31 @@ class PeerWatchTest(absltest.TestCase):
     w0._decide(pw.Verdict("error: x", 75))   # after stop: ignored
     self.assertNotIn(0, verdicts)
 
-  def test_await_returns_when_every_peer_has_ended(self):
+  def test_await_returns_when_every_peer_has_ended_or_errs_too(self):
     store, clock = FakeStore(), Clock()
-    (w0, w1), _ = _watches(store, clock, n=2)
+    (w0, w1, w2), _ = _watches(store, clock)
     w1.stop(failed=True)
+    w2.await_verdict(0)                      # process 2 hit an error too
+    self.assertIn(pw.PREFIX + "erring/2", store.kv)
     self.assertFalse(w0.await_verdict(30))   # returns at once, not after 30 s
 
   def test_bad_settings(self):
     with self.assertRaisesRegex(ValueError, "timeout_s=1.0 must exceed interval_s=1.0"):
       pw.PeerWatch(FakeStore(), 0, 2, timeout_s=1.0)
+
+
+
+class TimeoutFlagTest(absltest.TestCase):
+
+  def test_a_timeout_below_the_check_interval_is_refused(self):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "train.main", "--config=configs/tiny.py",
+                        f"--workdir={self.create_tempdir().full_path}", "--peer_timeout_s=0.5"],
+                       cwd=repo, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    self.assertNotEqual(r.returncode, 0)
+    self.assertIn("flag --peer_timeout_s=0.5: --peer_timeout_s must be 0 (off) or more than 1 s",
+                  r.stderr)
 
 
 if __name__ == "__main__":

@@ -186,8 +186,12 @@ class MeshRulesTest(absltest.TestCase):
     self.assertIsNone(args("h:1234", 1, 0, False))               # one process, said so
     self.assertEqual(args("h:1234", 2, 1, False),
                      {"coordinator_address": "h:1234", "num_processes": 2, "process_id": 1})
-    self.assertEqual(args(None, None, None, True),                # the cluster fills in
+    self.assertEqual(args(None, None, None, True, env={}),        # the cluster fills in
                      {"coordinator_address": None, "num_processes": None, "process_id": None})
+    k8s = {"JOB_COMPLETION_INDEX": "3"}                            # a Kubernetes indexed Job
+    self.assertEqual(args("twell-0.twell:8476", 4, None, True, env=k8s)["process_id"], 3)
+    self.assertEqual(args("h:1", 4, 1, True, env=k8s)["process_id"], 1)   # the flag first
+    self.assertIsNone(args(None, None, None, False, env=k8s))      # only with --distributed
 
   def test_collectives_parser(self):
     hlo = textwrap.dedent("""

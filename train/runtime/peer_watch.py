@@ -12,6 +12,7 @@ service's key-value store (the service runs inside process 0), under `PREFIX`:
   beat/<i>    process i's counter, bumped every `interval_s`;
   done/<i>    process i ended normally (or was preempted): it is never judged again;
   failed/<i>  process i stopped with an error of its own;
+  erring/<i>  process i hit an error and waits for a verdict (a lost peer may be its cause);
   lost        the first verdict on a lost process, "<lost> <seconds silent> <seen by>".
 
 Each check reads the whole directory. A peer whose counter has not moved for `timeout_s`
@@ -181,9 +182,14 @@ class PeerWatch:
       self._act(verdict)
 
   def await_verdict(self, timeout_s: float | None = None) -> bool:
-    """Waits (up to `timeout_s`, default long enough to judge a peer that just went silent)
-    for a verdict; with the default `act` a verdict ends the process. Returns whether one
-    came; it returns early when every peer has ended (done or failed)."""
+    """After an error of this process: waits (up to `timeout_s`, default long enough to judge
+    a peer that just went silent) for a verdict; with the default `act` a verdict ends the
+    process. Returns whether one came; it returns early when every peer has ended or hit an
+    error too (none of them is lost: the same error everywhere, say)."""
+    try:
+      self.client.key_value_set(f"{PREFIX}erring/{self.index}", "1", allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except
+      pass
     deadline = self._clock() + (self.timeout_s + 3 * self.interval_s
                                 if timeout_s is None else timeout_s)
     while self._clock() < deadline and not self._stopped:
@@ -198,7 +204,8 @@ class PeerWatch:
       keys = {k for k, _ in self.client.key_value_dir_get(PREFIX)}
     except Exception:  # pylint: disable=broad-except
       return False
-    return all(f"{PREFIX}done/{p}" in keys or f"{PREFIX}failed/{p}" in keys for p in self._seen)
+    return all(any(f"{PREFIX}{kind}/{p}" in keys for kind in ("done", "failed", "erring"))
+               for p in self._seen)
 
   def stop(self, *, failed: bool) -> None:
     """Stops judging and tells the peers how this process ends (`failed`: with an error of
