@@ -141,7 +141,6 @@ class PeerWatchTest(absltest.TestCase):
       pw.PeerWatch(FakeStore(), 0, 2, timeout_s=1.0)
 
 
-
 class TimeoutFlagTest(absltest.TestCase):
 
   def test_a_timeout_below_the_check_interval_is_refused(self):
