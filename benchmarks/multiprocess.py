@@ -2,7 +2,7 @@ r"""One process per GPU, as a cluster runs it: train, lose a process, kill, resu
 
     python -m benchmarks.multiprocess --processes=2 --out=mp2.json          # GPUs 0-1
     python -m benchmarks.multiprocess --processes=4 --merge=mp2.json --out=multiprocess.json
-    python -m benchmarks.multiprocess --smoke --out=/tmp/mp.json            # CPU, 2 x 2 host devices
+    python -m benchmarks.multiprocess --smoke --out=/tmp/mp.json            # CPU: 2 x 2 devices
 
 A cell is N processes of `python -m train.main`, one GPU each (`train.runtime.launcher`, as
 `python -m train.launch` starts them), on a mesh over their N GPUs (`--mesh`; on the CPU, N
@@ -270,8 +270,7 @@ def throughput(s: dict, wd: str) -> dict:
   if s["gpus"]:
     one_env["CUDA_VISIBLE_DEVICES"] = ",".join(s["gpus"])
   else:
-    one_env["XLA_FLAGS"] = launcher.process_env(0, 1, 0, gpus=[], base=env,
-                                                host_devices=s["devices"])["XLA_FLAGS"]
+    one_env["XLA_FLAGS"] = launcher.with_host_devices(env.get("XLA_FLAGS", ""), s["devices"])
   cmd = [sys.executable, "-m", "train.main", *train_flags(s, one, throughput=True)]
   cli_run.run(cmd, one + ".log", s["timeout"], "one process", **one_env)
   job = start(s, train_flags(s, many, throughput=True), env, many + "_logs")

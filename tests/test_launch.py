@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from absl.testing import absltest
 
@@ -146,6 +147,27 @@ class LaunchCliTest(absltest.TestCase):
     for i in range(2):
       self.assertIn(f"[{i}] stopping {i}", r.stdout)
       self.assertIn(f"[launch] process {i} exited with status 143", r.stdout)
+
+  def test_a_launcher_killed_outright_takes_its_processes_along(self):
+    probe = self.create_tempdir()
+    probe.create_file("sleeper.py", content=(
+        "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n"))
+    launch = subprocess.Popen([sys.executable, "-m", "train.launch", "--num_processes=2",
+                               "--module=sleeper"], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                       PYTHONPATH=probe.full_path + os.pathsep + REPO))
+    pids = []
+    for line in launch.stdout:
+      if " pid " in line:
+        pids.append(int(line.split()[-1]))
+      if len(pids) == 2:
+        break
+    launch.kill()
+    launch.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+      time.sleep(0.1)
+    self.assertFalse([p for p in pids if os.path.exists(f"/proc/{p}")])
 
   def test_bad_argument(self):
     r = self._launch("--num_processes=0")

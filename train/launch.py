@@ -12,7 +12,8 @@ with the first failure's status, after giving the others `--grace_s` to end on t
 (a lost process ends them within their --peer_timeout_s) and killing the rest.
 
 SIGTERM or Ctrl-C here is passed to every process as SIGTERM: they agree on a step, write
-its checkpoint and stop (exit 143); rerunning the same command resumes. `--stop_after_s`
+its checkpoint and stop (exit 143); rerunning the same command resumes. A second one kills
+them; so does the launcher's own end, however it comes. `--stop_after_s`
 does the same after that many seconds: a run longer than a machine's time limit continues
 over several calls.
 """
@@ -54,7 +55,14 @@ def main(argv):
           f"{job.port}, " + (f"GPUs {','.join(job.gpus[:f.num_processes])}" if job.gpus
                              else f"{f.host_devices} host device(s) each") + ")")
 
+  stops = []
+
   def stop(why: str) -> None:
+    if stops:   # a second request: at once
+      job.say(f"{why} again: SIGKILL to every process")
+      job.signal(signal.SIGKILL)
+      return
+    stops.append(why)
     job.say(f"{why}: SIGTERM to every process")
     job.signal(signal.SIGTERM)
 

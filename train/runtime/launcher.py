@@ -23,6 +23,7 @@ This module starts no JAX: the processes need the GPUs whole.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import signal
@@ -43,6 +44,12 @@ class Ended:
   process: int
   returncode: int
   seconds: float
+
+
+def _die_with_parent() -> None:
+  """In a child before it runs its command: SIGKILL when its parent's thread ends."""
+  if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -69,7 +76,8 @@ def host_gpus(env=None) -> list[str]:
   return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def _with_host_devices(xla_flags: str, n: int) -> str:
+def with_host_devices(xla_flags: str, n: int) -> str:
+  """`xla_flags` with `n` host devices (any earlier count replaced)."""
   kept = [f for f in xla_flags.split() if "xla_force_host_platform_device_count" not in f]
   return " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
 
@@ -86,7 +94,7 @@ def process_env(index: int, count: int, port: int, *, gpus: list[str], host_devi
     else:   # an ordinal among the GPUs CUDA shows this process
       env["JAX_LOCAL_DEVICE_IDS"] = str(index)
   else:
-    env["XLA_FLAGS"] = _with_host_devices(env.get("XLA_FLAGS", ""), host_devices)
+    env["XLA_FLAGS"] = with_host_devices(env.get("XLA_FLAGS", ""), host_devices)
   return env
 
 
@@ -128,14 +136,17 @@ class LocalJob:
     self.t0 = None
 
   def start(self) -> "LocalJob":
+    """Starts the processes. They end with the thread that starts them (Linux): a launcher
+    killed outright leaves no process holding a GPU."""
     self.t0 = time.monotonic()
     if self._log_dir:
       os.makedirs(self._log_dir, exist_ok=True)
-    for i, env in enumerate(self._envs):
-      p = subprocess.Popen(self.command, env=env, cwd=self._cwd, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                           errors="replace", bufsize=1)
-      self.processes.append(p)
+    for env in self._envs:   # every fork before any thread of ours runs (preexec_fn)
+      self.processes.append(subprocess.Popen(
+          self.command, env=env, cwd=self._cwd, stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
+          bufsize=1, preexec_fn=_die_with_parent))
+    for i, p in enumerate(self.processes):
       for target in (self._read, self._await):
         thread = threading.Thread(target=target, args=(i, p), daemon=True)
         thread.start()
@@ -143,8 +154,8 @@ class LocalJob:
     return self
 
   def _read(self, i: int, p: subprocess.Popen) -> None:
-    log = (open(os.path.join(self._log_dir, f"process_{i}.log"), "w")  # pylint: disable=consider-using-with
-           if self._log_dir else None)
+    path = os.path.join(self._log_dir, f"process_{i}.log") if self._log_dir else None
+    log = open(path, "w") if path else None  # pylint: disable=consider-using-with
     try:
       for line in p.stdout:
         self._lines[i].append(line)
