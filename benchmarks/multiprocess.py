@@ -53,7 +53,7 @@ from benchmarks import matrix
 from train.runtime import launcher
 from train.training import checkpointing
 
-LOST_LIMIT_S = 60.0     # the issue's bound on how long survivors may take (goal: 30 s)
+LOST_LIMIT_S = 60.0     # how long the survivors of a lost process may take to stop (goal: 30)
 MIN_RATIO = 0.98        # N processes' tokens/s over one process's, same mesh
 WARM_WINDOWS = 2        # logged windows left out of the throughput (compiles, warm-up)
 LOSSES = ("lost", "coordinator", "killed")
@@ -128,9 +128,9 @@ def train_flags(s: dict, workdir: str, *, throughput: bool = False) -> list[str]
 
 
 def environment(s: dict, *, deterministic: bool) -> dict:
-  """The runs' environment: the cell's GPUs only (else the CPU), the repository on the path;
-  for the checks XLA's deterministic reductions, and memory taken as needed (runs share
-  GPUs)."""
+  """The runs' environment: the host's GPUs (each process of a job takes its own; without
+  GPUs the CPU), the repository on the path; for the checks XLA's deterministic reductions,
+  and GPU memory taken as needed (their runs share the GPUs)."""
   env = kill_resume.deterministic_env() if deterministic else cli_run.environment()
   if s["gpus"]:
     if deterministic:
@@ -184,7 +184,7 @@ def lose_processes(s: dict, wd: str, env: dict) -> dict:
   victims = {"lost": [n - 1], "coordinator": [0], "killed": list(range(n))}
   kills = kill_at_first_commit({k: jobs[k] for k in LOSSES}, dirs, victims,
                                time.monotonic() + s["timeout"])
-  for name, job in jobs.items():   # the survivors get longer than the limit, to be measured
+  for job in jobs.values():   # the survivors get longer than the limit, to be measured
     job.wait(timeout_s=s["timeout"] + LOST_LIMIT_S, grace_s=2 * LOST_LIMIT_S)
   out = {"checks": {}, "errors": [], "killed_at": {k: kills[k][0] for k in LOSSES}}
   ref_ok = all(e.returncode == 0 for e in jobs["ref"].wait())
@@ -294,8 +294,8 @@ def run_cell(s: dict, wd: str, parts: list[str]) -> dict:
   if "checks" in parts:
     env = environment(s, deterministic=True)
     try:
-      for step in (lose_processes, resume_and_compare):
-        found = step(s, wd, env)
+      for stage in (lose_processes, resume_and_compare):
+        found = stage(s, wd, env)
         cell["checks"].update(found.pop("checks"))
         cell["errors"] += found.pop("errors")
         cell.update(found)
