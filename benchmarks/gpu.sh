@@ -45,7 +45,7 @@
 #   node      benchmarks.scaling at the paper 1.5B and 2B depths ($NODE_LAYERS, default 28 38)
 #             over all GPUs ($NODE_MESHES, default 1xN: fsdp over N), sparse (batch 8 per GPU,
 #             $NODE_SPARSE_FLAGS) and dense SiLU (batch 4 per GPU, 2 micro-batches,
-#             $NODE_DENSE_FLAGS), merged into node.json
+#             $NODE_DENSE_FLAGS; $NODE_MODELS: one of them), merged into node.json
 #   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
 #   multiprocess benchmarks.multiprocess: one process per GPU on $MP_PROCESSES (default all)
 #             GPUs: lose a process, the coordinator, every process; resume to the same state;
@@ -182,7 +182,7 @@ for part in "${parts[@]}"; do
     node)
       n=$(nvidia-smi -L | wc -l); node_files=()
       for layers in ${NODE_LAYERS:-28 38}; do
-        for model in sparse dense; do
+        for model in ${NODE_MODELS:-sparse dense}; do
           [ $model = sparse ] && flags=${NODE_SPARSE_FLAGS:---batch_per_device=8} \
             || flags=${NODE_DENSE_FLAGS:---batch_per_device=4 --grad_accum=2}
           XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_NODE:-400} \
