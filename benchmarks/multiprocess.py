@@ -103,7 +103,9 @@ def settings(fl, gpus: list[str]) -> dict:
                             "--config.data.tokenizer=byte"],
        "peer_timeout_s": fl.peer_timeout_s}
   if fl.smoke:
-    s.update(config="configs/tiny.py", flags=MICRO, steps=30, every=5, throughput_steps=8,
+    # The portable sparse FFN makes the per-layer choice's decisions on the CPU.
+    s.update(config="configs/tiny.py", flags=[*MICRO, "--config.layer_choice.sparse=xla"],
+             steps=30, every=5, throughput_steps=8,
              log_every=2, throughput_config="configs/tiny.py:dense", throughput_flags=MICRO,
              peer_timeout_s=fl.peer_timeout_s or 10.0)
   return s

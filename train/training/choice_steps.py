@@ -16,7 +16,8 @@ mostly the XLA program around them; a choice equal to that step lands at once, a
 running one until a choice lands (`_bridge`). What runs when follows from the decisions, the
 predictions and step numbers alone: the same seed gives the same decisions and switches on the
 same steps on any machine, and a checkpoint keeps the choice in use, the one pending and the
-step from which the step compiled ahead counts as built (`meta`, `_restore`).
+step from which the step compiled ahead counts as built (`meta`, `_restore`). Several
+processes take the branches that hang on time (a build done or not) together (`agreed`).
 """
 
 import concurrent.futures
@@ -57,6 +58,18 @@ def _child_processes() -> str:
 
 class BuildTimeout(Exception):
   """A build not done within the wait its caller allows (`StepBuilds.get`)."""
+
+
+def agreed(flag: bool, *, every: bool) -> bool:
+  """`flag` as all processes together see it: true on every one (`every`), else on any one.
+  Where a branch depends on time (a build's end), several processes must still take the same
+  one: each runs every step, and a step some would switch and others not would never meet in
+  its collectives. Called by every process at the same step."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  flags = multihost_utils.process_allgather(np.int32(flag))
+  return bool(flags.all() if every else flags.any())
 
 
 class StepBuilds:
@@ -421,7 +434,14 @@ class ChoiceSteps:
     not done."""
     t0 = time.perf_counter()
     ready = self.builds.done(key)
-    self.train_step = self.builds.get(key, timeout=self.build_timeout_s)
+    try:
+      step_fn, error = self.builds.get(key, timeout=self.build_timeout_s), None
+    except Exception as e:  # pylint: disable=broad-except  # raised below, once all know
+      step_fn, error = None, e
+    if not agreed(error is None, every=True):
+      raise error or BuildTimeout("built here but not on every process; the processes go on "
+                                  "with the step they run")
+    self.train_step = step_fn
     self.running = key
     # The device idles while the loop waits: a build slower than the landing lag (a busy
     # host) shows here.
@@ -448,7 +468,7 @@ class ChoiceSteps:
     self.counted, self.counted_steps = counted, self.counted_steps + 1
     if done % cfg.layer_choice.every and done != 1:
       return state
-    if self.builds.busy():
+    if agreed(self.builds.busy(), every=False):
       # A build outlasted its landing (`StepBuilds.get`): it holds the only worker, so no
       # choice is decided until it ends; training goes on with the running step.
       self.counted, self.counted_steps = None, 0
