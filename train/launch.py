@@ -36,8 +36,8 @@ flags.DEFINE_enum("isolate", "local_device_ids", list(launcher.ISOLATIONS),
                   "CUDA) or CUDA_VISIBLE_DEVICES (only its own).")
 flags.DEFINE_float("grace_s", 60.0, "After the first process fails, how long the others "
                    "may take to end on their own before they are killed.")
-flags.DEFINE_string("process_logs", None, "Each process's output to PROCESS_LOGS/process_<I>.log; "
-                    "only process 0's is echoed here.")
+flags.DEFINE_string("process_logs", None, "Each process's output to "
+                    "PROCESS_LOGS/process_<I>.log; only process 0's is echoed here.")
 flags.DEFINE_float("stop_after_s", None, "SIGTERM every process after this many seconds "
                    "(checkpoint, stop; exit 143).")
 flags.mark_flag_as_required("num_processes")
@@ -48,7 +48,8 @@ def main(argv):
   command = [sys.executable, "-m", f.module, *argv[1:]]
   try:
     job = launcher.LocalJob(command, f.num_processes, port=f.port or None,
-                            host_devices=f.host_devices, isolate=f.isolate, log_dir=f.process_logs)
+                            host_devices=f.host_devices, isolate=f.isolate,
+                            log_dir=f.process_logs)
   except ValueError as e:
     sys.exit(f"error: {e}")
   job.say(f"{f.num_processes} processes of {' '.join(command[1:])} (coordinator localhost:"

@@ -129,7 +129,7 @@ class LocalJob:
                   for i in range(num_processes)]
     self._out, self._log_dir, self._cwd = out, log_dir, cwd
     self._lines: list[list[str]] = [[] for _ in range(num_processes)]
-    self._write_lock = threading.Lock()
+    self._write_lock = threading.RLock()   # reentrant: `say` from a signal handler
     self.processes: list[subprocess.Popen] = []
     self.ended: dict[int, Ended] = {}     # filled in as the processes end
     self._threads: list[threading.Thread] = []
