@@ -23,7 +23,6 @@ This module starts no JAX: the processes need the GPUs whole.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -46,10 +45,19 @@ class Ended:
   seconds: float
 
 
-def _die_with_parent() -> None:
-  """In a child before it runs its command: SIGKILL when its parent's thread ends."""
-  if sys.platform.startswith("linux"):
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+# Runs argv[2:] in place of itself once the kernel will SIGKILL it when the thread that started
+# it (pid argv[1]'s) ends (PR_SET_PDEATHSIG, Linux): no fork-time Python code in a launcher
+# with threads. A parent gone before that, it ends at once.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; "
+                    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(137); "
+                    "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def _dying_with_this_process(command: list[str]) -> list[str]:
+  if not sys.platform.startswith("linux"):
+    return command
+  return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 def free_port() -> int:
@@ -136,16 +144,17 @@ class LocalJob:
     self.t0 = None
 
   def start(self) -> "LocalJob":
-    """Starts the processes. They end with the thread that starts them (Linux): a launcher
-    killed outright leaves no process holding a GPU."""
+    """Starts the processes. They are killed when the thread that starts them ends (Linux):
+    a launcher killed outright leaves no process holding a GPU; start a job from a thread
+    that outlives it."""
     self.t0 = time.monotonic()
     if self._log_dir:
       os.makedirs(self._log_dir, exist_ok=True)
-    for env in self._envs:   # every fork before any thread of ours runs (preexec_fn)
+    for env in self._envs:
       self.processes.append(subprocess.Popen(
-          self.command, env=env, cwd=self._cwd, stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
-          bufsize=1, preexec_fn=_die_with_parent))
+          _dying_with_this_process(self.command), env=env, cwd=self._cwd,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+          text=True, errors="replace", bufsize=1))
     for i, p in enumerate(self.processes):
       for target in (self._read, self._await):
         thread = threading.Thread(target=target, args=(i, p), daemon=True)
