@@ -4,6 +4,8 @@ commands (`benchmarks.run_calls`), `benchmarks.whole_run`'s launch through `trai
 
 import json
 import os
+import subprocess
+import sys
 import types
 
 from absl.testing import absltest
@@ -11,6 +13,8 @@ from absl.testing import absltest
 from benchmarks import multiprocess
 from benchmarks import run_calls
 from benchmarks import whole_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class RunCallsTest(absltest.TestCase):
@@ -102,6 +106,25 @@ class MultiprocessBenchmarkTest(absltest.TestCase):
     with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
       f.writelines(json.dumps(dict(r, wall_time=float(r["step"]))) + "\n" for r in rows)
     self.assertEqual(multiprocess.tokens_per_s(wd), 100.0)
+
+
+class BadFlagsTest(absltest.TestCase):
+
+  def _run(self, *args):
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+  def test_named_before_anything_runs(self):
+    for args, message in (
+        (("benchmarks.multiprocess", "--smoke", "--parts=speed"),
+         "--parts: unknown ['speed']; choose from checks, throughput"),
+        (("benchmarks.multiprocess", "--smoke", "--processes=1"),
+         "--processes=1: a cell needs at least 2"),
+        (("benchmarks.whole_run", "--smoke", "--processes=2", "--parallel"),
+         "--processes: each run takes that many GPUs; not with --parallel")):
+      r = self._run(*args)
+      self.assertNotEqual(r.returncode, 0, args)
+      self.assertIn(message, r.stderr, args)
 
 
 if __name__ == "__main__":
