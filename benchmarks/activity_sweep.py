@@ -9,7 +9,7 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
    3e-5) and, at each of `--capture_steps` (decision steps of the per-layer choice), captures
    every layer's FFN input on a held-out batch and its weights (a trainer hook).
 2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the
-   per-layer choice on this batch (`train.training.layer_choice.LayerChoice`: the layer's K, its
+   per-layer choice on this batch (`train.models.layer_choice.LayerChoice`: the layer's K, its
    predicted ratio) and the layer's forward + backward on the kernels at that K against the
    dense FFN, on the captured input: with the features in the state's order (as trained) and
    sorted by this batch's counts (`sorted`, the prediction's assumption), each with the work
@@ -18,7 +18,7 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
 3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
    the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
    `--actives` active features per token; per point the K the per-layer choice picks
-   (`train.training.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward
+   (`train.models.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward
    against dense.
 4. With `--skews_from`, steps 1-2 are skipped: the sweep runs on the fitted skews of an
    earlier result. `--scan_hot` times more K at every last-layer point, each beside its
@@ -214,7 +214,7 @@ def tail_columns(active: np.ndarray, hot: int) -> dict:
 def _choice(active: np.ndarray):
   """The per-layer choice for one layer of this activity [M, H] (its features sorted): (its
   implementation, K, predicted ratio, active features per token outside the K hot ones)."""
-  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import layer_choice  # pylint: disable=import-outside-toplevel
   m, h = active.shape
   choice = layer_choice.LayerChoice(1, h)
   choice.update_from_counts(active.sum(axis=0)[None], m, _heavy_by_hot(active)[None])

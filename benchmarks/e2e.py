@@ -9,7 +9,7 @@ attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights 
 the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
 the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
 runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
-(`train.training.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
+(`train.models.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
 (the paper's baseline), the same weights.
 
 Measured per shape, as sparse / dense ratios in one process:
@@ -50,7 +50,7 @@ def _define_flags():
   flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
                      "GPU, xla elsewhere)")
   flags.DEFINE_float("sparse_below", None, "per-layer choice threshold on the predicted "
-                     "ratio to dense (default: train.training.layer_choice's)")
+                     "ratio to dense (default: train.models.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
@@ -117,15 +117,15 @@ def _config(shape: str, tokenizer: str = "byte"):
 def _model(cfg, mc):
   """(LanguageModel, optimizer, jitted train step) of a model config."""
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
-  from train.training import optim  # pylint: disable=import-outside-toplevel
-  from train.training import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from train.state import optim  # pylint: disable=import-outside-toplevel
+  from train.state import steps as steps_lib  # pylint: disable=import-outside-toplevel
   lm = model_lib.LanguageModel(mc)
   tx = optim.make_optimizer(cfg)
   return lm, tx, jax.jit(steps_lib.make_train_step(lm, tx, cfg), donate_argnums=0)
 
 
 def _state(lm, tx, params, n_layers, seed=0):
-  from train.training import sparsity  # pylint: disable=import-outside-toplevel
+  from train.state import sparsity  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(jnp.copy, params)      # the step donates its state
   return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
           "rng": jax.random.key_data(jax.random.key(seed)),
@@ -175,8 +175,8 @@ def kernel_kind(name: str) -> str:
 def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   """Device time of one training step by kind of kernel (CUPTI), from a non-donating step."""
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
-  from train.training import optim  # pylint: disable=import-outside-toplevel
-  from train.training import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from train.state import optim  # pylint: disable=import-outside-toplevel
+  from train.state import steps as steps_lib  # pylint: disable=import-outside-toplevel
   lm = model_lib.LanguageModel(mc)
   tx = optim.make_optimizer(run_cfg)
   step = jax.jit(steps_lib.make_train_step(lm, tx, run_cfg))
@@ -196,7 +196,7 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
 
 
 def run_shape(shape: str, fl) -> dict:
-  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import layer_choice  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   base_shape = "tiny" if shape == "tiny" else "paper_0p5b"
   _, params = trained.trained_params(base_shape, "paper", steps=fl.steps,

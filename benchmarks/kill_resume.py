@@ -69,8 +69,8 @@ def _committed(workdir) -> list[int]:
 def state(workdir, step):
   """The train state of checkpoint `step`, restored on this process's devices (any backend:
   the FFN implementation of the run does not change the state's layout)."""
-  from train.training import checkpointing  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import checkpointing  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
   _, meta = checkpointing.read_meta(workdir, step)
   cfg = ml_collections.ConfigDict(meta["config"])
@@ -95,7 +95,7 @@ def compare(a, b) -> dict:
 
 
 def main(argv):
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   metrics.quiet_library_logs()
   fl = flags.FLAGS
   extra = argv[1:]

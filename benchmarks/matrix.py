@@ -43,7 +43,7 @@ from absl import flags
 
 from benchmarks import cli_run
 from benchmarks import kill_resume
-from train.training import checkpointing
+from train.state import checkpointing
 
 CONFIGS = ("tiny", "small", "paper_0p5b")
 IMPLS = ("default", "mosaic_gpu")
@@ -157,7 +157,7 @@ def compare_states(a: str, b: str) -> dict:
   code = (
       "import json, sys, jax, numpy as np\n"
       "from benchmarks import kill_resume\n"
-      "from train.training import checkpointing\n"
+      "from train.state import checkpointing\n"
       "a, b = sys.argv[1:3]\n"
       "step = max(checkpointing.steps_on_disk(a))\n"
       "print(json.dumps(dict(step=step, **kill_resume.compare("

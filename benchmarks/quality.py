@@ -118,7 +118,7 @@ def _schedule_flags(shape: str, steps: int) -> list[str]:
 
 def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> dict:
   """One `train.main` command; its measurements (module docstring)."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   workdir = os.path.join(fl.workdir, spec["name"].replace("/", "_") + tag)
   config = f"configs/{spec['shape']}.py" + (f":{spec['variant']}" if spec["variant"] else "")
   every = max(1, steps // fl.eval_points)

@@ -12,7 +12,7 @@ loss per device under shard_map, parameters split over fsdp) with `--batch_per_d
 sequences of the shape's context per device, for two models at the paper's shape with
 `--layers` layers (as `benchmarks.e2e`):
 
-  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.training.layer_choice`)
+  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.models.layer_choice`)
     decides each layer's FFN and hot features from one step's feature counts and the
     features are sorted by popularity, as `train.main` does on its first step; on weights
     trained to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`:
@@ -33,9 +33,9 @@ Per mesh, model and option set: tokens/s of back-to-back steps, as the trainer r
 against the 1-device mesh (tokens/s over devices x the 1-device tokens/s); the same of
 synchronized steps (`synced_*`: each step waited for, so each pays its launch); the compiled
 step's collectives by kind, every one that moves something other
-than a weight (`train.runtime.hlo.non_weight_collectives`; expected: none), how many of the
+than a weight (`benchmarks.common.hlo.non_weight_collectives`; expected: none), how many of the
 asynchronous ones overlap compute and how many bytes they move
-(`train.runtime.hlo.collective_overlap`), XLA's peak memory estimate and each device's measured
+(`benchmarks.common.hlo.collective_overlap`), XLA's peak memory estimate and each device's measured
 peak.
 """
 
@@ -203,7 +203,7 @@ def _choose(fl, params):
   step makes it: (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the
   description and the predicted per-layer ratios). None where the config makes no choice."""
   from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   data, fsdp = parse_mesh(fl.choose_mesh)
   cfg = _config(fl, "sparse", data, fsdp)
   tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
@@ -234,9 +234,9 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   """One model on one mesh with one option set (`OPTION_SETS`), on the devices from
   `first_device` on; `choice` (from `_choose`) gives the sparse model's layers and feature
   order."""
-  from train.runtime import hlo  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import hlo  # pylint: disable=import-outside-toplevel
   from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, model, data, fsdp, options)
   n = data * fsdp
   devices = jax.devices()[first_device:first_device + n]

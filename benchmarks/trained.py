@@ -107,7 +107,7 @@ def _load(path: str, like):
 def train(cfg, steps: int, *, params=None, log_every: int = 100):
   """Trains `steps` steps from `params` (None: a fresh init); returns (params, last metrics)."""
   from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   tr = trainer_lib.Trainer(cfg)
   state = tr.new_state(jax.random.key(cfg.seed))
   if params is not None:
@@ -135,7 +135,7 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
   `tokenizer` (`config_for`), cached."""
   if level not in ("paper", "extreme"):
     raise ValueError(f"level must be 'paper' or 'extreme'; got {level!r}")
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = config_for(shape, tokenizer=tokenizer)
   cfg.l1_coeff = PAPER_L1 if level == "paper" else EXTREME_L1
   os.makedirs(cache_dir, exist_ok=True)

@@ -13,7 +13,7 @@ trainer defaults otherwise (held-out evaluations every `--eval_every` steps, che
 
   dense_silu   the baseline: dense SiLU-gated FFN, no L1 (`configs/paper_0p5b.py:dense`)
   sparse       ReLU + L1 `--l1` with the default FFN choice (each layer's hot features
-               per layer, `train.training.layer_choice`); named twice, it runs twice, to show the
+               per layer, `train.models.layer_choice`); named twice, it runs twice, to show the
                spread
   NAME@DIR     run NAME from the checkout in DIR (another version of the code)
   NAME+KEY=VALUE[+KEY=VALUE...]
@@ -143,7 +143,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str]) -> tuple[list[
 
 def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
   """A finished run's measurements (module docstring) from its metrics and log."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   rows = metrics.read_jsonl(workdir)
   train_rows = [r for r in rows if "tokens_per_s" in r]
   layers = sorted(int(k.rsplit("_", 1)[1]) for k in train_rows[-1]

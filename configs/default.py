@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.dead_reinit = False
   c.dead_reinit_every = 1000
 
-  # Per-layer FFN choice (train/training/layer_choice.py): with ffn_implementation=None, each layer
+  # Per-layer FFN choice (train/models/layer_choice.py): with ffn_implementation=None, each layer
   # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
   # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
   # every `every` steps. The new step compiles in the background and runs after
@@ -100,7 +100,7 @@ def get_config() -> ml_collections.ConfigDict:
       enabled=True,
       sparse="auto",          # the sparse layers' implementation; auto: what None resolves to
       every=20,
-      sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
+      sparse_below=0.9,       # predicted FFN time over dense (train/models/layer_choice.py)
       dense_above=1.0,
       background=True,
       landing_steps=200,      # builds take 6-23 s beside training once the kernels are
@@ -136,7 +136,7 @@ def get_config() -> ml_collections.ConfigDict:
   # f32): less memory per device, a slower step on 2 GPUs (docs/performance.md).
   # gradient_reduction (data-only meshes): "per_device" runs the step per device and reduces
   # the gradients once after the backward; "gspmd" lets XLA reduce them inside the backward
-  # as they appear; "auto" picks per_device (train/training/steps.py).
+  # as they appear; "auto" picks per_device (train/state/steps.py).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, shard_optimizer=False,
                                           gradient_reduction="auto"))
 

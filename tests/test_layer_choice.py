@@ -14,9 +14,9 @@ import numpy as np
 import train_test_util as tu
 from benchmarks import whole_run
 from twell_jax import features
-from train.training import layer_choice
+from train.models import layer_choice
 from train.training import loop as train_lib
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 from train.training import choice_steps
 
 
@@ -628,7 +628,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    from train.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from train.state import checkpointing  # pylint: disable=g-import-not-at-top
     ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
     train_lib.train_and_evaluate(cfg, ref)
     train_lib.train_and_evaluate(cfg, run)

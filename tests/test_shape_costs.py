@@ -7,7 +7,7 @@ import os
 import jax.numpy as jnp
 from absl.testing import absltest
 
-from train.training import layer_choice
+from train.models import layer_choice
 from twell_jax import registry
 from twell_jax import shape_costs
 

@@ -26,17 +26,17 @@ import pytest
 
 import train_test_util as tu
 from train.runtime import mesh as sharding
-from train.runtime import hlo as hlo_lib
+from benchmarks.common import hlo as hlo_lib
 
 _MESHES = textwrap.dedent("""
     import json, tempfile
     import jax, numpy as np
     jax.config.update("jax_disable_most_optimizations", True)
     import train_test_util as tu
-    from train.runtime import hlo as hlo_lib
+    from benchmarks.common import hlo as hlo_lib
     from train.runtime import mesh as sharding
-    from train.training import checkpointing
-    from train.training import trainer as trainer_lib
+    from train.state import checkpointing
+    from train.state import trainer as trainer_lib
 
     # 8 x 24 tokens: no activation axis has the length of a parameter's (32, 16, 256, 259).
     cfg = tu.micro_config(batch_size=8, **{"data.seq_len": 24})
@@ -100,8 +100,8 @@ _MESHES = textwrap.dedent("""
       out[f"restored_{data}x{fsdp}"] = {"equal": same, "laid_out": laid_out, "losses": losses}
       if (data, fsdp) == (2, 2):
         # Inference (train.generate, train.report) gathers a split model onto one device.
-        from train.inference import loading as inference
-        inf = inference.inference_params(state["params"], tr.model_cfg)
+        from train.inference import loading
+        inf = loading.inference_params(state["params"], tr.model_cfg)
         inference_devices = sorted({len(a.sharding.device_set) for a in jax.tree.leaves(inf)})
     # Two micro-batches a step (4 rows each): data parallel sums each device's micro-batches
     # and reduces once per step, outside the micro-batch loop.
@@ -261,7 +261,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
   @pytest.mark.gpu
   def test_gradient_reductions_overlap_the_backward(self):
     import jax  # pylint: disable=import-outside-toplevel
-    from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+    from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
     from configs import tiny  # pylint: disable=import-outside-toplevel
@@ -293,7 +293,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     early; XLA's reassociation used to fold it into the lookup's, reducing one f32 [V, D]
     sum after the whole backward (losses._reduced_apart)."""
     import jax  # pylint: disable=import-outside-toplevel
-    from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+    from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
     from configs import tiny  # pylint: disable=import-outside-toplevel

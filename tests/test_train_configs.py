@@ -10,7 +10,7 @@ from absl.testing import parameterized
 
 from configs import paper_0p5b, paper_1b, paper_1p5b, paper_2b, small, tiny
 from train.models import transformer as model_lib
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 from train import errors
 from train.runtime import compilation
 import train_test_util as tu

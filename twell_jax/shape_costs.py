@@ -13,7 +13,7 @@ active features per token spread uniformly (`benchmarks.shapes`; the rows of
 * `sparse_loses(d, h, m)`: the kernels are slower than dense there, forward or forward +
   backward: `implementation=None` and the trainer's per-layer choice then run the dense FFN.
 * `shape_factor(d, h, m, mode)`: the ratio over the paper shape's (D=2048, H=5632), which
-  scales the per-layer cost model fitted at the paper shape (`train.training.layer_choice`).
+  scales the per-layer cost model fitted at the paper shape (`train.models.layer_choice`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class FFNStats:
       call's `ell_width` active features past the first 256 t (or more than 32 in one
       256-column tile there): with the features in their current order, the rows that the
       sparse training kernels would compute on their dense tail with K = 256 t hot features
-      (what the trainer's per-layer choice weighs; `train.training.layer_choice`).
+      (what the trainer's per-layer choice weighs; `train.models.layer_choice`).
     fired (property): bool [H], feature_counts > 0 (for dead-neuron tracking).
   """
 

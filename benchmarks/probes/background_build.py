@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from benchmarks import trained
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 from train.runtime import compilation
 from train.training import choice_steps
 

@@ -77,7 +77,7 @@ def popularity(x, w_gate) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import layer_choice  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   res = {"device": jax.devices()[0].device_kind}
   cfg, params = trained.trained_params("paper_0p5b", "paper", steps=fl.steps, extreme_steps=0,

@@ -16,7 +16,7 @@ import jax
 from train import errors
 from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
-from train.models import ffn_choice
+from train.models import implementations
 from train.models import transformer as model_lib
 
 
@@ -152,7 +152,7 @@ def _sparse_implementation(cfg, model_cfg, tokens: int) -> tuple[str, str]:
   if (model_cfg.ffn_implementation is None and lc is not None and lc.enabled
       and lc.sparse != "auto" and model_cfg.ffn_activation == "relu"):
     return "layer_choice.sparse", lc.sparse
-  return "model.ffn_implementation", ffn_choice.implementation(model_cfg, tokens)
+  return "model.ffn_implementation", implementations.implementation(model_cfg, tokens)
 
 
 def _check_backend(cfg, n_devices: int):
@@ -161,9 +161,9 @@ def _check_backend(cfg, n_devices: int):
   mc = cfg.model
   interpret = bool(mc.get("interpret", False))
   model_cfg = model_lib.ModelConfig.from_config(mc)
-  tokens = ffn_choice.tokens_per_call(cfg, n_devices)
+  tokens = implementations.tokens_per_call(cfg, n_devices)
   field, name = _sparse_implementation(cfg, model_cfg, tokens)
-  call = ffn_choice.call(model_cfg, tokens)
+  call = implementations.call(model_cfg, tokens)
   reason = registry.get(name).unsupported(call)
   if reason is not None:
     if name == "mosaic_gpu" and not interpret:

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.data import tokenizer as tokenizer_lib
-from train.inference import loading as inference
+from train.inference import loading
 from train.inference import plan as plan_lib
 from train.models import transformer as model_lib
 from train import errors
@@ -142,7 +142,7 @@ class Generator:
       raise errors.ConfigError(
           f"the tokenizer has {self.tokenizer.vocab_size} ids, more than the model's "
           f"vocab_size {mc.vocab_size}: not the tokenizer this model was trained with")
-    self.params = inference.inference_params(params, mc)
+    self.params = loading.inference_params(params, mc)
     self._lm = model_lib.LanguageModel(dataclasses.replace(
         self.model_cfg, scan_layers=True, ffn_layer_implementations=None))
     self.plan = plan_lib.Plan(self.model_cfg, prefill_ffn=prefill_ffn,
@@ -427,7 +427,7 @@ def generate(params: dict, config: Any, prompts: Sequence[str], *,
 def logged_activity(workdir: str, step: int, n_layers: int) -> list[float] | None:
   """The activity per layer logged by training at or before `step`: the held-out eval's if
   one was logged, else the last training interval's; None if the run logged none."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   rows = [r for r in metrics.read_jsonl(workdir) if r.get("step", 0) <= step]
   for prefix in ("eval/active_per_token", "active_per_token"):
     keys = [f"{prefix}/layer_{l}" for l in range(n_layers)]

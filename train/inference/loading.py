@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from train.training import checkpointing
+from train.state import checkpointing
 from train.models import transformer as model_lib
 from train.runtime import mesh as sharding
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 
 
 @dataclasses.dataclass

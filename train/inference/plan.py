@@ -8,8 +8,8 @@ from typing import Sequence
 import jax
 
 from train import errors
-from train.models import ffn_choice
-from train.training import layer_choice as layer_choice_lib
+from train.models import implementations
+from train.models import layer_choice as layer_choice_lib
 
 DECODE_FFN = ("auto", "dense", "sparse", "same")
 # decode_ffn="auto" runs a layer's FFN sparse at a decode step of at most DECODE_MAX_BATCH rows
@@ -47,7 +47,7 @@ class Plan:
 
   def _sparse_here(self, tokens: int) -> str:
     """The implementation `None` resolves to for an FFN call of `tokens` rows here."""
-    return ffn_choice.implementation(self.model_cfg, tokens, name="auto")
+    return implementations.implementation(self.model_cfg, tokens, name="auto")
 
   def prefill_implementations(self, tokens: int) -> tuple[str, ...] | None:
     """Per-layer FFN implementations of a prefill of `tokens` tokens; None: not decided
@@ -87,7 +87,7 @@ class Plan:
   def _decode_runs_here(self) -> str | None:
     """None when the decode kernels run here, else why not."""
     from twell_jax import registry  # pylint: disable=import-outside-toplevel
-    return registry.get("decode").unsupported(ffn_choice.call(self.model_cfg, 1, ell_width=1))
+    return registry.get("decode").unsupported(implementations.call(self.model_cfg, 1, ell_width=1))
 
   def decode_implementations(self, batch: int, prefill_names,
                              active_per_token: Sequence[float]) -> tuple[str, ...]:

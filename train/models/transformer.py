@@ -107,11 +107,11 @@ class ModelConfig:
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
   interpret: bool = False   # FFN kernels in the Mosaic GPU interpreter (CPU; slow)
   # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
-  # set by the trainer's per-layer choice (`train.training.layer_choice`), not by config files.
+  # set by the trainer's per-layer choice (`train.models.layer_choice`), not by config files.
   ffn_layer_implementations: tuple | None = None
   # Per-layer numbers of hot features (`twell_jax.ffn`'s hot_features: the first K hidden
   # features, the hottest once the features are sorted, run as dense GEMMs in the sparse
-  # kernels); None: 0 everywhere. Set with the features' order (`train.training.layer_choice`).
+  # kernels); None: 0 everywhere. Set with the features' order (`train.models.layer_choice`).
   ffn_layer_hot_features: tuple | None = None
 
   def __post_init__(self):

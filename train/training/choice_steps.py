@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twell_jax import features as features_lib
-from train.training import layer_choice as layer_choice_lib
+from train.models import layer_choice as layer_choice_lib
 
 
 def _child_processes() -> str:
@@ -260,7 +260,7 @@ class ChoiceSteps:
         mc.n_kv_heads, mc.ffn_gated)
     self.tokens_per_step = cfg.batch_size * cfg.data.seq_len
     logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
-                 "below %g of the dense one's time (train.training.layer_choice), then %s "
+                 "below %g of the dense one's time (train.models.layer_choice), then %s "
                  "(back above %g); decided every %d steps (features sorted by popularity), "
                  "each choice running %d dense steps' time after its decision",
                  choice.sparse_below,

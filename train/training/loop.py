@@ -6,7 +6,7 @@ optimizer state, step, RNG, dead-feature counters, data position and the per-lay
 FFN choice), so rerunning the same command after a crash continues the same run: on one
 machine the resumed run ends with bit-identical parameters, because every
 step is a pure function of (state, batch) and the batch stream is restored
-exactly. Each process reads its own share of the documents (`train.training.trainer`
+exactly. Each process reads its own share of the documents (`train.state.trainer`
 lays out the devices).
 """
 
@@ -26,11 +26,11 @@ from train.hf import init_state as hf_init
 from train.models import transformer as model_lib
 from train.runtime import compilation
 from train.runtime import mesh as sharding_lib
-from train.training import checkpointing
-from train.training import metrics as metrics_lib
+from train.state import checkpointing
+from train.runtime import metrics as metrics_lib
 from train.training import preemption
 from train.training import choice_steps
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 
 
 def _all_process_states(data_state: dict) -> list[dict]:
@@ -108,7 +108,7 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
 
   Before anything is built the config is checked (`train.config.checks.check`) and, on a
   workdir with checkpoints, compared with the one it was trained with
-  (`train.training.checkpointing.check_workdir`; `accept_config_change` accepts changes of the
+  (`train.state.checkpointing.check_workdir`; `accept_config_change` accepts changes of the
   optimisation). `allow_fresh_start` lets a workdir whose checkpoints were all
   quarantined start over. A SIGTERM from here on stops training after the current
   step: the checkpoint of that step is written, then `preemption.Preempted` raised.

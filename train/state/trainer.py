@@ -19,14 +19,14 @@ from train import errors
 from train.config import checks as config_checks
 from train.data import pipeline as data_lib
 from train.data import tokenizer as tokenizer_lib
-from train.models import ffn_choice
+from train.models import implementations
 from train.models import transformer as model_lib
 from train.runtime import compilation
 from train.runtime import mesh as sharding_lib
-from train.training import layer_choice as layer_choice_lib
-from train.training import optim
-from train.training import sparsity
-from train.training import steps as steps_lib
+from train.models import layer_choice as layer_choice_lib
+from train.state import optim
+from train.state import sparsity
+from train.state import steps as steps_lib
 
 def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
   """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
@@ -116,11 +116,11 @@ class Trainer:
 
   def tokens_per_call(self) -> int:
     """Rows of one FFN call in a train step: a micro-batch's share of one device."""
-    return ffn_choice.tokens_per_call(self.cfg, self.mesh.size)
+    return implementations.tokens_per_call(self.cfg, self.mesh.size)
 
   def ffn_implementation(self) -> str:
-    """The FFN implementation the model's layers run here (`train.models.ffn_choice`)."""
-    return ffn_choice.implementation(self.model_cfg, self.tokens_per_call())
+    """The FFN implementation the model's layers run here (`train.models.implementations`)."""
+    return implementations.implementation(self.model_cfg, self.tokens_per_call())
 
   def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
     """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
@@ -129,7 +129,7 @@ class Trainer:
         or mc.ffn_activation != "relu"):
       return None
     tokens = self.tokens_per_call()
-    sparse = ffn_choice.implementation(mc, tokens, None if lc.sparse == "auto" else lc.sparse)
+    sparse = implementations.implementation(mc, tokens, None if lc.sparse == "auto" else lc.sparse)
     if sparse == "dense":
       return None
     return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff, sparse=sparse,

@@ -48,8 +48,8 @@ from twell_jax import sharded
 from twell_jax import stats as stats_lib
 from train.models import losses
 from train.runtime import mesh as sharding_lib
-from train.training import optim
-from train.training import sparsity
+from train.state import optim
+from train.state import sparsity
 
 
 # `mesh.gradient_reduction` (see the module docstring).
