@@ -234,7 +234,7 @@ class Capture:
     self.profile = set(profile)   # (step, layer) listed kernel by kernel
     self.results, self.fits = [], {}
 
-  def __call__(self, tr, step: int, state, layer_ffn) -> None:
+  def __call__(self, tr, step: int, state, layer_key) -> None:
     self.last_step = step
     if step not in self.steps:
       return
@@ -251,7 +251,7 @@ class Capture:
       name, k, predicted, tail = _choice(active)
       row = {"layer": l, "captured": st, "rows_over_width": _rows_over(active, k),
              "choice": name, "predicted": predicted, "tail_per_token": tail,
-             "trainer_ran": None if layer_ffn is None else [layer_ffn[0][l], layer_ffn[1][l]],
+             "trainer_ran": None if layer_key is None else [layer_key[0][l], layer_key[1][l]],
              # As trained: the features in the state's order (sorted at the last decision by
              # the training batches' counts), K the choice's on this batch's sorted counts.
              "as_ordered": tail_columns(active, k),

@@ -9,7 +9,7 @@ attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights 
 the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
 the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
 runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
-(`train.models.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
+(`train.models.implementations.replay`: one choice for training, one for inference); the dense model runs SiLU
 (the paper's baseline), the same weights.
 
 Measured per shape, as sparse / dense ratios in one process:
@@ -47,8 +47,8 @@ def _define_flags():
   flags.DEFINE_list("shapes", ["0p5b", "1p5b"], "0p5b, 1p5b (paper shapes) or tiny (CPU)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
-  flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
-                     "GPU, xla elsewhere)")
+  flags.DEFINE_string("sparse", None, "the sparse implementation (default: the one auto "
+                     "takes here, train.models.implementations; xla where that is dense)")
   flags.DEFINE_float("sparse_below", None, "per-layer choice threshold on the predicted "
                      "ratio to dense (default: train.models.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
@@ -195,8 +195,36 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   return out
 
 
+def _choices(mc_sparse, params, train_batch, fl) -> tuple:
+  """The sparse model's per-layer choices (training, inference) from the trained weights'
+  measured activity, as the trainer makes them (`train.models.implementations.replay`): its
+  hidden features sorted by popularity, the hot ones per layer, each layer's implementation by
+  its predicted ratio to dense. Returns (params sorted, training model config, prefill model
+  config, result fields)."""
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
+  tokens = train_batch[:, :-1]
+  _, stats = jax.jit(probe.hidden)(params, tokens)
+  active = np.asarray(stats.nnz_per_token)
+  sparse = fl.sparse or implementations.sparse_here(mc_sparse, tokens.size) or "xla"
+  choice, order, infer = implementations.replay(
+      mc_sparse, jax.device_get(stats.feature_counts), tokens.size, sparse=sparse,
+      sparse_below=fl.sparse_below)
+  params = model_lib.permute_ffn_features(params, jnp.asarray(order))
+  mc_train = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
+                                 ffn_layer_hot_features=choice.hot_features)
+  mc_prefill = dataclasses.replace(mc_sparse, ffn_layer_implementations=infer.implementations,
+                                   ffn_layer_hot_features=tuple(choice.hot))
+  fields = {"hot_features": list(choice.hot), "active_per_token": [float(a) for a in active],
+            "tail_per_token": choice.tail, "predicted_train_ratio": choice.predicted,
+            "sparse_layers": choice.describe(),
+            "sparse_layers_prefill": infer.describe((infer.implementations, choice.hot))}
+  return params, mc_train, mc_prefill, fields
+
+
 def run_shape(shape: str, fl) -> dict:
-  from train.models import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   base_shape = "tiny" if shape == "tiny" else "paper_0p5b"
   _, params = trained.trained_params(base_shape, "paper", steps=fl.steps,
@@ -211,41 +239,22 @@ def run_shape(shape: str, fl) -> dict:
   b, t = cfg.batch_size, cfg.data.seq_len
   train_batches = batches(cfg, b, 2)
   res = {"shape": shape, "layers": n_layers, "batch": b, "seq_len": t,
-         "attention": model_lib.attention_implementation(mc_sparse)}
+         "attention": implementations.attention(mc_sparse)}
+  params, mc_sparse, mc_prefill_sparse, fields = _choices(mc_sparse, params,
+                                                          train_batches[0], fl)
+  res.update(fields)
+  mc_prefill = {"sparse": mc_prefill_sparse, "dense": mc_dense}
+  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in res['active_per_token'])}, "
+        f"hot features {' '.join(map(str, res['hot_features']))} -> layers "
+        f"{res['sparse_layers']} (training), {res['sparse_layers_prefill']} (prefill)",
+        flush=True)
+  return _measure(shape, fl, cfg, res, params, mc_sparse, mc_dense, mc_prefill, train_batches)
 
-  # The sparse model's per-layer choices (training, inference) from the trained weights'
-  # measured activity, as the trainer makes them (`LayerChoice.update_from_counts`): its
-  # hidden features sorted by popularity, the hot ones per layer, each layer's implementation
-  # by its predicted ratio to dense.
-  probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
-  _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
-  active = np.asarray(stats.nnz_per_token)
-  counts = jax.device_get(stats.feature_counts)
-  kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
-                                               dense_above=max(fl.sparse_below,
-                                                               layer_choice.DEFAULT_DENSE_ABOVE))
-  choice = layer_choice.LayerChoice(n_layers, mc_sparse.d_ff, sparse=fl.sparse, **kw)
-  _, order = choice.update_from_counts(counts, b * t)
-  params = model_lib.permute_ffn_features(params, jnp.asarray(order))
-  hot = choice.hot
-  tail = choice.tail
-  infer_choice = layer_choice.LayerChoice.for_inference(tail, mc_sparse.d_ff, hot,
-                                                        sparse=fl.sparse)
-  res["hot_features"] = list(hot)
-  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
-                                  ffn_layer_hot_features=choice.hot_features)
-  mc_prefill = {"sparse": dataclasses.replace(
-      mc_sparse, ffn_layer_implementations=infer_choice.implementations,
-      ffn_layer_hot_features=tuple(hot)), "dense": mc_dense}
-  res["active_per_token"] = [float(a) for a in active]
-  res["tail_per_token"] = tail
-  res["predicted_train_ratio"] = choice.predicted
-  res["sparse_layers"] = choice.describe()
-  res["sparse_layers_prefill"] = infer_choice.describe((infer_choice.implementations, hot))
-  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)}, hot features "
-        f"{' '.join(map(str, hot))} -> layers {choice.describe()} (training), "
-        f"{res['sparse_layers_prefill']} (prefill)", flush=True)
 
+def _measure(shape, fl, cfg, res, params, mc_sparse, mc_dense, mc_prefill, train_batches):
+  """Training and prefill of the sparse and the dense model (module docstring), into `res`."""
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  b, t, n_layers = cfg.batch_size, cfg.data.seq_len, cfg.model.n_layers
   tokens = b * t
   limit = _memory_limit()
   for name, mc, l1 in (("sparse", mc_sparse, cfg.l1_coeff), ("dense", mc_dense, 0.0)):
@@ -304,8 +313,6 @@ def run_shape(shape: str, fl) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  if fl.sparse is None:
-    fl.sparse = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
   device = jax.devices()[0].device_kind
   print("device:", device, flush=True)
   results = {"device": device, "jax": jax.__version__}

@@ -203,11 +203,12 @@ def _choose(fl, params):
   step makes it: (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the
   description and the predicted per-layer ratios). None where the config makes no choice."""
   from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
   from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   data, fsdp = parse_mesh(fl.choose_mesh)
   cfg = _config(fl, "sparse", data, fsdp)
   tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
-  choice = tr.layer_choice()
+  choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   if choice is None:
     return None
   state = _state(tr, params)

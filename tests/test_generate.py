@@ -14,7 +14,7 @@ from absl.testing import absltest
 import train_test_util as tu
 from train.inference import generator
 from train.inference import loading
-from train.inference import plan
+from train.models import implementations
 from train.models import transformer as model_lib
 from train import errors
 
@@ -145,7 +145,7 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     # 0.02 H per row: the union of 16 rows is ~28% of H, of 32 rows ~48%.
     self.assertEqual(auto.plan.decode_implementations(16, None, [few, few]), ("decode", "decode"))
     self.assertEqual(auto.plan.decode_implementations(32, None, [0.001 * h] * 2), ("dense", "dense"))
-    self.assertEqual(plan.DECODE_MAX_BATCH, 16)
+    self.assertEqual(implementations.DECODE_MAX_BATCH, 16)
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from twell_jax import registry
 from twell_jax import validation
 
-__all__ = ["ffn", "IMPLEMENTATIONS", "SPARSE_IMPLEMENTATIONS", "default_implementation"]
+__all__ = ["ffn", "IMPLEMENTATIONS", "SPARSE_IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = tuple(registry.IMPLEMENTATIONS)
 SPARSE_IMPLEMENTATIONS = registry.SPARSE
@@ -23,12 +23,6 @@ def _call(x2, w_gate, w_up, activation, interpret, ell_width, tail_rows,
                        dtype=jnp.dtype(x2.dtype), activation=activation,
                        interpret=bool(interpret), ell_width=ell_width, tail_rows=tail_rows,
                        hot_features=hot_features)
-
-
-def default_implementation(x2, w_gate, w_up, w_down, activation: str, interpret: bool = False) -> str:
-  """The implementation `implementation=None` picks for x2 [M, D] (`registry.pick`)."""
-  del w_down
-  return registry.pick(_call(x2, w_gate, w_up, activation, interpret, 128, None)).name
 
 
 def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Optional[str] = None,
@@ -46,7 +40,7 @@ def ffn(x, w_gate, w_up, w_down, *, activation: str = "relu", implementation: Op
       algorithm in plain JAX with a sparse custom VJP; runs anywhere),
       "mosaic_gpu" (Pallas Mosaic GPU kernels, Hopper), or None: the fastest
       exact one that supports the call here (mosaic_gpu where supported, else
-      dense; see `default_implementation`).
+      dense; `twell_jax.registry.pick`).
     interpret: run Pallas kernels in the Mosaic GPU interpreter (CPU).
     return_stats: also return a `twell_jax.FFNStats`.
     ell_width: W >= 1, ELL slots per row of the sparse implementations' hybrid layout

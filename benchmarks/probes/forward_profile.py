@@ -77,7 +77,7 @@ def popularity(x, w_gate) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  from train.models import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   res = {"device": jax.devices()[0].device_kind}
   cfg, params = trained.trained_params("paper_0p5b", "paper", steps=fl.steps, extreme_steps=0,
@@ -101,13 +101,11 @@ def main(argv):
   toks = jnp.concatenate([b[:, :-1] for b in e2e.batches(cfg, fl.rows, 1)])
   probe = model_lib.LanguageModel(dataclasses.replace(mc, ffn_implementation="dense"))
   stats = jax.jit(probe.hidden)(params, toks)[1]
-  counts = jax.device_get(stats.feature_counts)
-  choice = layer_choice.LayerChoice(mc.n_layers, mc.d_ff)     # the trainer's decision (benchmarks.e2e)
-  _, order = choice.update_from_counts(counts, toks.size)
+  # The trainer's decision and the prefill's from this activity (as benchmarks.e2e replays it).
+  choice, order, infer = implementations.replay(mc, jax.device_get(stats.feature_counts),
+                                                toks.size, sparse="mosaic_gpu")
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
-  hot = choice.hot
-  tail = choice.tail
-  infer = layer_choice.LayerChoice.for_inference(tail, mc.d_ff, hot)
+  hot, tail = choice.hot, choice.tail
   models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=tuple(hot)),
             "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}

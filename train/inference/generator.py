@@ -18,19 +18,17 @@ Two compiled functions, shapes static:
 Sampling: temperature (0: greedy), top-k (0: off) and top-p (nucleus; 1: off), from one
 seed (step i samples with `fold_in(key(seed), i)`).
 
-Which FFN runs where. Prefill calls each FFN on B x T tokens, where the sparse kernels beat
-the dense FFN for layers that fire few enough features: `prefill_ffn="auto"` takes the
-per-layer choice for inference (`LayerChoice.for_inference`, the sparse implementation below
-its threshold of active features per token) from the checkpoint's logged activity, where the
-sparse implementation runs here (a Hopper GPU); elsewhere every layer runs dense. Decode calls
-each FFN on B tokens (one per row), where the dense FFN streams W_gate, W_up and W_down for a
-few rows: `decode_ffn="auto"` (the default) runs a layer on the few-row sparse kernels
-(`twell_jax.decode`: W_gate, then only the W_up and W_down rows of the features that fire in
-some row) when the features expected to fire in some row of the batch, from the layer's
-activity (logged, else measured by the prefill), are at most `plan.DECODE_UNION_LIMIT` of H at
-batches up to `plan.DECODE_MAX_BATCH` (measured: beyond, the kernels lose to dense), and the
-kernels run here (a GPU, or `model.interpret`); "sparse" runs them in every layer,
-"dense" none, "same" the prefill's per-layer choice.
+Which FFN and attention run where is the plan of `train.models.implementations` (`Plan`).
+Prefill calls each FFN on B x T tokens, where the sparse kernels beat the dense FFN for layers
+that fire few enough features: `prefill_ffn="auto"` takes the per-layer choice for inference
+from the checkpoint's logged activity where the sparse implementation runs here (a Hopper
+GPU); elsewhere every layer runs dense. Decode calls each FFN on B tokens (one per row), where
+the dense FFN streams W_gate, W_up and W_down for a few rows: `decode_ffn="auto"` (the
+default) runs a layer on the few-row sparse kernels (`twell_jax.decode`: W_gate, then only the
+W_up and W_down rows of the features that fire in some row) where few enough features are
+expected to fire in some row of the batch, from the layer's activity (logged, else measured by
+the prefill), and the kernels run here (a GPU, or `model.interpret`); "sparse" runs them in
+every layer, "dense" none, "same" the prefill's per-layer choice.
 
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
 document follows the EOS of the one before, so this is how the model saw a document begin.
@@ -52,7 +50,7 @@ import numpy as np
 
 from train.data import tokenizer as tokenizer_lib
 from train.inference import loading
-from train.inference import plan as plan_lib
+from train.models import implementations
 from train.models import transformer as model_lib
 from train import errors
 
@@ -124,7 +122,7 @@ class Generator:
       own prefill, which then runs dense.
     decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
       see the module docstring.
-    decode_attention: "auto", "kernel" or "xla" (`train.inference.plan.DECODE_ATTENTION`).
+    decode_attention: "auto", "kernel" or "xla" (`train.models.implementations.DECODE_ATTENTION`).
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
@@ -145,7 +143,7 @@ class Generator:
     self.params = loading.inference_params(params, mc)
     self._lm = model_lib.LanguageModel(dataclasses.replace(
         self.model_cfg, scan_layers=True, ffn_layer_implementations=None))
-    self.plan = plan_lib.Plan(self.model_cfg, prefill_ffn=prefill_ffn,
+    self.plan = implementations.Plan(self.model_cfg, prefill_ffn=prefill_ffn,
                               active_per_token=active_per_token, decode_ffn=decode_ffn,
                               decode_attention=decode_attention)
     self._compiled: dict[tuple, Any] = {}
@@ -183,7 +181,7 @@ class Generator:
     """(next-token logits [B, V] f32, cache k, v [L, B, t_max, K, E], active [L])."""
     lm, cfg = self._lm, self.model_cfg
     outer = lm.outer_module(params)
-    attention = model_lib.attention_implementation(cfg)
+    attention = implementations.attention(cfg)
 
     def layer(x, block_params, name, hot):
       block = lm.block_module(block_params)

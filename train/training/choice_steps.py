@@ -264,7 +264,8 @@ class ChoiceSteps:
                  "(back above %g); decided every %d steps (features sorted by popularity), "
                  "each choice running %d dense steps' time after its decision",
                  choice.sparse_below,
-                 choice.sparse, choice.dense_above, cfg.layer_choice.every, self.lag)
+                 choice.sparse_implementation, choice.dense_above, cfg.layer_choice.every,
+                 self.lag)
 
   # Sparse implementations whose kernels a step compiled ahead compiles for every later one.
   AHEAD_FOR = ("mosaic_gpu",)
@@ -291,17 +292,18 @@ class ChoiceSteps:
     the captured step-300 layers at K = 256-768 measured 0.54-0.73 of the dense FFN where
     they had measured 0.80-1.67."""
     choice = self.choice
-    if (choice.sparse not in self.AHEAD_FOR or not self.builds.background
+    if (choice.sparse_implementation not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
       return
     keys = [self.running] + ([self.pending[0]] if self.pending is not None else [])
-    if ready_step is None and any(name == choice.sparse for key in keys for name in key[0]):
+    sparse = choice.sparse_implementation
+    if ready_step is None and any(name == sparse for key in keys for name in key[0]):
       return
     k = features_lib.TILE_N if choice.d_ff > features_lib.TILE_N else 0
-    names = (choice.sparse,) * choice.n_layers
+    names = (choice.sparse_implementation,) * choice.n_layers
     hot = (k,) * choice.n_layers
     if choice.n_layers > 1:
-      names, hot = (choice.dense,) + names[1:], (0,) + hot[1:]
+      names, hot = (layer_choice_lib.DENSE,) + names[1:], (0,) + hot[1:]
     ready = start + self.lag if ready_step is None else int(ready_step)
     self.ahead = ((names, hot), ready)
     logging.info("compiling the sparse kernels ahead: building the step of %s (usable from "
@@ -352,12 +354,12 @@ class ChoiceSteps:
       self.ahead = None
 
   @property
-  def eval_ffn(self):
+  def eval_key(self):
     """The FFNs of the held-out evaluations during the run: dense in every layer. The same
     function as the sparse kernels' (exact up to rounding), compiled once in a second or two,
     where the sparse FFN would compile its kernels again (seconds, beside a build) for 16
     batches."""
-    return (self.choice.dense,) * self.choice.n_layers, (0,) * self.choice.n_layers
+    return (layer_choice_lib.DENSE,) * self.choice.n_layers, (0,) * self.choice.n_layers
 
   def _restore(self, meta: dict) -> None:
     """The choice in use and the one pending of a checkpoint's metadata (`meta`)."""

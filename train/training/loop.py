@@ -23,6 +23,7 @@ from train.config import workdir as workdir_config
 from train.data import pipeline as data_lib
 from train.data import workers as workers_lib
 from train.hf import init_state as hf_init
+from train.models import implementations
 from train.models import transformer as model_lib
 from train.runtime import compilation
 from train.runtime import mesh as sharding_lib
@@ -112,8 +113,8 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
   optimisation). `allow_fresh_start` lets a workdir whose checkpoints were all
   quarantined start over. A SIGTERM from here on stops training after the current
   step: the checkpoint of that step is written, then `preemption.Preempted` raised.
-  `hooks`: callables hook(trainer, step, state, layer_ffn) run after every step (`step` steps
-  done; `layer_ffn` the per-layer choice's key that step ran, or None), for measurements inside
+  `hooks`: callables hook(trainer, step, state, layer_key) run after every step (`step` steps
+  done; `layer_key` the per-layer choice's key that step ran, or None), for measurements inside
   a run (`benchmarks.activity_sweep`); they must not change the state.
   """
   watch = preemption.Watch().install()
@@ -189,7 +190,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   is_main = jax.process_index() == 0
   n_params = model_lib.count_params(state["params"])
   logging.info("Parameters: %s; FFN implementation: %s", f"{n_params:,}",
-               tr.ffn_implementation())
+               implementations.training(cfg, tr.model_cfg, tr.mesh.size).describe())
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   if start == 0 and is_main:
     writer.write_text(0, "config", "```\n" + str(cfg) + "\n```")
@@ -197,7 +198,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   progress = metrics_lib.Progress(cfg.num_train_steps, start)
   shape = (cfg.grad_accum_steps, cfg.batch_size // jax.process_count() // cfg.grad_accum_steps,
            cfg.data.seq_len + 1)
-  choice = tr.layer_choice()
+  choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   steps = None if choice is None else choice_steps.ChoiceSteps(
       tr, choice, state, (restored or {}).get("meta") or {})
   train_step = tr.jit_train_step() if steps is None else None
@@ -243,12 +244,12 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if done == start + 1 and eval_data:
         # Beside the next steps, not beside the first one's compile.
         tr.compile_eval_ahead(state["params"], eval_data[0],
-                              None if steps is None else steps.eval_ffn)
+                              None if steps is None else steps.eval_key)
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
         t_eval = time.time()
         ev = tr.evaluate(state["params"], eval_data,
-                         None if steps is None else steps.eval_ffn)
+                         None if steps is None else steps.eval_key)
         logging.info("eval step %d: %s", done, json.dumps(ev))
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))
