@@ -23,6 +23,11 @@
 #             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~2.5 min; with
 #             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures: ~4 min;
 #             --capture_steps=2500 --actives=200: the last layer as trained, ~8 min)
+#   time_to_quality benchmarks.time_to_quality: per seed ($TTQ_FLAGS, e.g. --seeds=0,1,2) dense
+#             SiLU, sparse at equal steps and sparse at dense's wall-clock, one after the
+#             other on the first GPU; carries on from $TTQ_OUT (default the committed
+#             benchmarks/results/h200/time_to_quality.json) and starts no run predicted to end
+#             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in
 #   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
 #             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
 #             training one), then the paper 0.5B shape trained through train.main on those
@@ -108,6 +113,13 @@ for part in "${parts[@]}"; do
         | tee /tmp/twell_whole_run.log | grep -E "^  |^wall|rror"
       cp /tmp/twell_whole_run.log /tmp/twell_whole_run/whole_run.log
       tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;
+    time_to_quality)
+      TTQ_OUT=${TTQ_OUT:-benchmarks/results/h200/time_to_quality.json}
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout ${T_TTQ:-590} \
+        python3 -m benchmarks.time_to_quality --out="$TTQ_OUT" --plot="$OUT/time_to_quality.png" \
+        --budget_s=${TTQ_BUDGET:-540} ${TTQ_FLAGS} 2>&1 | tee "$OUT/time_to_quality.log" \
+        | grep -E "^  |rror"
+      cp "$TTQ_OUT" "$OUT/" ;;
     data)
       timeout ${T_DATA:-300} python3 -m benchmarks.data_pipeline --out="$OUT/data_pipeline.json" \
         --plot="$OUT/data_pipeline.png" \

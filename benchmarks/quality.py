@@ -6,7 +6,7 @@ r"""Same quality for less GPU time? Held-out loss of the sparse model against th
 
 Every run is the training command a user types (`python -m train.main`, its own workdir,
 no checkpoints), from the same initialisation (the config's seed) on the same token stream:
-the offline corpus of Python sources (`--dataset`, held out by file) with a 32k
+the offline corpus of Python sources (`--dataset`, held out by content) with a 32k
 SentencePiece tokenizer trained on it offline (`train.corpus.build_tokenizer`, cached). Runs:
 
   dense_silu            the baseline: dense SiLU-gated FFN, no L1 (`configs/X.py:dense`)

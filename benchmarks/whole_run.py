@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 
 from absl import app
@@ -63,41 +62,53 @@ from absl import flags
 
 from benchmarks import cli_run
 
-_DECISION = re.compile(r"step (\d+): FFN per layer -> ([SD0-9 ]+?) \(predicted [^)]*\), "
-                       r"running from step (\d+)")
-_LANDING = re.compile(r"step (\d+): now running FFN per layer [SD0-9 ]+ \(built in ([0-9.]+) s; "
-                      r"waited ([0-9.]+) s\)")
 
-
-def _define_flags():
+def define_run_flags(**defaults) -> None:
+  """The flags that set up every run (shape, steps, schedule, evaluation, data), shared with
+  `benchmarks.time_to_quality`; `defaults` overrides some defaults."""
+  d = {"workdir": "/tmp/twell_whole_run", "steps": 2500, "eval_every": 500, "eval_batches": 16,
+       "checkpoint_every": 1000, "timeout": 3000, **defaults}
   flags.DEFINE_string("out", None, "results JSON")
-  flags.DEFINE_string("plot", None, "PNG of the per-step ratio and the activity")
-  flags.DEFINE_string("workdir", "/tmp/twell_whole_run", "where the runs' workdirs go")
+  flags.DEFINE_string("plot", None, "PNG of the results")
+  flags.DEFINE_string("workdir", d["workdir"], "where the runs' workdirs go")
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, byte tokenizer, a few steps")
   flags.DEFINE_string("shape", "paper_0p5b", "config (configs/<shape>.py)")
-  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order: dense_silu or "
-                    "sparse; NAME@DIR runs NAME from the checkout in DIR (another version of "
-                    "the code); NAME+KEY=VALUE+... with config overrides")
-  flags.DEFINE_integer("steps", 2500, "training steps of every run")
+  flags.DEFINE_integer("steps", d["steps"], "training steps of every run")
   flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the sparse runs")
   flags.DEFINE_integer("warmup_steps", 100, "learning-rate warm-up")
   flags.DEFINE_integer("log_every", 50, "logging interval (each point of the curves)")
-  flags.DEFINE_integer("eval_every", 500, "held-out evaluation interval")
-  flags.DEFINE_integer("eval_batches", 16, "batches per held-out evaluation")
-  flags.DEFINE_integer("checkpoint_every", 1000, "checkpoint interval (0: none)")
+  flags.DEFINE_integer("eval_every", d["eval_every"], "held-out evaluation interval")
+  flags.DEFINE_integer("eval_batches", d["eval_batches"], "batches per held-out evaluation")
+  flags.DEFINE_integer("checkpoint_every", d["checkpoint_every"], "checkpoint interval (0: none)")
   flags.DEFINE_string("dataset", cli_run.DEFAULT_DATASET, "offline corpus")
   flags.DEFINE_string("tokenizer", cli_run.DEFAULT_TOKENIZER, "SentencePiece model path "
                       "without .model (trained offline if missing), or 'byte'")
+  flags.DEFINE_list("extra_flags", [], "more train.main flags for every run")
+  flags.DEFINE_integer("timeout", d["timeout"], "seconds per run")
+
+
+def set_smoke(fl) -> None:
+  """`--smoke`: the tiny shape on the docstring corpus with bytes, a few steps, on the CPU."""
+  fl.shape, fl.dataset, fl.tokenizer = "tiny", "twell_stdlib_text", "byte"
+  fl.steps, fl.log_every, fl.eval_every, fl.eval_batches = 6, 2, 6, 2
+  fl.checkpoint_every, fl.warmup_steps = 3, 2
+  # On the CPU the default FFN is dense; the portable sparse one makes the decisions.
+  fl.extra_flags = [*fl.extra_flags, "--config.layer_choice.sparse=xla",
+                    "--config.layer_choice.every=2"]
+
+
+def _define_flags():
+  define_run_flags()
+  flags.DEFINE_list("runs", ["dense_silu", "sparse", "sparse"], "runs, in order: dense_silu or "
+                    "sparse; NAME@DIR runs NAME from the checkout in DIR (another version of "
+                    "the code); NAME+KEY=VALUE+... with config overrides")
   flags.DEFINE_bool("parallel", False, "start the runs together, one GPU each")
   flags.DEFINE_bool("deterministic", False, "every run with XLA's deterministic GPU ops "
                     "(--xla_gpu_deterministic_ops): bitwise-reproducible training, so runs of "
                     "one seed can be compared decision for decision")
   flags.DEFINE_list("gpus", [], "with --parallel, the GPUs to use (default: all)")
   flags.DEFINE_float("stagger_s", 0.0, "with --parallel, seconds between the runs' starts: "
-                     "runs that start together also write their checkpoints together (two "
-                     "sparse runs' last ones took 15.6 s against 8-10 s alone, 4x H200)")
-  flags.DEFINE_list("extra_flags", [], "more train.main flags for every run")
-  flags.DEFINE_integer("timeout", 3000, "seconds per run")
+                     "runs that start together also write their checkpoints together")
   flags.DEFINE_list("merge", [], "results JSONs of earlier invocations on the same kind of "
                     "device whose runs come first (one GPU and a time limit per command: one "
                     "run per invocation, then --runs= --merge=a.json,b.json,c.json)")
@@ -123,11 +134,13 @@ def _in_summary(run: dict) -> bool:
   return "@" not in run["name"] and "+" not in run["name"]
 
 
-def run_command(fl, spec: str, index: int, data_flags: list[str]) -> tuple[list[str], str]:
-  """(the `train.main` command of run `spec` (the `index`-th), its workdir)."""
+def run_command(fl, spec: str, index: int, data_flags: list[str],
+                name: str | None = None) -> tuple[list[str], str]:
+  """(the `train.main` command of run `spec` (the `index`-th), its workdir: `name` under
+  `--workdir`, by default "INDEX_KIND")."""
   from benchmarks import trained  # pylint: disable=import-outside-toplevel
   kind, overrides, _ = parse_run(spec)
-  workdir = os.path.join(fl.workdir, f"{index}_{kind}")
+  workdir = os.path.join(fl.workdir, name or f"{index}_{kind}")
   dense = kind == "dense_silu"
   config = f"configs/{fl.shape}.py" + (":dense" if dense else "")
   schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
@@ -142,7 +155,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str]) -> tuple[list[
 
 
 def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
-  """A finished run's measurements (module docstring) from its metrics and log."""
+  """A finished run's measurements (module docstring) from its metrics.jsonl."""
   from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   rows = metrics.read_jsonl(workdir)
   train_rows = [r for r in rows if "tokens_per_s" in r]
@@ -157,18 +170,19 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
              "hot_features": [int(v) for v in per_layer(r, "hot_features")]
                              if "hot_features/layer_0" in r else None}
             for r in train_rows]
-  with open(workdir + ".log") as f:
-    log = f.read()
-  decisions = [[int(m.group(1)), m.group(2), int(m.group(3))] for m in _DECISION.finditer(log)]
+  decisions = [[e["step"], e["choice"], e["runs_from"]]
+                for e in metrics.events(rows, "ffn_decision")]
   # [step, seconds] of each landing: how long the loop waited for the choice's build.
-  landings = list(_LANDING.finditer(log))
-  waits = [[int(m.group(1)), float(m.group(3))] for m in landings]
-  builds = [[int(m.group(1)), float(m.group(2))] for m in landings]
-  evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"]}
+  landings = metrics.events(rows, "ffn_landing")
+  waits = [[e["step"], e["waited_s"]] for e in landings]
+  builds = [[e["step"], e["build_s"]] for e in landings]
+  evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"],
+            "ce_se": r.get("eval/loss_se"), "tokens": r.get("eval/tokens")}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,
           "first_step_s": train_rows[0]["wall_time"] - t0,
           "eval_ce": evals[-1]["ce"] if evals else None, "evals": evals, "points": points,
+          "data_passes": train_rows[-1].get("data_passes"),
           "decisions": decisions, "landing_waits_s": waits, "build_s": builds,
           "peak_memory_gib": max((r["peak_memory_gib"] for r in rows if "peak_memory_gib" in r),
                                  default=None)}
@@ -277,12 +291,7 @@ def main(argv):
   del argv
   fl = flags.FLAGS
   if fl.smoke:
-    fl.shape, fl.dataset, fl.tokenizer = "tiny", "twell_stdlib_text", "byte"
-    fl.steps, fl.log_every, fl.eval_every, fl.eval_batches = 6, 2, 6, 2
-    fl.checkpoint_every, fl.warmup_steps = 3, 2
-    # On the CPU the default FFN is dense; the portable sparse one makes the decisions.
-    fl.extra_flags = [*fl.extra_flags, "--config.layer_choice.sparse=xla",
-                      "--config.layer_choice.every=2"]
+    set_smoke(fl)
   parsed = [parse_run(spec) for spec in fl.runs]   # every entry checked before anything runs
   os.makedirs(fl.workdir, exist_ok=True)
   tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)

@@ -21,6 +21,7 @@ from benchmarks import kernels
 from benchmarks import matrix
 from benchmarks import scaling
 from benchmarks import specs
+from benchmarks import time_to_quality
 from benchmarks import whole_run
 from benchmarks.probes import l2_rows
 
@@ -533,6 +534,61 @@ class WholeRunVariantsTest(absltest.TestCase):
     whole_run.summarize(results)
     self.assertEqual(results["wall_ratios"], [1.2])
     self.assertAlmostEqual(results["runs"][2]["wall_ratio"], 1.25)
+
+
+class TimeToQualityTest(absltest.TestCase):
+  """`benchmarks.time_to_quality`: three runs a seed (dense, sparse at equal steps, sparse at
+  dense's wall-clock), carried on across commands, and the ratios over seeds."""
+
+  def test_smoke_across_two_commands(self):
+    tmp = self.create_tempdir().full_path
+    out, png = os.path.join(tmp, "t.json"), os.path.join(tmp, "t.png")
+    args = ("--smoke", "--seeds=0", f"--workdir={tmp}/runs", f"--plot={png}")
+    # A budget of 1 s: the first run starts (nothing predicts it), no other fits after it.
+    first = _run_module(out, "benchmarks.time_to_quality", *args, "--budget_s=1")
+    self.assertEqual([r["arm"] for r in first["runs"]], ["dense"])
+    r = _run_module(out, "benchmarks.time_to_quality", *args)
+    self.assertEqual([x["arm"] for x in r["runs"]], ["dense", "sparse", "sparse_t"])
+    self.assertEqual(r["runs"][0], first["runs"][0])         # kept, not rerun
+    dense, sparse, sparse_t = r["runs"]
+    self.assertEqual(sparse_t["steps"], time_to_quality.equal_time_steps(
+        dense, sparse, 6, r["tokens_per_step"]))
+    self.assertEqual(sparse_t["points"][-1]["step"], sparse_t["steps"])
+    for run in r["runs"]:
+      self.assertGreater(run["evals"][-1]["ce_se"], 0.0)
+      self.assertGreater(run["data_passes"], 0.0)
+    (row,) = r["per_seed"]
+    self.assertAlmostEqual(row["wall_ratio"], dense["wall_s"] / sparse["wall_s"])
+    self.assertAlmostEqual(row["ce_ratio_equal_time"], sparse_t["eval_ce"] / dense["eval_ce"])
+    self.assertEqual(r["summary"]["wall_ratio"]["n"], 1)
+    self.assertIsNone(r["summary"]["wall_ratio"]["ci95"])
+    self.assertGreater(r["corpus"]["train"]["documents"], r["corpus"]["validation"]["documents"])
+    self.assertGreater(r["corpus"]["train_tokens_estimate"], 0)
+    self.assertTrue(os.path.getsize(png) > 0)
+
+  def test_ratios_over_seeds(self):
+    """CE on an exact power law of time recovers dense's CE time; the interval is Student t."""
+    a, runs = 0.1, []
+    ce = lambda t: 10.0 * t ** -a
+    for seed, (dense_s, sparse_s, sparse_t_s) in enumerate(
+        [(300.0, 240.0, 310.0), (320.0, 250.0, 330.0), (310.0, 230.0, 300.0)]):
+      for arm, wall in (("dense", dense_s), ("sparse", sparse_s), ("sparse_t", sparse_t_s)):
+        # Sparse converges as if it had 1.2x the time: it reaches dense's CE at wall / 1.2.
+        runs.append({"seed": seed, "arm": arm, "wall_s": wall, "steps": 1,
+                     "eval_ce": ce(wall if arm == "dense" else wall * 1.2)})
+    results = {"runs": runs}
+    time_to_quality.summarize(results)
+    self.assertAlmostEqual(results["slope"], a)
+    for row in results["per_seed"]:
+      self.assertAlmostEqual(row["time_to_dense_ce_s"] * 1.2,
+                             {0: 300.0, 1: 320.0, 2: 310.0}[row["seed"]])
+    walls = [300 / 240, 320 / 250, 310 / 230]
+    got = results["summary"]["wall_ratio"]
+    self.assertAlmostEqual(got["mean"], np.mean(walls))
+    half = 4.302653 * np.std(walls, ddof=1) / np.sqrt(3)     # t(0.975, 2)
+    np.testing.assert_allclose(got["ci95"], [np.mean(walls) - half, np.mean(walls) + half],
+                               rtol=1e-6)
+    self.assertAlmostEqual(results["summary"]["time_to_dense_ce_ratio"]["mean"], 1.2)
 
 
 class TailColumnsTest(absltest.TestCase):

@@ -1,5 +1,6 @@
 """Tests for the input pipeline: tokenizer, offline corpus, packing, resume."""
 
+import collections
 import os
 
 import ml_collections
@@ -65,8 +66,7 @@ class OfflineCorpusTest(absltest.TestCase):
     val = list(text_corpus.iter_documents("validation"))
     self.assertGreater(len(train), 1000)
     self.assertGreater(len(val), 20)
-    files = lambda docs: {k.rsplit(":", 1)[0] for k, _ in docs}
-    self.assertEmpty(files(train) & files(val))
+    self.assertEmpty({t for _, t in train} & {t for _, t in val})
     self.assertTrue(all(len(t) >= text_corpus.MIN_CHARS for _, t in val))
 
   def test_tfds_and_generator_readers_agree(self):
@@ -81,9 +81,29 @@ class OfflineCorpusTest(absltest.TestCase):
 
 
 class SourceCorpusTest(absltest.TestCase):
-  """The larger offline corpus: the standard library's source files, held out by file."""
+  """The larger offline corpora: source files, held out by content, each content once."""
 
-  def test_splits_by_file_and_fingerprint(self):
+  def test_no_held_out_text_in_train(self):
+    for name in (text_corpus.SITE_NAME, text_corpus.NAME):
+      with self.subTest(name):
+        keys = {split: [text_corpus.content_key(t)
+                        for _, t in text_corpus.iter_documents(split, name)]
+                for split in text_corpus.SPLITS}
+        self.assertEmpty(set(keys["train"]) & set(keys["validation"]))
+        for split, ks in keys.items():
+          self.assertLen(set(ks), len(ks), f"{split} repeats a document")
+        # The installation holds copies of one text at several paths (the test is only
+        # meaningful if it does); each is read once, in one split.
+        paths = collections.defaultdict(list)
+        for key, text in text_corpus._iter_all(name):   # pylint: disable=protected-access
+          paths[text_corpus.content_key(text)].append(key)
+        copied = [ck for ck, where in paths.items() if len(where) > 1]
+        self.assertNotEmpty(copied)
+        both = keys["train"] + keys["validation"]
+        for ck in copied:
+          self.assertEqual(both.count(ck), 1)
+
+  def test_splits_and_fingerprint(self):
     name = text_corpus.SOURCE_NAME
     train = [k for k, _ in text_corpus.iter_documents("train", name)]
     val = [k for k, _ in text_corpus.iter_documents("validation", name)]

@@ -12,12 +12,12 @@ from absl.testing import absltest
 import numpy as np
 
 import train_test_util as tu
-from benchmarks import whole_run
 from twell_jax import features
 from train.models import implementations
 from train.models import layer_choice
 from train.models import transformer as model_lib
 from train.training import loop as train_lib
+from train.runtime import metrics
 from train.state import trainer as trainer_lib
 from train.training import choice_steps
 
@@ -626,7 +626,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
   def _resume_after_losing(self, cfg, lost_steps, last_step):
     """Trains `cfg` twice, deletes `lost_steps`' checkpoints from the second run (as if killed
     before them), resumes it; asserts its state at `last_step` is the first run's, bit for bit.
-    Returns the resumed run's log lines."""
+    Returns the resumed run's log lines and its workdir."""
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -646,7 +646,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
           state=ocp.args.StandardRestore(tr.abstract_state()))).state))
       mngr.close()
     self.assertTrue(tu.tree_equal(*states))
-    return logs.output
+    return logs.output, run
 
   def _always_sparse(self):
     # Half of the micro model's features fire (from initialisation): every row is over the
@@ -667,12 +667,17 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
                           **{"layer_choice.sparse": "xla", "layer_choice.every": 2,
                              "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
                              "layer_choice.landing_steps": 3})
-    logs = self._resume_after_losing(cfg, (6, 8), 8)
+    logs, workdir = self._resume_after_losing(cfg, (6, 8), 8)
     self.assertTrue(any("Resumed from checkpoint step 4" in line for line in logs))
     self.assertTrue(any("step 5: now running FFN per layer S S" in line for line in logs))
-    # The landing's line carries the loop's wait for the build, as benchmarks.whole_run reads it.
-    landings = [whole_run._LANDING.search(line) for line in logs]  # pylint: disable=protected-access
-    self.assertTrue(any(m is not None and m.group(1) == "5" for m in landings))
+    # The decision and the landing are events in metrics.jsonl (what benchmarks.whole_run
+    # reads): decided after step 1, landed on step 5 by the resumed run, with its wait.
+    rows = metrics.read_jsonl(workdir)
+    self.assertIn([1, "S S", 5], [[e["step"], e["choice"], e["runs_from"]]
+                                  for e in metrics.events(rows, "ffn_decision")])
+    landed = [e for e in metrics.events(rows, "ffn_landing") if e["step"] == 5]
+    self.assertNotEmpty(landed)
+    self.assertEqual((landed[-1]["choice"], landed[-1]["waited_s"] >= 0), ("S S", True))
 
   def test_resumed_run_decides_and_sorts_on_the_same_steps(self):
     """A run resumed from step 2 ends with the uninterrupted run's state, bit for bit: its
@@ -686,7 +691,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
                           **{"layer_choice.sparse": "xla", "layer_choice.every": 4,
                              "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
                              "layer_choice.background": False})
-    logs = self._resume_after_losing(cfg, (4, 6), 6)
+    logs, _ = self._resume_after_losing(cfg, (4, 6), 6)
     self.assertTrue(any("Resumed from checkpoint step 2" in line for line in logs))
 
   def test_sorting_the_state_keeps_the_function_and_the_optimizer_matched(self):

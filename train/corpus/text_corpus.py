@@ -12,26 +12,27 @@ is text that needs no download and no shipped file:
   interpreter's installed packages (site-packages; its size depends on what is installed:
   `fingerprint` records it). Files over `MAX_SOURCE_BYTES` (generated tables) are skipped.
 
-The source corpora hold out 1 file in `SOURCE_HOLDOUT` for "validation" (by a hash of
-the file's path), so no file contributes to both splits.
+Held-out split, by content: a document goes to "validation" when a hash of its text (white
+space collapsed, `content_key`) falls in 1 of `HOLDOUT` buckets (20 for the docstrings, 50 for
+the sources), else to "train"; each split keeps only the first document of each content key.
+Identical texts at different paths (a package vendored twice, the same docstring on two
+methods) therefore land in one split, once: no held-out text is trained on.
 
-Files are visited in sorted order and nodes in `ast.walk` order, so the list
-is deterministic for a given Python installation (different Python patch
-versions have slightly different docstrings). The split is a hash of the file
-path: about 1 file in 20 goes to "validation", the rest to "train", so no file
-contributes to both.
+Files are visited in sorted order and nodes in `ast.walk` order, so the list is deterministic
+for a given Python installation (different Python patch versions have slightly different
+docstrings).
 
-This module needs only the standard library: the TFDS builder
-(`tfds_offline.py`) and the TFDS-free reader (`data.py`) both call
-`iter_documents`, which is what makes their outputs identical.
+This module needs only the standard library: the TFDS builder (`tfds_offline.py`) and the
+TFDS-free reader (`train/data/pipeline.py`) both call `iter_documents`, which is what makes
+their outputs identical.
 """
 
 import ast
+import functools
 import hashlib
 import inspect
 import pathlib
 import sysconfig
-import zlib
 from typing import Iterator
 
 NAME = "twell_stdlib_text"
@@ -39,7 +40,7 @@ SOURCE_NAME = "twell_python_source"
 SITE_NAME = "twell_python_source_site"
 CORPORA = (NAME, SOURCE_NAME, SITE_NAME)
 SPLITS = ("train", "validation")
-SOURCE_HOLDOUT = 50
+HOLDOUT = {NAME: 20, SOURCE_NAME: 50, SITE_NAME: 50}   # 1 document in N is held out
 MAX_SOURCE_BYTES = 1 << 20
 MIN_CHARS = 64
 _SKIP_PARTS = frozenset({"test", "tests", "idlelib", "site-packages",
@@ -56,10 +57,6 @@ def _stdlib_files() -> list[tuple[str, pathlib.Path]]:
       out.append((rel.as_posix(), path))
   out.sort()
   return out
-
-
-def split_of(relpath: str) -> str:
-  return "validation" if zlib.crc32(relpath.encode()) % 20 == 0 else "train"
 
 
 def _source_files(site: bool) -> list[tuple[str, pathlib.Path]]:
@@ -82,14 +79,19 @@ def _source_files(site: bool) -> list[tuple[str, pathlib.Path]]:
   return out
 
 
-def _source_split(key: str) -> str:
-  return "validation" if zlib.crc32(key.encode()) % SOURCE_HOLDOUT == 0 else "train"
+def content_key(text: str) -> bytes:
+  """What makes two documents the same: a digest of the text with its white space collapsed
+  (a copy re-indented or with other line endings is the same document)."""
+  return hashlib.blake2b(" ".join(text.split()).encode(), digest_size=16).digest()
 
 
-def _iter_sources(split: str, site: bool) -> Iterator[tuple[str, str]]:
+def split_of(key: bytes, name: str) -> str:
+  """The split of a document whose `content_key` is `key` in corpus `name`."""
+  return "validation" if int.from_bytes(key[:8], "little") % HOLDOUT[name] == 0 else "train"
+
+
+def _iter_sources(site: bool) -> Iterator[tuple[str, str]]:
   for key, path in _source_files(site):
-    if _source_split(key) != split:
-      continue
     try:
       if path.stat().st_size > MAX_SOURCE_BYTES:
         continue
@@ -114,17 +116,32 @@ def fingerprint(name: str, split: str) -> dict:
 
 def iter_documents(split: str, name: str = NAME) -> Iterator[tuple[str, str]]:
   """Yields (unique key, text) for every document of `split` of corpus `name`, in a fixed
-  order."""
+  order: the first of each content (module docstring)."""
   if split not in SPLITS:
     raise ValueError(f"split={split!r} must be one of {SPLITS}")
   if name not in CORPORA:
     raise ValueError(f"corpus {name!r} is not one of {CORPORA}")
+  seen = set()
+  for key, text in _iter_all(name):
+    ck = content_key(text)
+    if split_of(ck, name) == split and ck not in seen:
+      seen.add(ck)
+      yield key, text
+
+
+def _iter_all(name: str) -> Iterator[tuple[str, str]]:
+  """(key, text) of every document of corpus `name`, both splits, duplicates included."""
   if name != NAME:
-    yield from _iter_sources(split, site=name == SITE_NAME)
-    return
+    return _iter_sources(site=name == SITE_NAME)
+  return iter(_docstrings())
+
+
+@functools.cache
+def _docstrings() -> tuple[tuple[str, str], ...]:
+  """The docstring corpus, both splits (1.4 MB, parsed once per process: each split's reader
+  walks every file, since the split is by content)."""
+  out = []
   for rel, path in _stdlib_files():
-    if split_of(rel) != split:
-      continue
     try:
       tree = ast.parse(path.read_bytes())
     except (SyntaxError, ValueError, OSError):
@@ -136,4 +153,5 @@ def iter_documents(split: str, name: str = NAME) -> Iterator[tuple[str, str]]:
         if doc:
           doc = inspect.cleandoc(doc)
           if len(doc) >= MIN_CHARS:
-            yield f"{rel}:{i}", doc
+            out.append((f"{rel}:{i}", doc))
+  return tuple(out)

@@ -237,6 +237,11 @@ class PackedBatches:
   def get_state(self) -> dict:
     return self.state.to_json()
 
+  def passes(self, state: dict) -> float:
+    """Passes over this process's documents at `state` (a `get_state` dict): whole epochs
+    plus the share of this epoch's documents read."""
+    return state["epoch"] + state["cursor"] / len(self._doc_order(state["epoch"]))
+
   def set_state(self, d: dict) -> None:
     self.state = PackerState.from_json(d)
     for future, _, _ in self._pending:

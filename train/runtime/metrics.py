@@ -4,8 +4,9 @@ TensorBoard event files are written with the `tensorboard` package alone
 (`EventFileWriter` + the protos in `tensorboard.compat.proto`), so neither
 TensorFlow nor clu is needed. Every logged interval also appends one JSON
 object to DIR/metrics.jsonl ("step", "wall_time" and the scalars), which is what scripts and
-tests read. Only
-process 0 writes; other processes log to the console only.
+tests read, and so does every event the trainer records ("step", "wall_time", "event" and its
+fields: a per-layer FFN choice decided, one landing; `events`). Only process 0 writes; other
+processes log to the console only.
 """
 
 import json
@@ -44,6 +45,11 @@ def read_jsonl(workdir: str) -> list[dict]:
       except ValueError:
         continue
   return rows
+
+
+def events(rows: list[dict], name: str) -> list[dict]:
+  """The rows of `read_jsonl` recording event `name`, in order."""
+  return [r for r in rows if r.get("event") == name]
 
 
 def _histogram_proto(summary_pb2, values, bins: int = 30):
@@ -92,6 +98,14 @@ class MetricWriter:
       self._tb.add_event(self._event_pb2.Event(
           wall_time=time.time(), step=int(step),
           summary=self._summary_pb2.Summary(value=values)))
+
+  def write_event(self, step: int, event: str, **fields):
+    """One event (metrics.jsonl only): {"step", "wall_time", "event": event, **fields}."""
+    if not self._enabled:
+      return
+    self._jsonl.write(json.dumps({"step": int(step), "wall_time": round(time.time(), 3),
+                                  "event": event, **fields}) + "\n")
+    self._jsonl.flush()
 
   def write_histograms(self, step: int, histograms: dict[str, Any], bins: int = 30):
     """Histograms of value arrays (TensorBoard's histogram tab); not in metrics.jsonl."""

@@ -153,7 +153,8 @@ class Trainer:
 
   def evaluate(self, params, batches, layer_key=None) -> dict:
     """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_key` (a
-    `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`."""
+    `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`. `loss_se` is the
+    loss's standard error from the spread of the batches' own losses (0 for one batch)."""
     ahead = self._eval_ahead.pop(layer_key, None)
     eval_step = self._eval_step(layer_key)
     if ahead is not None:
@@ -161,10 +162,11 @@ class Trainer:
         eval_step = self._eval_steps[layer_key] = ahead.result()
       except Exception:  # pylint: disable=broad-except  # compiled here instead, and raised
         pass
-    tot = None
+    tot, batch_losses = None, []
     for b in batches:
       out = eval_step(params, self.put_batch(b, self.eval_sharding))
       out = jax.device_get(out)
+      batch_losses.append(float(out["ce_sum"]) / max(float(out["tokens"]), 1.0))
       if tot is None:
         tot = {k: np.array(v, np.float64) for k, v in out.items()}
         tot["fired"] = np.array(out["fired"], bool)
@@ -181,6 +183,7 @@ class Trainer:
     active = tot["active_per_token"] / n
     return {
         "loss": loss, "perplexity": float(np.exp(min(loss, 80.0))),
+        "loss_se": float(np.std(batch_losses, ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
         "tokens": int(tot["tokens"]),
         "active_per_token": [float(x) for x in active],
         "sparsity": [float(1.0 - x / h) for x in active],

@@ -227,8 +227,12 @@ class ChoiceSteps:
   """The per-layer choice of one run (module docstring): `step_for(step)` before each step,
   `after_step(done, metrics, state)` after it, `meta()` for its checkpoint."""
 
-  def __init__(self, tr, choice, state, meta: dict):
+  def __init__(self, tr, choice, state, meta: dict, events=None):
+    """`events(step, name, **fields)` records what the choice does (a `MetricWriter`'s
+    `write_event`): "ffn_decision" (a choice decided: "choice", "predicted", "runs_from") and
+    "ffn_landing" (a step starts running: "choice", "build_s", "waited_s", "note")."""
     cfg = tr.cfg
+    self._event = events or (lambda *a, **k: None)
     self.tr, self.choice, self.cfg = tr, choice, cfg
     # Compiled ahead of time for the state's and the batch's exact types (no retrace at a
     # switch), without autotuning on a GPU: builds run beside training, where autotuning
@@ -424,9 +428,11 @@ class ChoiceSteps:
     # The device idles while the loop waits: a build slower than the landing lag (a busy
     # host) shows here.
     waited = 0.0 if ready else time.perf_counter() - t0
+    build_s = self.builds.build_s.get(key, 0.0)
     logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)%s",
-                 step + 1, self.choice.describe(key), self.builds.build_s.get(key, 0.0),
-                 waited, note)
+                 step + 1, self.choice.describe(key), build_s, waited, note)
+    self._event(step + 1, "ffn_landing", choice=self.choice.describe(key),
+                build_s=round(build_s, 3), waited_s=round(waited, 3), note=note.lstrip(", "))
 
   def after_step(self, done: int, metrics: dict, state):
     """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
@@ -482,6 +488,8 @@ class ChoiceSteps:
       logging.info("step %d: FFN per layer -> %s (predicted %s), running from step %d",
                    done, choice.describe(), " ".join(f"{r:.2f}" for r in choice.predicted),
                    land + 1)
+      self._event(done, "ffn_decision", choice=choice.describe(),
+                  predicted=[round(float(r), 4) for r in choice.predicted], runs_from=land + 1)
       self.pending = (choice.key, land)
       self.builds.request(choice.key)
     self._run_bridge(done, counts, heavy, tokens)

@@ -200,7 +200,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
            cfg.data.seq_len + 1)
   choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   steps = None if choice is None else choice_steps.ChoiceSteps(
-      tr, choice, state, (restored or {}).get("meta") or {})
+      tr, choice, state, (restored or {}).get("meta") or {}, events=writer.write_event)
   train_step = tr.jit_train_step() if steps is None else None
   last, preempted = {}, None
   t_last, tokens_since, data_wait = time.time(), 0, 0.0
@@ -234,6 +234,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         now = time.time()
         m["tokens_per_s"] = tokens_since / max(now - t_last, 1e-9)
         m["data_wait_fraction"] = data_wait / max(now - t_last, 1e-9)
+        m["data_passes"] = packer.passes(data_state)   # over this process's documents
         t_last, tokens_since, data_wait = now, 0, 0.0
         if not np.isfinite(m["loss"]):
           raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")

@@ -1,0 +1,303 @@
+r"""Same quality, sooner? Time to the dense model's held-out loss, over seeds.
+
+    python -m benchmarks.time_to_quality --seeds=0,1,2,3,4 \
+        --out=benchmarks/results/h200/time_to_quality.json --plot=time_to_quality.png   # GPU
+    python -m benchmarks.time_to_quality --smoke --seeds=0 --out=/tmp/t.json           # CPU
+
+For each seed, three whole runs, each the command a user types (`benchmarks.whole_run`'s
+setup: paper 0.5B, 8 x 2048 tokens a step, the offline corpus of Python sources held out by
+content, its 32k tokenizer, an empty compilation cache), one after the other on one GPU:
+
+  dense     dense SiLU FFN for `--steps` steps (the baseline)
+  sparse    ReLU + L1 for the same steps
+  sparse_t  ReLU + L1 for dense's wall-clock: its step count is `--steps` plus the seconds
+            dense took beyond sparse, at sparse's settled speed (the median tokens/s of
+            its last five logged intervals), on its own cosine schedule over those steps
+
+Held-out cross-entropy every `--eval_every` steps and at the end, on `--eval_batches` batches
+of the held-out split (64 x 16384 tokens = 1M by default) with its standard error over the
+batches. Per seed, all three done: the whole-run ratio (dense's wall-clock over sparse's), the
+CE ratio at equal steps (sparse's over dense's), the CE ratio at equal wall-clock (sparse_t's
+over dense's; sparse_t's wall-clock over dense's is recorded beside it), and the time the
+sparse model takes to reach dense's final CE, as dense's wall-clock over it:
+
+  Time to dense CE is read off the two sparse runs, both ended on their schedule: CE as a
+  power of wall-clock, CE(t) = c t^-a, through (wall, CE) of sparse and sparse_t, with `a`
+  pooled over the seeds (the mean of their slopes: one seed's two points sit ~25% apart in
+  time, where one run's CE moves ~1.5%, so a per-seed slope is mostly noise) and `c` the seed's
+  own. Where the pooled slope is not positive (CE did not fall with time) there is no estimate.
+
+Summary: each ratio's mean over seeds with a 95% interval (Student t over the seeds; none
+for one seed). The corpus's size is recorded (documents, bytes; tokens estimated from dense's
+run: the tokens it trained on over the passes over the corpus it made), with each run's
+passes.
+
+One GPU and a time limit per command: `--out` is read first and its finished runs are kept,
+so the same command, repeated, carries on where the last stopped; `--budget_s` starts no run
+that the runs already timed predict would end past that many seconds. JSON (`--out`):
+{"device", "seeds", "steps", "corpus", "summary": {"wall_ratio", "ce_ratio_equal_steps",
+"ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
+"slope", "per_seed": [...], "runs": [whole_run's record + "seed", "arm"]}. The plot: held-out
+CE against wall-clock for every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+from absl import app
+from absl import flags
+
+from benchmarks import cli_run
+from benchmarks import whole_run
+
+ARMS = ("dense", "sparse", "sparse_t")
+_KIND = {"dense": "dense_silu", "sparse": "sparse", "sparse_t": "sparse"}
+
+
+def _define_flags():
+  whole_run.define_run_flags(workdir="/tmp/twell_time_to_quality", eval_batches=64,
+                             checkpoint_every=0)
+  flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "config seeds, one trio of runs each")
+  flags.DEFINE_list("arms", list(ARMS), "which runs of each seed")
+  flags.DEFINE_float("budget_s", 0.0, "start no run predicted to end past this many seconds "
+                     "from the command's start (0: no limit)")
+  flags.DEFINE_list("sparse_flags", [], "more train.main flags for the sparse runs only (a "
+                    "lever: --sparse_flags=--config.dead_reinit=true)")
+  flags.DEFINE_string("dense_from", None, "take the dense runs of these seeds from this results "
+                      "JSON (same device, steps, shape) instead of running them: levers of the "
+                      "sparse model against one set of dense runs")
+
+
+def run_key(run: dict) -> tuple[int, str]:
+  return run["seed"], run["arm"]
+
+
+def equal_time_steps(dense: dict, sparse: dict, steps: int, tokens_per_step: int) -> int:
+  """Steps of sparse_t: `steps` plus dense's extra seconds at sparse's settled speed (the
+  median tokens/s of its last five logged intervals)."""
+  last = sorted(p["tokens_per_s"] for p in sparse["points"][-5:])
+  settled = last[len(last) // 2] / tokens_per_step   # steps per second
+  return steps + max(0, round((dense["wall_s"] - sparse["wall_s"]) * settled))
+
+
+def mean_ci(values: list[float]) -> dict:
+  """{"mean", "ci95", "n"}: the mean with a Student-t 95% interval (None for one value)."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  n = len(values)
+  if not n:
+    return {"mean": None, "ci95": None, "n": 0}
+  mean = sum(values) / n
+  if n == 1:
+    return {"mean": mean, "ci95": None, "n": 1}
+  sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+  half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+  return {"mean": mean, "ci95": [mean - half, mean + half], "n": n}
+
+
+def summarize(results: dict) -> None:
+  """Per-seed ratios and their means with intervals (module docstring)."""
+  by = {run_key(r): r for r in results["runs"]}
+  seeds = sorted({s for s, _ in by})
+  trios = {s: [by[(s, a)] for a in ARMS] for s in seeds if all((s, a) in by for a in ARMS)}
+  slopes = [(math.log(a["eval_ce"]) - math.log(b["eval_ce"]))
+            / (math.log(b["wall_s"]) - math.log(a["wall_s"]))
+            for _, a, b in trios.values() if b["wall_s"] > a["wall_s"]]
+  slope = sum(slopes) / len(slopes) if slopes else None
+  per_seed = []
+  for s, (d, a, b) in trios.items():
+    row = {"seed": s, "wall_ratio": d["wall_s"] / a["wall_s"],
+           "ce_ratio_equal_steps": a["eval_ce"] / d["eval_ce"],
+           "ce_ratio_equal_time": b["eval_ce"] / d["eval_ce"],
+           "equal_time_wall_ratio": b["wall_s"] / d["wall_s"],
+           "steps_equal_time": b["steps"], "time_to_dense_ce_ratio": None}
+    if slope and slope > 0:
+      # log t* = mean log t + (mean log CE - log CE_dense) / a, CE(t) = c t^-a through both.
+      log_t = (math.log(a["wall_s"]) + math.log(b["wall_s"])) / 2
+      log_ce = (math.log(a["eval_ce"]) + math.log(b["eval_ce"])) / 2
+      t_star = math.exp(log_t + (log_ce - math.log(d["eval_ce"])) / slope)
+      row["time_to_dense_ce_s"] = t_star
+      row["time_to_dense_ce_ratio"] = d["wall_s"] / t_star
+    per_seed.append(row)
+  keys = ("wall_ratio", "ce_ratio_equal_steps", "ce_ratio_equal_time", "time_to_dense_ce_ratio")
+  results["slope"] = slope
+  results["per_seed"] = per_seed
+  results["summary"] = {k: mean_ci([r[k] for r in per_seed if r[k] is not None]) for k in keys}
+
+
+def corpus_record(dataset: str, tokens_per_step: int, runs: list[dict]) -> dict:
+  """The corpus's documents and bytes per split, and its train split's tokens estimated from
+  the first dense run (tokens trained on over its passes over the corpus)."""
+  from train.corpus import text_corpus  # pylint: disable=import-outside-toplevel
+  out = {"name": dataset}
+  if dataset in text_corpus.CORPORA:
+    for split in text_corpus.SPLITS:
+      fp = text_corpus.fingerprint(dataset, split)
+      out[split] = {"documents": fp["documents"], "bytes": fp["bytes"]}
+  dense = [r for r in runs if r["arm"] == "dense" and r.get("data_passes")]
+  if dense:
+    out["train_tokens_estimate"] = round(dense[0]["steps"] * tokens_per_step
+                                         / dense[0]["data_passes"])
+  return out
+
+
+def plot(results: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(8, 5))
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  styles = {"dense": "-", "sparse": "--", "sparse_t": ":"}
+  for r in results["runs"]:
+    if not r["evals"]:
+      continue
+    color = colors[r["seed"] % len(colors)]
+    ax.errorbar([e["seconds"] for e in r["evals"]], [e["ce"] for e in r["evals"]],
+                yerr=[1.96 * (e.get("ce_se") or 0.0) for e in r["evals"]], color=color,
+                linestyle=styles[r["arm"]], marker="o", markersize=3, capsize=2,
+                label=f"seed {r['seed']} {r['arm']}")
+  ax.set_xlabel("wall-clock from the command's start (s)")
+  ax.set_ylabel("held-out cross-entropy (95% interval over batches)")
+  summary = results.get("summary", {})
+  eq = summary.get("ce_ratio_equal_time", {}).get("mean")
+  ax.set_title(f"{results['device']}: dense SiLU (solid), sparse at equal steps (dashed), "
+               f"at equal time (dotted)" + (f"\nCE at equal time {eq:.3f} of dense, mean of "
+                                             f"{summary['ce_ratio_equal_time']['n']} seeds"
+                                             if eq else ""), fontsize=9)
+  ax.legend(fontsize=7, ncol=3)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _predicted_s(runs: list[dict], arm: str) -> float | None:
+  """Seconds the next run of `arm` should take: the last one's, else the longest so far."""
+  same = [r["wall_s"] for r in runs if r["arm"] == arm]
+  if same:
+    return same[-1]
+  return max((r["wall_s"] for r in runs), default=None)
+
+
+def _run_one(fl, seed: int, arm: str, steps: int, data_flags: list[str]) -> dict:
+  spec = f"{_KIND[arm]}+seed={seed}" + (f"+num_train_steps={steps}" if steps != fl.steps else "")
+  cmd, workdir = whole_run.run_command(fl, spec, seed, data_flags, name=f"{seed}_{arm}")
+  if arm != "dense":
+    cmd += fl.sparse_flags
+  print(f"  seed {seed} {arm} ({steps} steps): {' '.join(cmd[3:])}", flush=True)
+  proc, t0 = cli_run.start(cmd, workdir + ".log")
+  wall = cli_run.finish(proc, t0, fl.timeout, f"seed {seed} {arm}")
+  from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
+  run = whole_run.read_run(spec, workdir, wall, t0)
+  cfg = workdir_config.read_workdir_config(workdir)
+  run.update(seed=seed, arm=arm, steps=steps,
+             tokens_per_step=cfg["batch_size"] * cfg["data"]["seq_len"])
+  print(f"  seed {seed} {arm}: {wall:.1f} s, held-out CE {run['eval_ce']:.4f}", flush=True)
+  return run
+
+
+def _load(path: str | None) -> dict | None:
+  if path and os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  return None
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  if fl.smoke:
+    whole_run.set_smoke(fl)
+  bad = [a for a in fl.arms if a not in ARMS]
+  if bad:
+    raise app.UsageError(f"--arms: {bad} not in {ARMS}")
+  seeds = [int(s) for s in fl.seeds]
+  t_start = time.time()
+  device = cli_run.device_name()
+  setting = {"device": device, "steps": fl.steps, "shape": fl.shape, "l1": fl.l1,
+             "eval_batches": fl.eval_batches, "sparse_flags": list(fl.sparse_flags)}
+  results = _load(fl.out) or {**setting, "runs": []}
+  _check_setting(results, setting, fl.out)
+  if fl.dense_from:
+    other = _load(fl.dense_from)
+    if other is None:
+      raise app.UsageError(f"--dense_from={fl.dense_from}: no such file")
+    _check_setting(other, {k: setting[k] for k in ("device", "steps", "shape", "eval_batches")},
+                   fl.dense_from)
+    have = {run_key(r) for r in results["runs"]}
+    results["runs"] += [r for r in other["runs"] if r["arm"] == "dense"
+                        and r["seed"] in seeds and run_key(r) not in have]
+    results["dense_from"] = os.path.basename(fl.dense_from)
+  os.makedirs(fl.workdir, exist_ok=True)
+  tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
+  data_flags = cli_run.data_flags(fl.dataset, tokenizer)
+  print(f"  the corpus's held-out split read ahead in {whole_run.warm_corpus(fl.dataset):.1f} s",
+        flush=True)
+  done = {run_key(r): r for r in results["runs"]}
+  for seed in seeds:
+    for arm in ARMS:
+      if arm not in fl.arms or (seed, arm) in done:
+        continue
+      steps = fl.steps
+      if arm == "sparse_t":
+        if (seed, "dense") not in done or (seed, "sparse") not in done:
+          print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
+          continue
+        sparse = done[(seed, "sparse")]
+        steps = equal_time_steps(done[(seed, "dense")], sparse, fl.steps,
+                                 sparse["tokens_per_step"])
+      predicted = _predicted_s(results["runs"], arm)
+      if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
+        print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
+              f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left", flush=True)
+        continue
+      run = _run_one(fl, seed, arm, steps, data_flags)
+      results["runs"].append(run)
+      done[(seed, arm)] = run
+      _save(fl, results)
+  results["seeds"] = sorted({r["seed"] for r in results["runs"]})
+  if results["runs"]:
+    results["tokens_per_step"] = results["runs"][0]["tokens_per_step"]
+    results["corpus"] = corpus_record(fl.dataset, results["tokens_per_step"], results["runs"])
+  summarize(results)
+  _save(fl, results)
+  _print(results)
+
+
+def _check_setting(results: dict, setting: dict, path: str) -> None:
+  for key, want in setting.items():
+    if results.get(key, want) != want:
+      raise app.UsageError(f"{path} holds runs with {key}={results[key]!r}, not {want!r}: "
+                           "write to another --out")
+
+
+def _save(fl, results: dict) -> None:
+  if fl.out:
+    os.makedirs(os.path.dirname(os.path.abspath(fl.out)), exist_ok=True)
+    with open(fl.out, "w") as f:
+      json.dump(results, f, indent=1)
+  if fl.plot and results["runs"]:
+    plot(results, fl.plot)
+
+
+def _print(results: dict) -> None:
+  for r in results["runs"]:
+    print(f"  seed {r['seed']} {r['arm']:<8} {r['steps']:5d} steps  wall {r['wall_s']:7.1f} s  "
+          f"held-out CE {r['eval_ce']:.4f} +- {r['evals'][-1].get('ce_se') or 0:.4f}  "
+          f"passes {r.get('data_passes') or 0:.3f}")
+  for row in results["per_seed"]:
+    print("  seed {seed}: ".format(**row) + "  ".join(
+        f"{k} {v:.3f}" for k, v in row.items() if k != "seed" and isinstance(v, float)))
+  for k, v in results["summary"].items():
+    ci = v["ci95"]
+    print(f"  {k}: " + ("n/a" if v["mean"] is None else f"{v['mean']:.3f}") +
+          (f" (95% interval {ci[0]:.3f} to {ci[1]:.3f}, {v['n']} seeds)" if ci else
+           f" ({v['n']} seeds)"))
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
