@@ -6,7 +6,7 @@ r"""End to end: the sparse model against the same model with a dense SiLU FFN, i
 Both models are the project's own (`train/models/transformer.py`) at the paper's shapes (D=2048,
 H=5632, 32 heads, context 2048, the 32k vocabulary) with the same attention (cuDNN flash
 attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights are realistic:
-the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
+the 0.5B shape trained in-process to the paper-like activity (`benchmarks.common.trained`, shared with
 the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
 runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
 (`train.models.implementations.replay`: one choice for training, one for inference); the dense model runs SiLU
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.common import timing
+from benchmarks.common import trained
 
 _LAYERS = {"0p5b": 8, "1p5b": 28, "tiny": 2}
 
@@ -56,7 +56,7 @@ def _define_flags():
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "byte: the docstring corpus "
                     "and byte tokens; python32k: the Python-source corpus with its 32k "
-                    "SentencePiece tokenizer (benchmarks.trained.config_for)")
+                    "SentencePiece tokenizer (benchmarks.common.trained.config_for)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -132,15 +132,6 @@ def _state(lm, tx, params, n_layers, seed=0):
           "since": sparsity.init_since(n_layers, lm.cfg.d_ff)}
 
 
-def batches(cfg, rows: int, n: int):
-  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  packer = data_lib.PackedBatches(
-      data_lib.make_source(cfg.data, cfg.data.train_split), tokenizer_lib.make_tokenizer(cfg.data),
-      seq_len=cfg.data.seq_len, rows=rows, seed=cfg.seed + 7)
-  return [jnp.asarray(packer.next_batch()) for _ in range(n)]
-
-
 def _prefill_rows(shape: str) -> tuple[int, ...]:
   return (2,) if shape == "tiny" else (16, 64)
 
@@ -161,17 +152,6 @@ def _time_steps(step, state, batch, iters: int):
   return ms, power.mean_watts, state, m
 
 
-def kernel_kind(name: str) -> str:
-  n = name.lower()
-  if "twell" in n or "mosaic" in n:
-    return "sparse FFN kernels"
-  if "cudnn" in n or "flash" in n or "fmha" in n or "sdpa" in n:
-    return "attention (cuDNN)"
-  if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90", "triton_gemm")):
-    return "GEMMs"
-  return "other (fusions, copies, reductions)"
-
-
 def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   """Device time of one training step by kind of kernel (CUPTI), from a non-donating step."""
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
@@ -184,9 +164,7 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   table = timing.kernel_breakdown(step, state, batch, iterations=2)
   if not table:
     return {}
-  kinds: dict[str, float] = {}
-  for name, t in table:
-    kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
+  kinds = timing.by_kind(table)
   out = timing.summarize_breakdown(label, table, top=15)
   out.pop("kernels", None)
   out["by_kind_ms"] = kinds
@@ -237,7 +215,7 @@ def run_shape(shape: str, fl) -> dict:
   mc_sparse = model_lib.ModelConfig.from_config(cfg.model)
   mc_dense = dataclasses.replace(mc_sparse, ffn_activation="silu", ffn_implementation="dense")
   b, t = cfg.batch_size, cfg.data.seq_len
-  train_batches = batches(cfg, b, 2)
+  train_batches = trained.batches(cfg, b, 2)
   res = {"shape": shape, "layers": n_layers, "batch": b, "seq_len": t,
          "attention": implementations.attention(mc_sparse)}
   params, mc_sparse, mc_prefill_sparse, fields = _choices(mc_sparse, params,
@@ -288,7 +266,7 @@ def _measure(shape, fl, cfg, res, params, mc_sparse, mc_dense, mc_prefill, train
     lm_prefill = model_lib.LanguageModel(mc_prefill[name])
     fwd = jax.jit(lambda p, x, lm=lm_prefill: lm.hidden(p, x)[0])
     for rows in _prefill_rows(shape):
-      toks = jnp.asarray(np.concatenate([np.asarray(bb) for bb in batches(cfg, rows, 1)]))
+      toks = trained.batches(cfg, rows, 1)[0]
       res[f"{name}_prefill_{rows}x{t}"] = _timed(fwd, (params, toks[:, :-1]), fl.iters,
                                                  rows * t)
     print(f"  {shape} {name}: train {ms:.1f} ms/step (remat {remat}), peak "

@@ -15,7 +15,7 @@ sequences of the shape's context per device, for two models at the paper's shape
   * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.models.layer_choice`)
     decides each layer's FFN and hot features from one step's feature counts and the
     features are sorted by popularity, as `train.main` does on its first step; on weights
-    trained to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`:
+    trained to the paper-like activity (`benchmarks.common.trained`, cached; `--weights=init`:
     random);
   * dense: the same weights with a SiLU FFN on the dense implementation.
 
@@ -52,8 +52,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.common import timing
+from benchmarks.common import trained
 
 
 def _define_flags():
@@ -81,7 +81,7 @@ def _define_flags():
   flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
   flags.DEFINE_string("profile_dir", None, "trace 3 steps of each run into this folder "
                       "(jax.profiler, with a Perfetto trace; summarized into the run's "
-                      "\"profile\": benchmarks.timing.trace_breakdown)")
+                      "\"profile\": benchmarks.common.timing.trace_breakdown)")
   flags.DEFINE_list("one_device_on", ["0"], "device indices the 1x1 mesh runs on, one after "
                     "the other (efficiency is against the first; each one's own is recorded)")
   flags.DEFINE_string("choose_mesh", "1x1", "DATAxFSDP mesh whose first step makes the sparse "

@@ -6,8 +6,8 @@ r"""The user's measure: whole training runs from random initialisation, sparse a
 Every run is the command a user types (`python -m train.main`, its own workdir and an empty
 compilation cache, as a first run on a machine), from the config's seed on the same token
 stream: the offline corpus of Python sources with a 32k SentencePiece tokenizer trained on it
-offline (`benchmarks.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
-(`benchmarks.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
+offline (`benchmarks.common.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
+(`benchmarks.common.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
 trainer defaults otherwise (held-out evaluations every `--eval_every` steps, checkpoints every
 `--checkpoint_every`). Runs (`--runs`):
 
@@ -60,7 +60,7 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
+from benchmarks.common import cli_run
 
 
 def define_run_flags(**defaults) -> None:
@@ -138,7 +138,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str],
                 name: str | None = None) -> tuple[list[str], str]:
   """(the `train.main` command of run `spec` (the `index`-th), its workdir: `name` under
   `--workdir`, by default "INDEX_KIND")."""
-  from benchmarks import trained  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import trained  # pylint: disable=import-outside-toplevel
   kind, overrides, _ = parse_run(spec)
   workdir = os.path.join(fl.workdir, name or f"{index}_{kind}")
   dense = kind == "dense_silu"

@@ -32,7 +32,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from benchmarks import trained
+from benchmarks.common import trained
 from train.state import checkpointing
 from train.state import trainer as trainer_lib
 

@@ -21,7 +21,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import timing
+from benchmarks.common import timing
 
 _D = flags.DEFINE_integer("d", 2048, "model width")
 _H = flags.DEFINE_integer("h", 5632, "hidden width")

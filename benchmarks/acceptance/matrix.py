@@ -1,7 +1,7 @@
 r"""The GPU acceptance matrix: the CLIs run as a user runs them, on every mesh the machine has.
 
-    python -m benchmarks.matrix --out=matrix.json                # every cell, then the shapes
-    python -m benchmarks.matrix --configs=tiny --impls=default --meshes=1 --shapes=   # one cell
+    python -m benchmarks.acceptance.matrix --out=matrix.json                # every cell, then the shapes
+    python -m benchmarks.acceptance.matrix --configs=tiny --impls=default --meshes=1 --shapes=   # one cell
 
 A cell is (config, FFN implementation, mesh). Meshes: "1" (one GPU), and with N > 1 devices
 "data=N", "fsdp=N" and, where N = 2k with k > 1, "data=2,fsdp=k". Each cell runs, through the
@@ -21,7 +21,7 @@ runs are short, so most of a cell is compiling, which overlaps.
 The runs are short (`STEPS` steps on the offline corpus with the byte tokenizer), long enough
 for two checkpoints and the per-layer choice's first decision.
 
-Then `benchmarks.shapes` (the kernels at public model shapes) runs, unless `--shapes=`.
+Then `benchmarks.sweeps.shapes` (the kernels at public model shapes) runs, unless `--shapes=`.
 Output: `{"device", "devices", "cells": [{"name", "ok", "error", "seconds", ...}],
 "shapes": [...]}`.
 """
@@ -41,8 +41,8 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
-from benchmarks import kill_resume
+from benchmarks.common import cli_run
+from benchmarks.acceptance import kill_resume
 from train.state import checkpointing
 
 CONFIGS = ("tiny", "small", "paper_0p5b")
@@ -156,7 +156,7 @@ def compare_states(a: str, b: str) -> dict:
   subprocess: this process keeps off the GPUs)."""
   code = (
       "import json, sys, jax, numpy as np\n"
-      "from benchmarks import kill_resume\n"
+      "from benchmarks.acceptance import kill_resume\n"
       "from train.state import checkpointing\n"
       "a, b = sys.argv[1:3]\n"
       "step = max(checkpointing.steps_on_disk(a))\n"
@@ -297,7 +297,7 @@ def main(argv):
     return
   n = len(cli_run.gpu_names())
   if n == 0:
-    sys.exit("benchmarks.matrix needs NVIDIA GPUs (nvidia-smi lists none)")
+    sys.exit("benchmarks.acceptance.matrix needs NVIDIA GPUs (nvidia-smi lists none)")
   configs = [c for c in fl.configs.split(",") if c]
   impls = [i for i in fl.impls.split(",") if i]
   wanted = [m for m in fl.meshes.split(",") if m] if fl.meshes else None
@@ -333,7 +333,7 @@ def main(argv):
   if fl.shapes:
     shapes_json = os.path.join(root, "shapes.json")
     names = "" if fl.shapes == "all" else fl.shapes
-    p = subprocess.run([sys.executable, "-m", "benchmarks.shapes", f"--out={shapes_json}",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.sweeps.shapes", f"--out={shapes_json}",
                         f"--names={names}"], env=_env("0"), timeout=fl.timeout * 2)
     if p.returncode == 0:
       with open(shapes_json) as f:
@@ -348,7 +348,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("impls", ",".join(IMPLS), "FFN implementations; default: the config's")
   flags.DEFINE_string("meshes", None, "mesh kinds to run: 1, data, fsdp, data=2,fsdp=... "
                       "(default: all the machine has)")
-  flags.DEFINE_string("shapes", "all", "benchmarks.shapes names after the cells, 'all', or "
+  flags.DEFINE_string("shapes", "all", "benchmarks.sweeps.shapes names after the cells, 'all', or "
                       "empty for none")
   flags.DEFINE_string("workdir", None, "where the cells' workdirs go (default: a temp dir)")
   flags.DEFINE_integer("timeout", 900, "seconds per command")

@@ -161,3 +161,15 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
   print(f"  trained in {time.time() - t0:.0f}s", flush=True)
   _save(path, params)
   return cfg, params
+
+
+def batches(cfg, rows: int, n: int):
+  """`n` packed batches [rows, seq_len + 1] of the config's training data (a fixed seed off the
+  training stream's)."""
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split),
+      tokenizer_lib.make_tokenizer(cfg.data), seq_len=cfg.data.seq_len, rows=rows,
+      seed=cfg.seed + 7)
+  return [jnp.asarray(packer.next_batch()) for _ in range(n)]

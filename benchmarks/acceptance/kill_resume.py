@@ -1,7 +1,7 @@
 r"""Kill and resume on the machine's devices: does a SIGKILLed run continue the same run?
 
-    python -m benchmarks.kill_resume --out=kill_resume.json -- --config.mesh.data=2
-    python -m benchmarks.kill_resume --config=configs/tiny.py --steps=20 --every=5   # CPU
+    python -m benchmarks.acceptance.kill_resume --out=kill_resume.json -- --config.mesh.data=2
+    python -m benchmarks.acceptance.kill_resume --config=configs/tiny.py --steps=20 --every=5   # CPU
 
 Three `python -m train.main` runs of the same command (`--config`, `--steps`, checkpoints
 every `--every` steps, all kept, plus the flags after `--`):
