@@ -55,7 +55,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 
@@ -177,18 +176,11 @@ def _padded(cfg: HybridConfig, x, w_gate, w_up, w_down):
           pad(w_down, (cfg.hp, cfg.dp)))
 
 
-def _rows(a, index):
-  """a[index] with the padding index (== a.shape[0]) giving zero rows."""
-  rows = jnp.take(a, jnp.minimum(index, a.shape[0] - 1), axis=0)
-  return jnp.where((index < a.shape[0])[:, None], rows, jnp.zeros((), a.dtype))
-
-
 def _dense_ffn(x, w_gate, w_up, w_down):
   """(y, l1, feature counts, most actives in one 256-column tile of a row) of
-  ``reference.dense_ffn``: the exact path of a batch over capacity."""
-  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
-  return (y, jnp.sum(jnp.abs(h.astype(_F32))) / x.shape[0],
-          jnp.sum(active, axis=0, dtype=jnp.int32), common.tile_max(active))
+  ``reference.dense_ffn_l1``: the exact path of a batch over capacity."""
+  y, l1, active = reference.dense_ffn_l1(x, w_gate, w_up, w_down)
+  return y, l1, jnp.sum(active, axis=0, dtype=jnp.int32), common.tile_max(active)
 
 
 # ----------------------------------------------------------------------------
@@ -266,7 +258,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
       if rb == 0:
         return y[:m, :cfg.d], l1_ell / m, feature_counts[:cfg.h], zero_i, (u, zp, zu)
       idx = tail_index[:rb]
-      xt = _rows(xp, idx)
+      xt = common.take_rows(xp, idx)
       gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
       pt = jnp.maximum(gt, 0).astype(dt)                                 # [rb, Hp]
       if gated:
@@ -424,7 +416,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
         dw_in, dw_up, dw_down = dwg_t.T, (dwu_t.T if gated else None), dwd
       else:
         idx = tail_index[:rb]
-        xt, dyt = _rows(xp, idx), _rows(dyp, idx)
+        xt, dyt = common.take_rows(xp, idx), common.take_rows(dyp, idx)
         ptr, utr = pt[:rb], (ut[:rb] if gated else None)
         ptf = ptr.astype(_F32)
         h_tail = (ptf * utr.astype(_F32)).astype(dt) if gated else ptr
@@ -447,7 +439,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   def dense(*_):
     # More heavy rows than the tail holds: the forward took its dense path, and so does this
     # (the sparse kernels above ran on that batch's residuals; their results are dropped).
-    dx, dwg, dwu, dwd = _dense_backward(residuals, dy, dl1)
+    dx, dwg, dwu, dwd = reference.dense_ffn_l1_vjp(*residuals[:4], dy, dl1)
     return (dx, dwg, dwu, dwd) if gated else (dx, dwu, None, dwd)
 
   # A NaN or infinity in dy or in the L1 cotangent reaches every weight gradient in the dense
@@ -481,21 +473,3 @@ def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, gu, rows):
   dx = jnp.dot(d_cat, reference.column_weights(wg, wu, k).T)
   return dx, dot(d_cat.T, xp), dot(h.T, dyp)
 
-
-def _dense_backward(residuals, dy, dl1):
-  x, w_gate, w_up, w_down = residuals[:4]
-  dt = x.dtype
-  fn = lambda *a: _dense_ffn(*a)[:2]
-  if w_gate is None:
-    _, vjp = jax.vjp(lambda x_, wu_, wd_: fn(x_, None, wu_, wd_), x, w_up, w_down)
-    dx, dwu, dwd = vjp((dy.astype(dt), dl1.astype(_F32)))
-    return dx.astype(dt), None, dwu.astype(dt), dwd.astype(dt)
-  _, vjp = jax.vjp(fn, x, w_gate, w_up, w_down)
-  return tuple(g.astype(dt) for g in vjp((dy.astype(dt), dl1.astype(_F32))))
-
-
-def residual_bytes(residuals) -> int:
-  """Bytes of the activation residuals (everything saved except the weights)."""
-  x, _, _, _, *rest = residuals
-  leaves = [x] + jax.tree.leaves(rest)
-  return sum(int(a.size) * a.dtype.itemsize for a in leaves)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ffn_mgpu
-from twell_jax.stats import TILE_N
+from pallas_kernels._common import TILE_N
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
            "hot_feature_count", "column_floor", "sparse_work", "tail_work", "calibrate",

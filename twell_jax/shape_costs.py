@@ -5,7 +5,7 @@ D-long weight row are little work per launch, and the kernels' fixed costs (the 
 conversion, the row gathers' latency) do not shrink with the GEMMs they replace. `MEASURED`
 holds, per FFN shape (D, H) and token count M, the time of `twell_jax.ffn(implementation=
 "mosaic_gpu")` over `implementation="dense"`, forward and forward + backward, on an H100 at 30
-active features per token spread uniformly (`benchmarks.shapes`; the rows of
+active features per token spread uniformly (`benchmarks.sweeps.shapes`; the rows of
 `benchmarks/results/h100/matrix.json`, which a test keeps equal to this table).
 
 * `kernel_ratio(d, h, m, mode)`: the measured ratio of the nearest measured shape (distance

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as common
+from pallas_kernels._common import TILE_N   # the TwELL tile: `max_tile_nnz` counts per tile
 
-__all__ = ["FFNStats", "TILE_N", "tile_stats", "stats_from_mask", "empty_stats"]
+__all__ = ["FFNStats", "tile_stats", "stats_from_mask", "empty_stats"]
 
-# Tile width used for the `max_tile_nnz` statistic (the TwELL tile of the paper).
-TILE_N = 256
 # `twell_jax.ffn`'s default ELL width (`heavy_rows_by_hot` counts rows over it).
 DEFAULT_ELL_WIDTH = 128
 

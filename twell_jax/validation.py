@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
-from twell_jax.stats import TILE_N
+from pallas_kernels._common import TILE_N
 
 __all__ = ["FLOAT_DTYPES", "static_int", "flag", "implementation_choice", "activation_choice",
            "array", "hot_feature_count", "ffn_arguments"]
@@ -73,7 +73,7 @@ def array(a, name: str, ndim: Optional[int] = None):
     raise ValueError(f"{name} must have dtype bfloat16, float16 or float32; got {a.dtype}.")
 
 
-def hot_feature_count(value, name: str = "hot_features") -> int:
+def hot_features_value(value, name: str = "hot_features") -> int:
   """`value` as a non-negative multiple of the 256-column TwELL tile; ValueError otherwise."""
   k = static_int(value, name, minimum=0)
   if k % TILE_N:
@@ -90,7 +90,7 @@ def ffn_arguments(x, w_gate, w_up, w_down, *, activation: str, implementation,
   flag(interpret, "interpret")
   static_int(ell_width, "ell_width", minimum=1)
   static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
-  hot_feature_count(hot_features)
+  hot_features_value(hot_features)
   array(x, "x")
   if x.ndim < 1:
     raise ValueError(f"x must have shape [..., D] with rank >= 1; got shape {tuple(x.shape)}.")

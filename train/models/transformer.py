@@ -66,8 +66,7 @@ class ModelConfig:
   scan_layers: bool = False
   # Scan layout: the scan fully unrolled (straight-line layers over the stacked weights).
   # Its loop's stacked residual buffers are then not written with zeros first (XLA copies one
-  # zero broadcast into each: 4.6 ms a step for the dense model at the paper shape, 4 layers,
-  # no remat, one H100).
+  # zero broadcast into each, every step).
   scan_unroll: bool = False
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
   interpret: bool = False   # FFN kernels in the Mosaic GPU interpreter (CPU; slow)

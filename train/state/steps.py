@@ -29,8 +29,7 @@ A = 1 each matrix's gradient in the compute dtype (bf16, as XLA reduces it), wit
 device's f32 sum of its micro-batches. Under GSPMD (`gradient_reduction="gspmd"`, and every
 mesh with fsdp) the FFN's and the loss's shard_map transposes reduce each gradient inside the
 backward as it appears: with A = 1 each reduction stalls the matrix product it is scheduled
-against (2 GPUs, paper shape: per-GPU efficiency 0.932 against 0.953 per device,
-docs/performance.md); with A > 1 every micro-batch's gradients are reduced inside the loop
+against (a lower per-GPU efficiency: docs/performance.md); with A > 1 every micro-batch's gradients are reduced inside the loop
 (XLA does not move those reductions out of the nested loops: A all-reduces of the whole
 gradient a step instead of one). Meshes with fsdp gather weights and reduce-scatter
 gradients per micro-batch by design.

@@ -115,7 +115,7 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
   step: the checkpoint of that step is written, then `preemption.Preempted` raised.
   `hooks`: callables hook(trainer, step, state, layer_key) run after every step (`step` steps
   done; `layer_key` the per-layer choice's key that step ran, or None), for measurements inside
-  a run (`benchmarks.activity_sweep`); they must not change the state.
+  a run (`benchmarks.sweeps.activity_sweep`); they must not change the state.
   """
   watch = preemption.Watch().install()
   try:
@@ -226,10 +226,9 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         hook(tr, done, state, ran)
       if done % cfg.log_every == 0 or done == cfg.num_train_steps or done == start + 1:
         # The step done, not dispatched: the host runs steps ahead of the device. The clock
-        # reads once the metrics are on the host; read after block_until_ready, a window that
-        # ended without a layer-choice decision (which syncs) still measured 0.85 s short and
-        # the next one as much long (paper shape, H100: 171k and 127k tokens/s against 145k
-        # from the log's timestamps). The first step shows the starting point.
+        # reads once the metrics are on the host (read after block_until_ready, a window that
+        # ended without a layer-choice decision, which syncs, measured short and the next one
+        # as much long). The first step shows the starting point.
         m = _step_metrics(m, n_params, ran)
         now = time.time()
         m["tokens_per_s"] = tokens_since / max(now - t_last, 1e-9)
