@@ -202,12 +202,12 @@ def _choose(fl, params):
   """The sparse model's per-layer choice on the `--choose_mesh` mesh, as the trainer's first
   step makes it: (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the
   description and the predicted per-layer ratios). None where the config makes no choice."""
-  from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
+  from train.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from train.models import implementations  # pylint: disable=import-outside-toplevel
   from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   data, fsdp = parse_mesh(fl.choose_mesh)
   cfg = _config(fl, "sparse", data, fsdp)
-  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
+  tr = trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
   choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   if choice is None:
     return None
@@ -236,12 +236,12 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   `first_device` on; `choice` (from `_choose`) gives the sparse model's layers and feature
   order."""
   from benchmarks.common import hlo  # pylint: disable=import-outside-toplevel
-  from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
+  from train.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, model, data, fsdp, options)
   n = data * fsdp
   devices = jax.devices()[first_device:first_device + n]
-  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, devices))
+  tr = trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, devices))
   state = _state(tr, params)
   key = None
   if model == "sparse" and choice is not None:
@@ -280,7 +280,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "scan_layers": fl.scan_layers, "scan_unroll": fl.scan_unroll,
       "frozen_weights": fl.frozen_weights,
       "compiler_options": compiler_options(options), "config_options": config_options(options),
-      "split_moments": sharding.split_count(tr.grad_sharding)[0], "tokens_per_step": tokens,
+      "split_moments": mesh_lib.split_count(tr.grad_sharding)[0], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,
       "tokens_per_s_per_device": tokens / ms * 1e3 / n,

@@ -52,16 +52,16 @@ class ConfigsTest(parameterized.TestCase):
 
   def test_large_paper_configs_split_their_state_over_fsdp(self):
     """On 8 devices each holds about 1/8 of the 1.5B / 2B params and AdamW moments."""
-    from train.runtime import mesh as sharding  # pylint: disable=g-import-not-at-top
+    from train.runtime import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     for mod in (paper_1p5b, paper_2b):
       cfg = mod.get_config()
-      self.assertEqual(sharding.mesh_shape(cfg.mesh, 8), {"data": 1, "fsdp": 8})
+      self.assertEqual(mesh_lib.mesh_shape(cfg.mesh, 8), {"data": 1, "fsdp": 8})
       lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
       shapes = jax.eval_shape(lm.init_params, jax.random.key(0))
       total = per_device = 0
       for path, p in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         stacked = path[0].key == "blocks"
-        split = any(sharding.param_spec(p.shape, 8, stacked=stacked))
+        split = any(mesh_lib.param_spec(p.shape, 8, stacked=stacked))
         total += p.size
         per_device += p.size // 8 if split else p.size
       self.assertLess(per_device, total / 7.9)

@@ -46,7 +46,7 @@ import optax
 from twell_jax import sharded
 from twell_jax import stats as stats_lib
 from train.models import losses
-from train.runtime import mesh as sharding_lib
+from train.runtime import mesh as mesh_lib
 from train.state import optim
 from train.state import sparsity
 
@@ -181,7 +181,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   constrain = ((lambda g: g) if grad_sharding is None else
                (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
   mode = (cfg.get("mesh") or {}).get("gradient_reduction", "auto")
-  modes = sharding_lib.GRADIENT_REDUCTIONS
+  modes = mesh_lib.GRADIENT_REDUCTIONS
   if mode not in modes:
     raise ValueError(f"mesh.gradient_reduction must be one of {modes}; got {mode!r}")
 

@@ -21,7 +21,7 @@ from train.data import pipeline as data_lib
 from train.data import tokenizer as tokenizer_lib
 from train.models import transformer as model_lib
 from train.runtime import compilation
-from train.runtime import mesh as sharding_lib
+from train.runtime import mesh as mesh_lib
 from train.state import optim
 from train.state import sparsity
 from train.state import steps as steps_lib
@@ -30,8 +30,8 @@ from train.state import steps as steps_lib
 def _mesh_of(mesh_cfg=None) -> jax.sharding.Mesh:
   """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
   try:
-    return sharding_lib.make_mesh(mesh_cfg)
-  except sharding_lib.MeshError as e:
+    return mesh_lib.make_mesh(mesh_cfg)
+  except mesh_lib.MeshError as e:
     raise errors.ConfigError(f"config.mesh: {e}") from e
 
 
@@ -50,14 +50,14 @@ class Trainer:
                        f"below the tokenizer's {self.tokenizer.vocab_size}")
     self.tx = optim.make_optimizer(cfg)
     self.replicated = NamedSharding(self.mesh, P())
-    self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
-    self.eval_sharding = sharding_lib.eval_sharding(self.mesh)
+    self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
+    self.eval_sharding = mesh_lib.eval_sharding(self.mesh)
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
     # The optimizer's moments, and the gradients inside the step, share one layout.
-    self.grad_sharding = sharding_lib.moment_shardings(
+    self.grad_sharding = mesh_lib.moment_shardings(
         shapes["params"], self.mesh, scan_layers=self.model_cfg.scan_layers,
         shard_optimizer=bool((cfg.get("mesh") or {}).get("shard_optimizer", False)))
-    self.state_sharding = sharding_lib.state_shardings(
+    self.state_sharding = mesh_lib.state_shardings(
         shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
         moments=self.grad_sharding)
     # Evaluation steps per FFN choice (jitted or compiled), and compiles started ahead.
@@ -95,7 +95,7 @@ class Trainer:
     numbers of hot features) overrides the model's FFNs."""
     step = steps_lib.make_train_step(self._model(layer_key), self.tx, self.cfg,
                                      grad_sharding=self.grad_sharding)
-    return jax.jit(sharding_lib.traced_in(self.mesh, step),
+    return jax.jit(mesh_lib.traced_in(self.mesh, step),
                    in_shardings=(self.state_sharding, self.batch_sharding),
                    out_shardings=(self.state_sharding, self.replicated),
                    donate_argnums=0)
@@ -135,7 +135,7 @@ class Trainer:
     """The jitted evaluation step of the FFN choice `layer_key` (None: the model's own),
     one per Trainer and choice."""
     if layer_key not in self._eval_steps:
-      self._eval_steps[layer_key] = jax.jit(sharding_lib.traced_in(
+      self._eval_steps[layer_key] = jax.jit(mesh_lib.traced_in(
           self.mesh, steps_lib.make_eval_step(self._model(layer_key))))
     return self._eval_steps[layer_key]
 

@@ -26,7 +26,7 @@ from train.hf import init_state as hf_init
 from train.models import implementations
 from train.models import transformer as model_lib
 from train.runtime import compilation
-from train.runtime import mesh as sharding_lib
+from train.runtime import mesh as mesh_lib
 from train.state import checkpointing
 from train.runtime import metrics as metrics_lib
 from train.training import preemption
@@ -144,7 +144,7 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
   changed = checkpointing.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
   for path, old, new in changed["free"] + changed["acceptable"]:
     logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
-  logging.info("%s", sharding_lib.describe(tr.mesh, tr.state_sharding["params"],
+  logging.info("%s", mesh_lib.describe(tr.mesh, tr.state_sharding["params"],
                                            tr.grad_sharding))
   mngr, restored = checkpointing.restore_latest(
       workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
