@@ -35,6 +35,12 @@
 #             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
 #             training one), then the paper 0.5B shape trained through train.main on those
 #             parquet shards with that tokenizer.json ($DATA_STEPS steps; the log's data wait)
+#   lm_eval   benchmarks.lm_eval_check: local tasks through our lm-eval backend and through
+#             lm-eval's hf model (float32, item by item), and loglikelihood requests/s with the
+#             sparse prefill against dense ($LM_EVAL_MODEL: default --trained=paper_0p5b, the
+#             decode part's cached weights, trained first if missing; or --workdir=W;
+#             $LM_EVAL_FLAGS). Needs lm-eval, datasets and their needs the image lacks as
+#             wheels in .whl
 #   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
 #             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
 #             a rerun with the same $OUT skips the runs quality.json holds)
@@ -71,10 +77,11 @@ export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SPECS=${SPECS:-paper_16k,paper_16k_heavy,paper_16k_skew,paper_16k_extreme}
 FWD_BWD_SPECS=${FWD_BWD_SPECS:-$SPECS}
-# Wheels for what the image lacks (ml_collections), if carried in .whl.
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/ml_collections ]; then
+# Wheels for what the image lacks (ml_collections; lm-eval, datasets and their needs), if
+# carried in .whl; installed again when the carried set changes.
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .whl/*.whl && ls .whl > /tmp/site/.wheels
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
@@ -210,6 +217,10 @@ for part in "${parts[@]}"; do
     decode_ffn)
       timeout ${T_DECODE_FFN:-400} python3 -m benchmarks.sweeps.decode_ffn --out="$OUT/decode_ffn.json" \
         ${DECODE_FFN_FLAGS:---sweep} 2>&1 | tee "$OUT/decode_ffn.log" | grep -E "^M |^break|^  \{" ;;
+    lm_eval)
+      timeout ${T_LM_EVAL:-400} python3 -m benchmarks.lm_eval_check \
+        ${LM_EVAL_MODEL:---trained=paper_0p5b} --out="$OUT/lm_eval_check.json" ${LM_EVAL_FLAGS} \
+        2>&1 | tee "$OUT/lm_eval.log" | grep -E "^cross-check|^loglikelihood|rror" ;;
     quality)
       timeout ${T_QUALITY:-3000} python3 -m benchmarks.quality --out="$OUT/quality.json" \
         --plots="$OUT/quality_plots" ${QUALITY_FLAGS} 2>&1 | tee "$OUT/quality.log" \

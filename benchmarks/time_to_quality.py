@@ -27,6 +27,10 @@ sparse model takes to reach dense's final CE, as dense's wall-clock over it:
   time, where one run's CE moves ~1.5%, so a per-seed slope is mostly noise) and `c` the seed's
   own. Where the pooled slope is not positive (CE did not fall with time) there is no estimate.
 
+The CE ratios' standard errors from the held-out batches alone (paired: every run is
+evaluated on the same batches) are recorded per seed beside them, to set the evaluation's own
+noise against the spread over seeds.
+
 Summary: each ratio's mean over seeds with a 95% interval (Student t over the seeds; none
 for one seed). The corpus's size is recorded (documents, bytes; tokens estimated from dense's
 run: the tokens it trained on over the passes over the corpus it made), with each run's
@@ -98,6 +102,21 @@ def mean_ci(values: list[float]) -> dict:
   return {"mean": mean, "ci95": [mean - half, mean + half], "n": n}
 
 
+def paired_ratio_se(run: dict, base: dict) -> float | None:
+  """Standard error of run's final CE over base's from the held-out batches, paired (the
+  same batches for both; delta method), or None where either lacks the batches' losses."""
+  last = lambda r: (r.get("evals") or [{}])[-1].get("batch_ce")
+  x, d = last(run), last(base)
+  if not x or not d or len(x) != len(d) or len(x) < 2:
+    return None
+  n, mean_x, mean_d = len(x), sum(x) / len(x), sum(d) / len(d)
+  ratio = mean_x / mean_d
+  resid = [xi - ratio * di for xi, di in zip(x, d)]
+  mr = sum(resid) / n
+  sd = math.sqrt(sum((v - mr) ** 2 for v in resid) / (n - 1))
+  return sd / (math.sqrt(n) * mean_d)
+
+
 def summarize(results: dict) -> None:
   """Per-seed ratios and their means with intervals (module docstring)."""
   by = {run_key(r): r for r in results["runs"]}
@@ -113,6 +132,9 @@ def summarize(results: dict) -> None:
            "ce_ratio_equal_steps": a["eval_ce"] / d["eval_ce"],
            "ce_ratio_equal_time": b["eval_ce"] / d["eval_ce"],
            "equal_time_wall_ratio": b["wall_s"] / d["wall_s"],
+           # Held-out evaluation noise alone (same batches, paired): against the seeds' spread.
+           "ce_ratio_equal_steps_se": paired_ratio_se(a, d),
+           "ce_ratio_equal_time_se": paired_ratio_se(b, d),
            "steps_equal_time": b["steps"], "time_to_dense_ce_ratio": None}
     if slope and slope > 0:
       # log t* = mean log t + (mean log CE - log CE_dense) / a, CE(t) = c t^-a through both.

@@ -176,8 +176,10 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
   landings = metrics.events(rows, "ffn_landing")
   waits = [[e["step"], e["waited_s"]] for e in landings]
   builds = [[e["step"], e["build_s"]] for e in landings]
+  batch_losses = {e["step"]: e["losses"] for e in metrics.events(rows, "eval_batch_losses")}
   evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"],
-            "ce_se": r.get("eval/loss_se"), "tokens": r.get("eval/tokens")}
+            "ce_se": r.get("eval/loss_se"), "tokens": r.get("eval/tokens"),
+            "batch_ce": batch_losses.get(r["step"])}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,
           "first_step_s": train_rows[0]["wall_time"] - t0,

@@ -560,6 +560,9 @@ class TimeToQualityTest(absltest.TestCase):
     (row,) = r["per_seed"]
     self.assertAlmostEqual(row["wall_ratio"], dense["wall_s"] / sparse["wall_s"])
     self.assertAlmostEqual(row["ce_ratio_equal_time"], sparse_t["eval_ce"] / dense["eval_ce"])
+    self.assertLen(dense["evals"][-1]["batch_ce"], 2)
+    self.assertAlmostEqual(np.mean(dense["evals"][-1]["batch_ce"]), dense["eval_ce"], places=5)
+    self.assertGreater(row["ce_ratio_equal_time_se"], 0.0)
     self.assertEqual(r["summary"]["wall_ratio"]["n"], 1)
     self.assertIsNone(r["summary"]["wall_ratio"]["ci95"])
     self.assertGreater(r["corpus"]["train"]["documents"], r["corpus"]["validation"]["documents"])
@@ -589,6 +592,14 @@ class TimeToQualityTest(absltest.TestCase):
     np.testing.assert_allclose(got["ci95"], [np.mean(walls) - half, np.mean(walls) + half],
                                rtol=1e-6)
     self.assertAlmostEqual(results["summary"]["time_to_dense_ce_ratio"]["mean"], 1.2)
+    # Paired over the same held-out batches: a run 2% above dense on every batch has a ratio
+    # of 1.02 with no error; batch-to-batch scatter gives one.
+    base = {"evals": [{"batch_ce": [3.0, 4.0, 5.0, 6.0]}]}
+    same = {"evals": [{"batch_ce": [1.02 * v for v in base["evals"][0]["batch_ce"]]}]}
+    self.assertAlmostEqual(time_to_quality.paired_ratio_se(same, base), 0.0)
+    noisy = {"evals": [{"batch_ce": [3.1, 3.9, 5.1, 5.9]}]}
+    self.assertGreater(time_to_quality.paired_ratio_se(noisy, base), 0.01)
+    self.assertIsNone(time_to_quality.paired_ratio_se(noisy, {"evals": [{}]}))
 
 
 class TailColumnsTest(absltest.TestCase):

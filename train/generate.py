@@ -13,7 +13,6 @@ import json
 
 from train import cli
 from train.inference import generator
-from train.inference import loading
 from train.models import implementations
 
 
@@ -58,18 +57,16 @@ def main():
     if not prompts:
       raise app.UsageError(f"{f.prompts_file} holds no prompt")
   prompts = [p for p in prompts for _ in range(max(1, f.num_samples))]
-  ck = loading.load_checkpoint(f.workdir, f.step)
-  active = generator.logged_activity(f.workdir, ck.step, ck.model_cfg.n_layers)
-  gen = generator.Generator(ck.params, ck.config, tokenizer=ck.tokenizer,
-                            prefill_ffn=f.prefill_ffn, active_per_token=active,
-                            decode_ffn=f.decode_ffn, decode_attention=f.decode_attention)
+  gen, step = generator.from_workdir(f.workdir, f.step, prefill_ffn=f.prefill_ffn,
+                                     decode_ffn=f.decode_ffn,
+                                     decode_attention=f.decode_attention)
   out = gen(prompts, max_new_tokens=f.max_new_tokens, seed=f.seed,
             sampling=generator.Sampling(f.temperature, f.top_k, f.top_p),
             stop_at_eos=f.stop_at_eos, prefix_eos=f.prefix_eos)
   for i, (prompt, text) in enumerate(zip(prompts, out.texts)):
     print(f"=== {i}\n{prompt}{text}", flush=True)
   s = out.stats
-  print(f"--- checkpoint step {ck.step}; {s['device']}; batch {s['batch']}: prefill "
+  print(f"--- checkpoint step {step}; {s['device']}; batch {s['batch']}: prefill "
         f"{s['prompt_tokens_padded']} tokens/row in {s['prefill_s'] * 1e3:.1f} ms "
         f"(FFN per layer {s['prefill_ffn']}); decode {s['decode_steps']} steps in "
         f"{s['decode_s'] * 1e3:.1f} ms = {s['decode_tokens_per_s']:,.1f} tokens/s "
@@ -77,7 +74,7 @@ def main():
         f"compile {s['compile_s']:.1f} s", flush=True)
   if f.out:
     with open(f.out, "w") as fh:
-      json.dump({"step": ck.step, "prompts": prompts, "completions": out.texts,
+      json.dump({"step": step, "prompts": prompts, "completions": out.texts,
                  "finished": out.finished, "stats": s}, fh, indent=1)
 
 

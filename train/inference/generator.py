@@ -15,6 +15,9 @@ Two compiled functions, shapes static:
     key and value are written at its position (its prompt length plus the step), and its
     query attends to its cache prefix. It stops after max_new_tokens or once every row has
     emitted EOS (unless `stop_at_eos=False`).
+A third, `score_ids`, runs the prefill's forward pass on given rows and returns each
+position's log-probability of a given next token (lm-evaluation-harness's loglikelihood:
+`train.inference.lm_eval_backend`).
 Sampling: temperature (0: greedy), top-k (0: off) and top-p (nucleus; 1: off), from one
 seed (step i samples with `fold_in(key(seed), i)`).
 
@@ -56,6 +59,7 @@ from train import errors
 
 PROMPT_BUCKET = 64     # prompts are padded to a multiple of this (fewer recompiles)
 DEFAULT_MAX_NEW_TOKENS = 128
+SCORE_LOGITS_TOKENS = 8192   # positions whose logits `score_ids` forms at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +127,17 @@ class Generator:
     decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
       see the module docstring.
     decode_attention: "auto", "kernel" or "xla" (`train.models.implementations.DECODE_ATTENTION`).
+    dtype: compute in this dtype instead of the config's `model.dtype`.
   """
 
   def __init__(self, params: dict, config: Any, *, tokenizer=None,
                prefill_ffn: str | Sequence[str] = "auto",
                active_per_token: Sequence[float] | None = None, decode_ffn: str = "auto",
-               decode_attention: str = "auto"):
+               decode_attention: str = "auto", dtype: str | None = None):
     try:
       mc = model_lib.ModelConfig.from_config(config.model)
+      if dtype is not None:
+        mc = dataclasses.replace(mc, dtype=dtype)
     except (TypeError, ValueError) as e:  # bad or unknown model fields
       raise errors.ConfigError(f"config.model: {e}") from e
     self.model_cfg = dataclasses.replace(mc, remat=False)
@@ -175,13 +182,14 @@ class Generator:
       self._layers = (sparse, jax.jit(split)(self.params["blocks"]))
     return self._layers[1]
 
-  # ---- the two compiled functions ----
+  # ---- the compiled functions ----
 
-  def _prefill_fn(self, params, tokens, lengths, *, names, t_max):
-    """(next-token logits [B, V] f32, cache k, v [L, B, t_max, K, E], active [L])."""
-    lm, cfg = self._lm, self.model_cfg
-    outer = lm.outer_module(params)
-    attention = implementations.attention(cfg)
+  def _forward(self, params, tokens, *, names, keep_cache: bool):
+    """(final hidden state [B, T, D] before the final norm, cache k, v [L, B, T, K, E] (None
+    without `keep_cache`), active [L]): the model on `tokens` [B, T], the FFN of layer l
+    running `names[l]`, causal attention as in training."""
+    lm = self._lm
+    attention = implementations.attention(self.model_cfg)
 
     def layer(x, block_params, name, hot):
       block = lm.block_module(block_params)
@@ -190,18 +198,46 @@ class Generator:
       o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
       x = x + block.attn.out(o)
       y, stats = block.ffn(block.ffn_norm(x), return_stats=True)
-      return x + y.astype(x.dtype), (k, v, stats.nnz_per_token)
+      cache = (k, v) if keep_cache else ()
+      return x + y.astype(x.dtype), (*cache, stats.nnz_per_token)
 
-    x, outs = outer.embed_tokens(tokens), []
+    x, outs = lm.outer_module(params).embed_tokens(tokens), []
     for start, stop, name, hot in self._groups(names):
       group = jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"])
       x, ys = jax.lax.scan(functools.partial(layer, name=name, hot=hot), x, group)
       outs.append(ys)
-    ks, vs, active = (jnp.concatenate(a) for a in zip(*outs))
+    per_layer = [jnp.concatenate(a) for a in zip(*outs)]
+    if keep_cache:
+      return x, per_layer[0], per_layer[1], per_layer[2]
+    return x, None, None, per_layer[0]
+
+  def _prefill_fn(self, params, tokens, lengths, *, names, t_max):
+    """(next-token logits [B, V] f32, cache k, v [L, B, t_max, K, E], active [L])."""
+    x, ks, vs, active = self._forward(params, tokens, names=names, keep_cache=True)
     last = x[jnp.arange(x.shape[0]), lengths - 1]                     # [B, D]
-    logits = outer.logits(last[:, None])[:, 0]
+    logits = self._lm.outer_module(params).logits(last[:, None])[:, 0]
     pad = ((0, 0), (0, 0), (0, t_max - tokens.shape[1]), (0, 0), (0, 0))
     return logits, jnp.pad(ks, pad), jnp.pad(vs, pad), active
+
+  def _score_fn(self, params, tokens, targets, *, names):
+    """(log p(targets[b, t] | tokens[b, :t + 1]) [B, T] f32, whether targets[b, t] is the
+    most likely token [B, T] bool, active [L]).
+
+    The logits are formed a few rows at a time (`SCORE_LOGITS_TOKENS` positions): all of
+    them at once, [B, T, V] f32, would be gigabytes at a 32k vocabulary and long rows."""
+    x, _, _, active = self._forward(params, tokens, names=names, keep_cache=False)
+    outer = self._lm.outer_module(params)
+
+    def one_row(row):
+      x_row, target = row                                             # [T, D], [T]
+      logits = outer.logits(x_row[None])[0]                           # [T, V] f32
+      logprobs = jax.nn.log_softmax(logits, axis=-1)
+      picked = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
+      return picked, jnp.argmax(logits, axis=-1) == target
+
+    rows = max(1, SCORE_LOGITS_TOKENS // tokens.shape[1])
+    logprobs, greedy = jax.lax.map(one_row, (x, targets), batch_size=rows)
+    return logprobs, greedy, active
 
   def _decode_fn(self, params, layers, logits, ck, cv, lengths, key, *, names, steps,
                  sampling, eos_id, pad_id, stop_at_eos, record_gaps=False):
@@ -397,6 +433,39 @@ class Generator:
     return Generation(tokens=new_tokens, finished=finished, texts=None, stats=stats,
                       top2_gaps=top2_gaps)
 
+  def score_ids(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                        dict]:
+    """Scores `targets` [B, T] int32 after `tokens` [B, T] int32 in one prefill-like call:
+    (log p(targets[b, t] | tokens[b, :t + 1]) [B, T] f32, whether each target is the argmax
+    [B, T] bool, stats). Rows are causal, so right padding changes no real position.
+
+    The FFNs run what a prefill of B x T tokens runs (`Plan.prefill_implementations`; with
+    "auto" and no activity known yet, this call runs dense and measures it). Keep B and T to
+    a few shapes: each new one compiles. stats: "seconds" (the call, not the compile),
+    "compile_s" (0 when this shape was compiled before), "ffn" (D/S per layer).
+    """
+    b, t = tokens.shape
+    if targets.shape != (b, t):
+      raise errors.ConfigError(f"targets {targets.shape} must have the shape of tokens {(b, t)}")
+    if t > self.context:
+      raise errors.ConfigError(
+          f"rows of {t} tokens exceed the context of {self.context} tokens this model was "
+          "trained on (data.seq_len)")
+    names = self.plan.prefill_implementations(tokens.size)
+    measured = names is None
+    run_names = ("dense",) * self.model_cfg.n_layers if measured else names
+    args = (self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(targets, jnp.int32))
+    known = len(self._compiled)
+    score, compile_s = self._compile("score", self._score_fn, args, names=run_names)
+    t0 = time.perf_counter()
+    logprobs, greedy, active = jax.block_until_ready(score(*args))
+    seconds = time.perf_counter() - t0
+    if measured:
+      self.plan.active_per_token = [float(a) for a in np.asarray(active)]
+    stats = {"seconds": seconds, "compile_s": compile_s if len(self._compiled) > known else 0.0,
+             "ffn": "".join("D" if n == "dense" else "S" for n in run_names)}
+    return np.asarray(logprobs), np.asarray(greedy), stats
+
   def __call__(self, prompts: Sequence[str], *, prefix_eos: bool = True, **kwargs) -> Generation:
     """Completes text prompts; kwargs are `generate_ids`'s."""
     prefix = [int(self.tokenizer.eos_id)] if prefix_eos else []
@@ -420,6 +489,20 @@ def generate(params: dict, config: Any, prompts: Sequence[str], *,
   return gen(prompts, max_new_tokens=max_new_tokens, prefix_eos=prefix_eos,
              sampling=Sampling(temperature, top_k, top_p), seed=seed,
              stop_at_eos=stop_at_eos)
+
+
+def from_checkpoint(ck: loading.Checkpoint, workdir: str, **generator_kwargs) -> Generator:
+  """A `Generator` (`generator_kwargs`: its arguments) for the restored checkpoint `ck` of
+  `workdir`, with the activity training logged for prefill_ffn="auto"."""
+  active = logged_activity(workdir, ck.step, ck.model_cfg.n_layers)
+  return Generator(ck.params, ck.config, tokenizer=ck.tokenizer, active_per_token=active,
+                   **generator_kwargs)
+
+
+def from_workdir(workdir: str, step: int | None = None, **kwargs) -> tuple[Generator, int]:
+  """(`from_checkpoint` of checkpoint `step` (default: the latest) of `workdir`, its step)."""
+  ck = loading.load_checkpoint(workdir, step)
+  return from_checkpoint(ck, workdir, **kwargs), ck.step
 
 
 def logged_activity(workdir: str, step: int, n_layers: int) -> list[float] | None:

@@ -5,7 +5,7 @@ TensorBoard event files are written with the `tensorboard` package alone
 TensorFlow nor clu is needed. Every logged interval also appends one JSON
 object to DIR/metrics.jsonl ("step", "wall_time" and the scalars), which is what scripts and
 tests read, and so does every event the trainer records ("step", "wall_time", "event" and its
-fields: a per-layer FFN choice decided, one landing; `events`). Only process 0 writes; other
+fields: a per-layer FFN choice decided, one landing, the held-out batches' losses; `events`). Only process 0 writes; other
 processes log to the console only.
 """
 

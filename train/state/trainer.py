@@ -154,7 +154,9 @@ class Trainer:
   def evaluate(self, params, batches, layer_key=None) -> dict:
     """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_key` (a
     `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`. `loss_se` is the
-    loss's standard error from the spread of the batches' own losses (0 for one batch)."""
+    loss's standard error from the spread of the batches' own losses (0 for one batch);
+    `batch_losses` are those losses, in the batches' order (the held-out batches are the same
+    for every run of one data config, so two runs compare batch by batch)."""
     ahead = self._eval_ahead.pop(layer_key, None)
     eval_step = self._eval_step(layer_key)
     if ahead is not None:
@@ -184,6 +186,7 @@ class Trainer:
     return {
         "loss": loss, "perplexity": float(np.exp(min(loss, 80.0))),
         "loss_se": float(np.std(batch_losses, ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
+        "batch_losses": batch_losses,
         "tokens": int(tot["tokens"]),
         "active_per_token": [float(x) for x in active],
         "sparsity": [float(1.0 - x / h) for x in active],

@@ -250,6 +250,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         t_eval = time.time()
         ev = tr.evaluate(state["params"], eval_data,
                          None if steps is None else steps.eval_key)
+        writer.write_event(done, "eval_batch_losses", losses=ev.pop("batch_losses"))
         logging.info("eval step %d: %s", done, json.dumps(ev))
         writer.write_scalars(done, metrics_lib.flatten_metrics(
             {f"eval/{k}": v for k, v in ev.items()}))
