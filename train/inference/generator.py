@@ -108,6 +108,16 @@ class Generation:
   top2_gaps: list[list[float]] | None = None
 
 
+def _split_at_eos(out: np.ndarray, eos: int) -> tuple[list[list[int]], list[bool]]:
+  """Each row of `out` [B, steps] up to (without) its first EOS, and whether it has one."""
+  new_tokens, finished = [], []
+  for row in out:
+    hit = np.flatnonzero(row == eos)
+    finished.append(bool(hit.size))
+    new_tokens.append([int(t) for t in (row[:hit[0]] if hit.size else row)])
+  return new_tokens, finished
+
+
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
@@ -248,10 +258,7 @@ class Generator:
     one array per layer in the loop: each step reads every weight where it lies (XLA copies
     a layer's slice of the stacked arrays inside the token loop every step: three times
     the bytes a step must read)."""
-    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
-    from twell_jax import decode  # pylint: disable=import-outside-toplevel
-    lm = self._lm
-    outer = lm.outer_module(params)
+    outer = self._lm.outer_module(params)
     # One row runs as two equal ones: XLA rewrites a [1, D] x [D, F] product whose operands
     # hold under 10M elements as a broadcast multiply writing [D, F] and a reduction, three
     # passes over the weight; with two rows every projection stays one GEMM.
@@ -264,38 +271,11 @@ class Generator:
                  for _ in range(start, stop)]
     ck, cv = tuple(ck[l] for l in range(len(layers))), tuple(cv[l] for l in range(len(layers)))
 
-    cfg = self.model_cfg
-
     def forward(tok, pos, ck, cv):
       x, ck, cv = outer.embed_tokens(tok[:, None]), list(ck), list(cv)
       for l, (block_params, (name, hot)) in enumerate(zip(layers, per_layer)):
-        sparse = name == "decode"
-        if sparse:   # the FFN in the kernels' layout; the block module never calls its own
-          # FFN, whose weights are only placeholders here
-          w = block_params["ffn"]
-          block_params = {**block_params, "ffn": {k: w.w_down for k in self._ffn_param_names}}
-        block = lm.block_module(block_params)
-        block.ffn.implementation, block.ffn.hot_features = name, hot
-        q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
-        if self.plan.decode_attention == "kernel":
-          o, ck[l], cv[l] = decode_attention_triton.decode_attention(
-              q[:, 0], k[:, 0], v[:, 0], ck[l], cv[l], pos, interpret=bool(cfg.interpret))
-          o = o[:, None]
-        else:
-          ck[l] = ck[l].at[rows, pos].set(k[:, 0])
-          cv[l] = cv[l].at[rows, pos].set(v[:, 0])
-          o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
-                                           implementation="xla")
-        x = x + block.attn.out(o)
-        if sparse:
-          xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
-          # One row's two equal copies: the decode FFN runs on one (its one-row kernel).
-          y = decode.decode_ffn_weights(xn[:1] if single else xn, w,
-                                        interpret=bool(cfg.interpret))[0]
-          y = jnp.broadcast_to(y, xn.shape)[:, None]
-        else:
-          y = block.ffn(block.ffn_norm(x))
-        x = x + y.astype(x.dtype)
+        x, ck[l], cv[l] = self._decode_layer(x, block_params, name, hot, pos, ck[l], cv[l],
+                                             rows, single)
       return outer.logits(x)[:, 0], tuple(ck), tuple(cv)
 
     def draw(logits, i):
@@ -331,6 +311,40 @@ class Generator:
     one = lambda a: a[:1] if single and a is not None else a
     return one(state[4]), state[0] - 1, one(state[5])
 
+  def _decode_layer(self, x, block_params, name, hot, pos, k_cache, v_cache, rows, single):
+    """One layer of a decode step on x [B, 1, D] at positions `pos` [B]: (x, k_cache,
+    v_cache) after it. A layer that decodes sparse ("decode") holds its FFN in the kernels'
+    layout (`_layer_params`); the block module never calls its own FFN there, whose weights
+    are only placeholders."""
+    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
+    from twell_jax import decode  # pylint: disable=import-outside-toplevel
+    cfg, sparse = self.model_cfg, name == "decode"
+    if sparse:
+      w = block_params["ffn"]
+      block_params = {**block_params, "ffn": {k: w.w_down for k in self._ffn_param_names}}
+    block = self._lm.block_module(block_params)
+    block.ffn.implementation, block.ffn.hot_features = name, hot
+    q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
+    if self.plan.decode_attention == "kernel":
+      o, k_cache, v_cache = decode_attention_triton.decode_attention(
+          q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, pos, interpret=bool(cfg.interpret))
+      o = o[:, None]
+    else:
+      k_cache = k_cache.at[rows, pos].set(k[:, 0])
+      v_cache = v_cache.at[rows, pos].set(v[:, 0])
+      o = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=pos + 1,
+                                       implementation="xla")
+    x = x + block.attn.out(o)
+    if sparse:
+      xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
+      # One row's two equal copies: the decode FFN runs on one (its one-row kernel).
+      y = decode.decode_ffn_weights(xn[:1] if single else xn, w,
+                                    interpret=bool(cfg.interpret))[0]
+      y = jnp.broadcast_to(y, xn.shape)[:, None]
+    else:
+      y = block.ffn(block.ffn_norm(x))
+    return x + y.astype(x.dtype), k_cache, v_cache
+
   def _compile(self, kind: str, fn, args, **static):
     key = (kind, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:])),
            tuple(sorted(static.items())))
@@ -342,21 +356,15 @@ class Generator:
 
   # ---- calls ----
 
-  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
-                   sampling: Sampling = Sampling(), seed: int = 0,
-                   stop_at_eos: bool = True, record_gaps: bool = False) -> Generation:
-    """Completes token-id prompts (each non-empty); see the module docstring.
-
-    max_new_tokens: None fills the context after the longest prompt, at most
-    `DEFAULT_MAX_NEW_TOKENS`. record_gaps: also return each new token's top-2 logit gap
-    (`Generation.top2_gaps`; the decode loop then does a top-k per step, so time it without).
-    """
+  def _checked_lengths(self, prompts, max_new_tokens):
+    """(the prompts' lengths [B] int32, max_new_tokens filled in): ConfigError for no prompt,
+    an empty one, or a prompt plus max_new_tokens past the trained context."""
     if not prompts:
       raise errors.ConfigError("no prompts")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
       raise errors.ConfigError("every prompt needs at least one token (an empty text "
-                                  "prompt with prefix_eos=True has one)")
+                               "prompt with prefix_eos=True has one)")
     longest = int(lengths.max())
     if longest >= self.context:
       raise errors.ConfigError(
@@ -371,6 +379,19 @@ class Generator:
           f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
           f"context of {self.context} tokens this model was trained on (data.seq_len); "
           "shorten the prompt or lower max_new_tokens")
+    return lengths, max_new_tokens
+
+  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
+                   sampling: Sampling = Sampling(), seed: int = 0,
+                   stop_at_eos: bool = True, record_gaps: bool = False) -> Generation:
+    """Completes token-id prompts (each non-empty); see the module docstring.
+
+    max_new_tokens: None fills the context after the longest prompt, at most
+    `DEFAULT_MAX_NEW_TOKENS`. record_gaps: also return each new token's top-2 logit gap
+    (`Generation.top2_gaps`; the decode loop then does a top-k per step, so time it without).
+    """
+    lengths, max_new_tokens = self._checked_lengths(prompts, max_new_tokens)
+    longest = int(lengths.max())
     t_pad = min(_round_up(longest, PROMPT_BUCKET), self.context)
     batch = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
@@ -405,12 +426,7 @@ class Generator:
     decode_s = time.perf_counter() - t0
     out, steps = np.asarray(out), int(steps)
 
-    eos = int(self.tokenizer.eos_id)
-    new_tokens, finished = [], []
-    for row in out:
-      hit = np.flatnonzero(row == eos)
-      finished.append(bool(hit.size))
-      new_tokens.append([int(t) for t in (row[:hit[0]] if hit.size else row)])
+    new_tokens, finished = _split_at_eos(out, int(self.tokenizer.eos_id))
     b = len(prompts)
     describe = lambda ns: "".join("D" if n == "dense" else "S" for n in ns)
     stats = {
