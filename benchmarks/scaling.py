@@ -332,22 +332,64 @@ def merge_results(results: list[dict]) -> dict:
           "failed": [run for r in results for run in r["runs"] if "error" in run]}
 
 
+def _merge_files(paths, out) -> None:
+  """`--merge`: the results files at `paths` merged (`merge_results`), printed, written to
+  `out`."""
+  loaded = []
+  for path in paths:
+    with open(path) as f:
+      loaded.append(json.load(f))
+  merged = merge_results(loaded)
+  for r in merged["ratios"]:
+    print(f"  {r['layers']} layers, mesh {r['mesh']}: sparse {r['speedup']:.3f}x dense, "
+          f"step's peak memory {r['peak_memory_ratio']:.3f}x (process peaks "
+          f"{r['process_peak_ratio']:.3f}x)", flush=True)
+  if out:
+    with open(out, "w") as f:
+      json.dump(merged, f, indent=1)
+
+
+def _add_efficiency(r: dict, one_device_runs: list[dict]) -> None:
+  """A run's scaling efficiency against the model's first one-device run, and against each
+  device's own one-device run (devices of one host differ by a few percent)."""
+  if not one_device_runs or r["devices"] == 1:
+    return
+  one = one_device_runs[0]
+  for key in ("", "synced_"):
+    r[f"{key}scaling_efficiency"] = (r[f"{key}tokens_per_s"]
+                                     / (r["devices"] * one[f"{key}tokens_per_s"]))
+  r["scaling_efficiency_by_one_device"] = {
+      str(x["device_ids"][0]): r["tokens_per_s"] / (r["devices"] * x["tokens_per_s"])
+      for x in one_device_runs}
+
+
+def _print_run(r: dict) -> None:
+  """One run's line (and its trace's, if profiled)."""
+  print(f"  {r['model']:<6} mesh {r['mesh']:<5} {r['options']:<16} "
+        f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "
+        f"device" + (f", efficiency {r['scaling_efficiency']:.3f}"
+                     if "scaling_efficiency" in r else "")
+        + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
+        + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
+           if "synced_scaling_efficiency" in r else "")
+        + f"); collectives {r['collectives']}, overlapped "
+        f"{r['overlapped_collectives']}/{r['async_collectives']} "
+        f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
+        f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
+        f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
+  if r.get("profile"):
+    pr = r["profile"]
+    print(f"    trace per step: span {pr['span_ms']:.2f} ms, compute "
+          f"{pr['compute_ms']:.2f}, idle {pr['idle_ms']:.2f}, collectives "
+          f"{pr['collective_ms']:.2f} ({pr['exposed_collective_ms']:.2f} exposed)",
+          flush=True)
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
   if fl.merge:
-    loaded = []
-    for path in fl.merge:
-      with open(path) as f:
-        loaded.append(json.load(f))
-    merged = merge_results(loaded)
-    for r in merged["ratios"]:
-      print(f"  {r['layers']} layers, mesh {r['mesh']}: sparse {r['speedup']:.3f}x dense, "
-            f"step's peak memory {r['peak_memory_ratio']:.3f}x (process peaks "
-            f"{r['process_peak_ratio']:.3f}x)", flush=True)
-    if fl.out:
-      with open(fl.out, "w") as f:
-        json.dump(merged, f, indent=1)
+    _merge_files(fl.merge, fl.out)
     return
   n = jax.device_count()
   meshes = fl.meshes or default_meshes(n)
@@ -386,36 +428,10 @@ def main(argv):
           print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} failed: {r['error']}",
                 flush=True)
           continue
-        one = next((x for x in results["runs"] if x["model"] == model and x["devices"] == 1
-                    and "error" not in x), None)
-        if one is not None and r["devices"] > 1:
-          for key in ("", "synced_"):
-            r[f"{key}scaling_efficiency"] = (r[f"{key}tokens_per_s"]
-                                             / (r["devices"] * one[f"{key}tokens_per_s"]))
-          # Against each device's own one-device run (devices of one host differ by a few %).
-          r["scaling_efficiency_by_one_device"] = {
-              str(x["device_ids"][0]): r["tokens_per_s"] / (r["devices"] * x["tokens_per_s"])
-              for x in results["runs"] if x["model"] == model and x["devices"] == 1
-              and "error" not in x}
+        _add_efficiency(r, [x for x in results["runs"] if x["model"] == model
+                            and x["devices"] == 1 and "error" not in x])
         results["runs"].append(r)
-        print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} "
-              f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "
-              f"device" + (f", efficiency {r['scaling_efficiency']:.3f}"
-                           if "scaling_efficiency" in r else "")
-              + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
-              + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
-                 if "synced_scaling_efficiency" in r else "")
-              + f"); collectives {r['collectives']}, overlapped "
-              f"{r['overlapped_collectives']}/{r['async_collectives']} "
-              f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
-              f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
-              f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
-        if r.get("profile"):
-          pr = r["profile"]
-          print(f"    trace per step: span {pr['span_ms']:.2f} ms, compute "
-                f"{pr['compute_ms']:.2f}, idle {pr['idle_ms']:.2f}, collectives "
-                f"{pr['collective_ms']:.2f} ({pr['exposed_collective_ms']:.2f} exposed)",
-                flush=True)
+        _print_run(r)
         if fl.out:
           with open(fl.out, "w") as f:
             json.dump(results, f, indent=1)

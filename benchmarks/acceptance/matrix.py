@@ -171,85 +171,104 @@ def compare_states(a: str, b: str) -> dict:
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _train_and_kill(config: str, impl: str, mesh: str, wd: str, env: dict,
+                    timeout: int) -> int:
+  """Trains the cell twice side by side, an uninterrupted run (wd/ref) and one SIGKILLed after
+  its first checkpoint (wd/run); returns the step the killed run's last checkpoint holds."""
+  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
+  with open(os.path.join(wd, "ref.log"), "w") as f_ref, \
+       open(os.path.join(wd, "killed.log"), "w") as f_run:
+    p_ref = subprocess.Popen(train_cmd(config, impl, mesh, ref), env=env, stdout=f_ref,
+                             stderr=subprocess.STDOUT)
+    p_run = subprocess.Popen(train_cmd(config, impl, mesh, run), env=env, stdout=f_run,
+                             stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    while (not checkpointing.steps_on_disk(run) and p_run.poll() is None
+           and time.time() < deadline):
+      time.sleep(0.05)
+    p_run.send_signal(signal.SIGKILL)
+    p_run.wait()
+    try:
+      p_ref.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      p_ref.kill()
+      raise CellError("the uninterrupted run timed out")
+  killed_at = max(checkpointing.steps_on_disk(run), default=None)
+  if p_ref.returncode:
+    raise CellError(f"the uninterrupted run exited {p_ref.returncode}:\n"
+                    f"{_tail(os.path.join(wd, 'ref.log'))}")
+  if killed_at is None or killed_at >= STEPS:
+    raise CellError(f"the killed run was not stopped between checkpoints (checkpoints "
+                    f"{checkpointing.steps_on_disk(run)}):\n"
+                    f"{_tail(os.path.join(wd, 'killed.log'))}")
+  return killed_at
+
+
+def _check_resumed(cell: dict, wd: str, env: dict, timeout: int) -> list[str]:
+  """The resumed run's evaluate, generate and export_hf commands and its state against the
+  uninterrupted run's, into `cell`; returns the problems found."""
+  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
+  tools = {
+      "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
+      "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
+                   "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
+                   f"--out={os.path.join(wd, 'generate.json')}"],
+      "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
+                    f"--out={os.path.join(wd, 'hf')}"],
+  }
+  with concurrent.futures.ThreadPoolExecutor(len(tools) + 1) as pool:
+    futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
+               for k, cmd in tools.items()}
+    same = pool.submit(compare_states, ref, run)
+    problems = []
+    for k, fut in futures.items():
+      try:
+        fut.result()
+        cell[k] = True
+      except (CellError, subprocess.TimeoutExpired) as e:
+        cell[k] = False
+        problems.append(f"{k}: {e}")
+    cmp = same.result()
+  if cell.get("generate"):
+    # Which decode the CLI's defaults chose for this model (FFN per layer, attention).
+    with open(os.path.join(wd, "generate.json")) as f:
+      stats = json.load(f)["stats"]
+    cell["decode"] = {k: stats.get(k) for k in ("decode_ffn", "decode_attention",
+                                                 "decode_tokens_per_s")}
+  cell["same_state"] = bool(cmp["equal"])
+  cell["state_max_abs_diff"] = cmp["max_abs_diff"]
+  if not cell["same_state"]:
+    problems.append(f"the resumed run's state differs from the uninterrupted one's "
+                    f"(max abs diff {cmp['max_abs_diff']:.3g})")
+  return problems
+
+
 def run_cell(config: str, impl: str, mesh: str, root: str, gpus: str | None,
              timeout: int) -> dict:
+  """One cell: train, SIGKILL, resume, the same state, evaluate, generate, export."""
   name = f"{config}/{impl}/{mesh}"
   cell = {"name": name, "config": config, "impl": impl, "mesh": mesh, "ok": False,
           "error": None}
   wd = os.path.join(root, name.replace("/", "_").replace(",", "_").replace("=", ""))
   shutil.rmtree(wd, ignore_errors=True)
   os.makedirs(wd)
-  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
   t0 = time.time()
   try:
     env = _env(gpus)
-    with open(os.path.join(wd, "ref.log"), "w") as f_ref, \
-         open(os.path.join(wd, "killed.log"), "w") as f_run:
-      p_ref = subprocess.Popen(train_cmd(config, impl, mesh, ref), env=env, stdout=f_ref,
-                               stderr=subprocess.STDOUT)
-      p_run = subprocess.Popen(train_cmd(config, impl, mesh, run), env=env, stdout=f_run,
-                               stderr=subprocess.STDOUT)
-      deadline = time.time() + timeout
-      while not checkpointing.steps_on_disk(run) and p_run.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-      p_run.send_signal(signal.SIGKILL)
-      p_run.wait()
-      try:
-        p_ref.wait(timeout=max(1.0, deadline - time.time()))
-      except subprocess.TimeoutExpired:
-        p_ref.kill()
-        raise CellError("the uninterrupted run timed out")
-    killed_at = max(checkpointing.steps_on_disk(run), default=None)
+    killed_at = _train_and_kill(config, impl, mesh, wd, env, timeout)
     cell["killed_after_step"] = killed_at
-    if p_ref.returncode:
-      raise CellError(f"the uninterrupted run exited {p_ref.returncode}:\n"
-                      f"{_tail(os.path.join(wd, 'ref.log'))}")
-    if killed_at is None or killed_at >= STEPS:
-      raise CellError(f"the killed run was not stopped between checkpoints "
-                      f"(checkpoints {checkpointing.steps_on_disk(run)}):\n{_tail(os.path.join(wd, 'killed.log'))}")
     cell["train_s"] = round(time.time() - t0, 1)
     log = os.path.join(wd, "resume.log")
-    _run(train_cmd(config, impl, mesh, run), env, log, timeout)
+    _run(train_cmd(config, impl, mesh, os.path.join(wd, "run")), env, log, timeout)
     cell["resumed"] = f"Resumed from checkpoint step {killed_at}" in _tail(log, 10**7)
     if not cell["resumed"]:
       raise CellError(f"the rerun did not resume from step {killed_at}:\n{_tail(log)}")
-    tools = {
-        "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
-        "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
-                     "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
-                     f"--out={os.path.join(wd, 'generate.json')}"],
-        "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
-                      f"--out={os.path.join(wd, 'hf')}"],
-    }
-    with concurrent.futures.ThreadPoolExecutor(len(tools) + 1) as pool:
-      futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
-                 for k, cmd in tools.items()}
-      same = pool.submit(compare_states, ref, run)
-      errors = []
-      for k, fut in futures.items():
-        try:
-          fut.result()
-          cell[k] = True
-        except (CellError, subprocess.TimeoutExpired) as e:
-          cell[k] = False
-          errors.append(f"{k}: {e}")
-      cmp = same.result()
-    if cell.get("generate"):
-      # Which decode the CLI's defaults chose for this model (FFN per layer, attention).
-      with open(os.path.join(wd, "generate.json")) as f:
-        stats = json.load(f)["stats"]
-      cell["decode"] = {k: stats.get(k) for k in ("decode_ffn", "decode_attention",
-                                                   "decode_tokens_per_s")}
-    cell["same_state"] = bool(cmp["equal"])
-    cell["state_max_abs_diff"] = cmp["max_abs_diff"]
-    if not cell["same_state"]:
-      errors.append(f"the resumed run's state differs from the uninterrupted one's "
-                    f"(max abs diff {cmp['max_abs_diff']:.3g})")
-    if errors:
-      raise CellError("\n".join(errors))
+    problems = _check_resumed(cell, wd, env, timeout)
+    if problems:
+      raise CellError("\n".join(problems))
     cell["ok"] = True
-    for d in (ref, run, os.path.join(wd, "hf")):   # a passed cell keeps its logs only
-      shutil.rmtree(d, ignore_errors=True)
+    for d in ("ref", "run", "hf"):   # a passed cell keeps its logs only
+      shutil.rmtree(os.path.join(wd, d), ignore_errors=True)
   except (CellError, subprocess.TimeoutExpired, OSError) as e:
     cell["error"] = str(e)[-3000:]
   cell["seconds"] = round(time.time() - t0, 1)

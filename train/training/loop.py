@@ -182,6 +182,37 @@ def _step_metrics(m, n_params: int, ran) -> dict:
   return m
 
 
+class _Window:
+  """The tokens trained and the time spent waiting for data since the last logged step.
+
+  The step logged is the step done, not dispatched (the host runs steps ahead of the device):
+  the clock reads once its metrics are on the host (read after block_until_ready, a window
+  that ended without a layer-choice decision, which syncs, measured short and the next one as
+  much long). Evaluations are taken out (`start` moves on by their time)."""
+
+  def __init__(self):
+    self.start, self.tokens, self.data_wait = time.time(), 0, 0.0
+
+  def read(self) -> dict:
+    """tokens/s and the data-wait fraction of the window; starts the next one."""
+    now = time.time()
+    span = max(now - self.start, 1e-9)
+    out = {"tokens_per_s": self.tokens / span, "data_wait_fraction": self.data_wait / span}
+    self.start, self.tokens, self.data_wait = now, 0, 0.0
+    return out
+
+
+def _evaluate(tr, writer, done: int, params, eval_data, eval_key) -> float:
+  """A held-out evaluation after `done` steps, logged and recorded; returns its seconds."""
+  t_eval = time.time()
+  ev = tr.evaluate(params, eval_data, eval_key)
+  writer.write_event(done, "eval_batch_losses", losses=ev.pop("batch_losses"))
+  logging.info("eval step %d: %s", done, json.dumps(ev))
+  writer.write_scalars(done, metrics_lib.flatten_metrics(
+      {f"eval/{k}": v for k, v in ev.items()}))
+  return time.time() - t_eval
+
+
 def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                         accept_config_change: bool, allow_fresh_start: bool, hooks) -> dict:
   cfg, tr, mngr, restored, packer, start, state, eval_data = _prepare(
@@ -202,8 +233,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   steps = None if choice is None else choice_steps.ChoiceSteps(
       tr, choice, state, (restored or {}).get("meta") or {}, events=writer.write_event)
   train_step = tr.jit_train_step() if steps is None else None
-  last, preempted = {}, None
-  t_last, tokens_since, data_wait = time.time(), 0, 0.0
+  last, preempted, window = {}, None, _Window()
   tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
     for step in range(start, cfg.num_train_steps):
@@ -212,29 +242,21 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       ran = None if steps is None else steps.running
       t_wait = time.perf_counter()
       batch, data_state = next(prefetch)
-      data_wait += time.perf_counter() - t_wait
+      window.data_wait += time.perf_counter() - t_wait
       tracer.before(step)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
                                                   tr.batch_sharding))
       done = step + 1
       tracer.after(done, m)
-      tokens_since += cfg.batch_size * cfg.data.seq_len
+      window.tokens += cfg.batch_size * cfg.data.seq_len
       if steps is not None:
         state = steps.after_step(done, m, state)
       for hook in hooks:
         hook(tr, done, state, ran)
       if done % cfg.log_every == 0 or done == cfg.num_train_steps or done == start + 1:
-        # The step done, not dispatched: the host runs steps ahead of the device. The clock
-        # reads once the metrics are on the host (read after block_until_ready, a window that
-        # ended without a layer-choice decision, which syncs, measured short and the next one
-        # as much long). The first step shows the starting point.
         m = _step_metrics(m, n_params, ran)
-        now = time.time()
-        m["tokens_per_s"] = tokens_since / max(now - t_last, 1e-9)
-        m["data_wait_fraction"] = data_wait / max(now - t_last, 1e-9)
-        m["data_passes"] = packer.passes(data_state)   # over this process's documents
-        t_last, tokens_since, data_wait = now, 0, 0.0
+        m.update(window.read(), data_passes=packer.passes(data_state))   # this process's docs
         if not np.isfinite(m["loss"]):
           raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
         logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, m["tokens_per_s"], progress)
@@ -247,14 +269,8 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                               None if steps is None else steps.eval_key)
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
-        t_eval = time.time()
-        ev = tr.evaluate(state["params"], eval_data,
-                         None if steps is None else steps.eval_key)
-        writer.write_event(done, "eval_batch_losses", losses=ev.pop("batch_losses"))
-        logging.info("eval step %d: %s", done, json.dumps(ev))
-        writer.write_scalars(done, metrics_lib.flatten_metrics(
-            {f"eval/{k}": v for k, v in ev.items()}))
-        t_last += time.time() - t_eval  # Exclude eval time from tokens/s.
+        window.start += _evaluate(tr, writer, done, state["params"], eval_data,
+                                  None if steps is None else steps.eval_key)
       final, stop = done == cfg.num_train_steps, watch.stop_after(done)
       # checkpoint_every <= 0 disables saving (benchmarks).
       if cfg.checkpoint_every > 0 and (final or stop or mngr.should_save(done)):
