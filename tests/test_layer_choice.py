@@ -724,6 +724,27 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     for a, b in zip(jax.tree.leaves(restored["params"]), jax.tree.leaves(ref_state["params"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
 
+  def test_replay_is_the_trainers_decision_then_the_prefills(self):
+    """`implementations.replay` (what the benchmarks report): one decision of the training
+    choice on the counts, then the inference choice with the hot features it picked."""
+    tokens, h = 16384, 5632
+    counts = np.zeros((2, h), np.int64)
+    counts[0, :2000] = tokens // 100        # layer 0: ~20 active per token, sparse
+    counts[1, :] = tokens // 2              # layer 1: half of H per token, dense
+    mc = model_lib.ModelConfig(vocab_size=256, d_model=2048, n_layers=2, n_heads=16,
+                               n_kv_heads=16, d_ff=h)
+    choice, order, infer = implementations.replay(mc, counts, tokens, sparse="xla")
+    direct = layer_choice.LayerChoice(2, h, sparse_implementation="xla")
+    _, direct_order = direct.update_from_counts(counts, tokens)
+    self.assertEqual(choice.key, direct.key)
+    self.assertEqual(choice.implementations, ("xla", "dense"))
+    np.testing.assert_array_equal(order, direct_order)
+    expected = layer_choice.LayerChoice.for_inference(direct.tail, h, direct.hot,
+                                                      sparse_implementation="xla")
+    self.assertEqual(infer.implementations, expected.implementations)
+    strict, _, _ = implementations.replay(mc, counts, tokens, sparse="xla", sparse_below=0.0)
+    self.assertEqual(strict.implementations, ("dense", "dense"))
+
   def test_no_choice_for_an_explicit_implementation_or_a_dense_auto(self):
     def choice(**overrides):
       cfg = tu.micro_config(**overrides)

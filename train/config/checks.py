@@ -72,18 +72,17 @@ _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
 
 def _choices() -> dict[str, tuple]:
   from twell_jax import dense  # pylint: disable=g-import-not-at-top
-  from twell_jax import registry  # pylint: disable=g-import-not-at-top
   from train.runtime import mesh  # pylint: disable=g-import-not-at-top
   return {
       "l1_normalization": ("per_token_sum", "per_element_mean"),
       "model.ffn_activation": tuple(dense.ACTIVATIONS),
-      "model.ffn_implementation": (*implementations.AUTO, *registry.IMPLEMENTATIONS),
+      "model.ffn_implementation": (*implementations.AUTO, *implementations.FFN),
       "model.dtype": tuple(model_lib.DTYPES),
       "model.param_dtype": tuple(model_lib.DTYPES),
       "model.attention": implementations.ATTENTION,
       "data.tokenizer": tokenizer_lib.TOKENIZERS,
       "data.text_unit": files_lib.TEXT_UNITS,
-      "layer_choice.sparse": ("auto", *registry.IMPLEMENTATIONS),
+      "layer_choice.sparse": ("auto", *implementations.FFN),
       "mesh.gradient_reduction": mesh.GRADIENT_REDUCTIONS,
   }
 

@@ -50,6 +50,7 @@ from train import errors
 from train.models import layer_choice as layer_choice_lib
 
 AUTO = (None, "", "auto")
+FFN = tuple(registry.IMPLEMENTATIONS)   # "dense", "xla", "mosaic_gpu", "decode"
 ATTENTION = ("auto", "xla", "cudnn")
 DECODE_FFN = ("auto", "dense", "sparse", "same")
 DECODE_ATTENTION = ("auto", "kernel", "xla")
