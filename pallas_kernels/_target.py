@@ -6,7 +6,8 @@
   ``plgpu.InterpretGPUParams`` runs on the CPU (an abstract H100-like device with 8 SMs).
 * ``arrange_interpreter_threads()``: enough XLA CPU threads for the interpreter (run when the
   package is imported); ``interpret_params``: a kernel's ``interpret=`` argument.
-* ``on_hopper()``, ``check_triton_warps``.
+* ``default_device()``: the device a call without committed inputs runs on;
+  ``on_hopper(device)``, ``check_triton_warps``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,22 @@ def num_sms() -> int:
   return getattr(dev, "core_count", None) or 132
 
 
-def on_hopper() -> bool:
+def default_device():
+  """The device JAX runs a computation of uncommitted arrays on: `jax.default_device`'s
+  (a device, or a platform name) where set, else the first device; None without a backend."""
+  chosen = jax.config.jax_default_device
   try:
-    dev = jax.devices()[0]
+    if isinstance(chosen, str):
+      return jax.devices(chosen)[0]
+    return chosen if chosen is not None else jax.devices()[0]
   except RuntimeError:
-    return False
-  if dev.platform != "gpu":
+    return None
+
+
+def on_hopper(device=None) -> bool:
+  """Whether `device` (default: `default_device()`) is a Hopper GPU."""
+  dev = default_device() if device is None else device
+  if dev is None or dev.platform != "gpu":
     return False
   kind = dev.device_kind
   if "H100" in kind or "H200" in kind or "H800" in kind or "GH200" in kind:

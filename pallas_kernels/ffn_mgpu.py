@@ -110,8 +110,9 @@ class ForwardConfig:
       raise ValueError(f"{self.hot_features=} must be a multiple of {common.TILE_N}, >= 0")
 
 
-def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
-  """None if the kernels can run this call (on the default backend, or in the interpreter), else a reason."""
+def supports(x, w_gate, w_up, w_down, *, interpret: bool = False, device=None) -> str | None:
+  """None if the kernels can run this call on `device` (default: the default device), or in
+  the interpreter; else a reason."""
   if getattr(x, "ndim", None) != 2:
     return f"x must be 2-D [M, D], got shape {getattr(x, 'shape', None)}"
   for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
@@ -129,8 +130,8 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False) -> str | None:
     return f"w_down must be [H={h}, D={d}], got {w_down.shape}"
   if common.round_up(h, common.TILE_N) > 65536:
     return f"H={h} exceeds the 16-bit column field of the packed words"
-  if not interpret and not target.on_hopper():
-    return "needs a Hopper GPU (sm_90) as the default device, or interpret=True"
+  if not interpret and not target.on_hopper(device):
+    return "needs a Hopper GPU (sm_90) as the device, or interpret=True"
   return None
 
 

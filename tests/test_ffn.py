@@ -143,6 +143,14 @@ def _w(*shape, dtype=jnp.bfloat16):
     ((_w(4, 8), _w(8, 16), _w(9, 16), _w(16, 8)), {}, r"w_up must have shape \[D, H\]"),
     ((_w(4, 8), _w(8, 12), _w(8, 16), _w(16, 8)), {}, "w_gate must have shape"),
     ((_w(4, 8), _w(8, 16), _w(8, 16), _w(8, 16)), {}, "w_down must have shape"),
+    # The tensor that disagrees with the others is the one named.
+    ((_w(4, 8), _w(8, 16), _w(8, 12), _w(16, 8)), {},
+     r"^w_up must have shape \[D, H\] = \(8, 16\) \(H = 16 as in w_gate and w_down\); got \(8, 12\)"),
+    ((_w(4, 9), _w(8, 16), _w(8, 16), _w(16, 8)), {},
+     r"^x must have shape \[\.\.\., D\] with D = 8 \(the D of w_gate, w_up and w_down\); got \(4, 9\)"),
+    ((_w(4, 9), None, _w(8, 16), _w(16, 8)), {}, r"^x must have shape \[\.\.\., D\] with D = 8"),
+    ((_w(4, 8), None, _w(8, 16), _w(12, 8)), {},
+     r"^the arguments disagree on H: w_up \[D, H\] = \(8, 16\), w_down \[H, D\] = \(12, 8\)"),
     ((_w(4, 8, dtype=jnp.int32), _w(8, 16), _w(8, 16), _w(16, 8)), {}, "x must have dtype"),
     ((_w(4, 8), _w(8, 16), _w(8, 16, dtype=jnp.float32), _w(16, 8)), {}, "w_up has dtype float32 but x has bfloat16"),
     ((jnp.zeros((), jnp.bfloat16), _w(8, 16), _w(8, 16), _w(16, 8)), {}, "rank >= 1"),
@@ -355,3 +363,64 @@ def test_decode_config_refuses_bad_values(field, value, match):
   from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=match):
     decode_ffn_triton.DecodeConfig(**{field: value})
+
+
+@pytest.mark.parametrize("implementation", [None, "dense", "xla"], ids=str)
+def test_stats_name_the_implementation_that_resolve_implementation_predicts(implementation):
+  x, wg, wu, wd = ffn_inputs(jax.random.key(13), 24, 32, 256, active_fraction=0.05)
+  x3 = x.reshape(2, 12, 32)
+  name = tj.resolve_implementation(x3, wg, wu, wd, implementation=implementation)
+  assert name == implementation or (implementation is None and name == "dense")  # the CPU
+  _, st = jax.jit(functools.partial(tj.ffn, implementation=implementation, return_stats=True))(
+      x3, wg, wu, wd)
+  assert st.implementation == name
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  assert tj.resolve_implementation(sds(x3), sds(wg), sds(wu), sds(wd),
+                                   implementation=implementation) == name
+
+
+def test_resolve_implementation_answers_for_a_device_and_refuses_as_ffn_does():
+  x, wg, wu, wd = _w(16, 32), _w(32, 256), _w(32, 256), _w(256, 32)
+  cpu = jax.devices("cpu")[0]
+  assert tj.resolve_implementation(x, wg, wu, wd, device=cpu) == "dense"
+  assert tj.resolve_implementation(x, wg, wu, wd, device=cpu, interpret=True) == "mosaic_gpu"
+  with jax.default_device(cpu):        # where JAX runs a call of uncommitted arrays
+    assert tj.resolve_implementation(x, wg, wu, wd) == "dense"
+  with pytest.raises(NotImplementedError, match=r"implementation='mosaic_gpu' cannot run"):
+    tj.resolve_implementation(x, wg, wu, wd, implementation="mosaic_gpu", device=cpu)
+  with pytest.raises(ValueError, match=r"^w_down must have shape \[H, D\] = \(256, 32\)"):
+    tj.resolve_implementation(x, wg, wu, _w(256, 16))
+  # No tokens: nothing runs; the statistics still say which implementation was asked for.
+  _, st = tj.ffn(_w(0, 32), wg, wu, wd, implementation="xla", return_stats=True)
+  assert st.implementation == "xla"
+
+
+def test_every_implementation_counts_heavy_rows_against_the_calls_ell_width():
+  """Only overflow_rows depends on the implementation (docs/layer.md, Statistics)."""
+  x, wg, wu, wd = ffn_inputs(jax.random.key(14), 32, 32, 512, active_fraction=0.05,
+                             heavy_fraction=0.1)
+  stats = {impl: tj.ffn(x, wg, wu, wd, implementation=impl, interpret=True, return_stats=True,
+                        ell_width=24)[1] for impl in ("dense", "xla", "decode")}
+  for impl, st in stats.items():
+    assert st.implementation == impl
+    for field in ("nnz_per_token", "max_tile_nnz", "feature_counts", "heavy_rows_by_hot"):
+      np.testing.assert_array_equal(getattr(st, field), getattr(stats["dense"], field),
+                                    err_msg=f"{impl}: {field}")
+  heavy = int(stats["dense"].heavy_rows_by_hot[0])
+  assert heavy > 0 and int(stats["xla"].overflow_rows) == heavy
+  assert int(stats["dense"].overflow_rows) == int(stats["decode"].overflow_rows) == 0
+
+
+def test_stats_stack_joins_the_names_of_different_implementations():
+  x, wg, wu, wd = ffn_inputs(jax.random.key(15), 16, 32, 256, active_fraction=0.05)
+  dense = tj.ffn(x, wg, wu, wd, implementation="dense", return_stats=True)[1]
+  xla = tj.ffn(x, wg, wu, wd, implementation="xla", return_stats=True)[1]
+  layers = tj.stats.stack([dense, xla, xla])
+  assert layers.implementation == "dense+xla" and layers.feature_counts.shape == (3, 256)
+  np.testing.assert_array_equal(layers.feature_counts[2], xla.feature_counts)
+  same = tj.stats.stack([xla, xla])
+  assert same.implementation == "xla" and same.l1.shape == (2,)
+  joined = tj.stats.stack([layers, same], concatenate=True)
+  assert joined.implementation == "dense+xla" and joined.l1.shape == (5,)
+  with pytest.raises(ValueError, match="stats must hold at least one FFNStats"):
+    tj.stats.stack([])

@@ -52,25 +52,28 @@ class DecodeWeights:
 
 
 def decode_ffn_weights(x, weights: DecodeWeights, *, interpret: bool = False,
-                       config: decode_ffn_triton.DecodeConfig = decode_ffn_triton.DecodeConfig()):
-  """(y [M, D] x.dtype, FFNStats) of the ReLU FFN on x [M, D], M <= MAX_ROWS."""
+                       config: decode_ffn_triton.DecodeConfig = decode_ffn_triton.DecodeConfig(),
+                       ell_width: int = stats_lib.DEFAULT_ELL_WIDTH):
+  """(y [M, D] x.dtype, FFNStats) of the ReLU FFN on x [M, D], M <= MAX_ROWS (`ell_width`:
+  the width `FFNStats.heavy_rows_by_hot` counts against)."""
   y, p, hid = decode_ffn_triton.decode_ffn(x, weights.w_pre_t, weights.w_up_t,
                                            weights.w_down, config=config, interpret=interpret)
   l1 = jnp.sum(jnp.abs(hid.astype(jnp.float32))) / x.shape[0]
-  return y, stats_lib.stats_from_mask(p > 0, l1)
+  return y, stats_lib.stats_from_mask(p > 0, l1, ell_width=ell_width)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ffn(x, w_gate, w_up, w_down, interpret):
-  return decode_ffn_weights(x, DecodeWeights.of(w_gate, w_up, w_down), interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ffn(x, w_gate, w_up, w_down, interpret, ell_width):
+  return decode_ffn_weights(x, DecodeWeights.of(w_gate, w_up, w_down), interpret=interpret,
+                            ell_width=ell_width)
 
 
-def _ffn_fwd(x, w_gate, w_up, w_down, interpret):
-  return _ffn(x, w_gate, w_up, w_down, interpret), (x, w_gate, w_up, w_down)
+def _ffn_fwd(x, w_gate, w_up, w_down, interpret, ell_width):
+  return _ffn(x, w_gate, w_up, w_down, interpret, ell_width), (x, w_gate, w_up, w_down)
 
 
-def _ffn_bwd(interpret, res, cts):
-  del interpret
+def _ffn_bwd(interpret, ell_width, res, cts):
+  del interpret, ell_width
   dy, dstats = cts
   return reference.dense_ffn_l1_vjp(*res, dy, dstats.l1)
 
@@ -78,7 +81,8 @@ def _ffn_bwd(interpret, res, cts):
 _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
-def decode_ffn(x, w_gate, w_up, w_down, *, interpret: bool = False):
+def decode_ffn(x, w_gate, w_up, w_down, *, interpret: bool = False,
+               ell_width: int = stats_lib.DEFAULT_ELL_WIDTH):
   """(y, FFNStats) of the ReLU FFN on x [M, D] in the usual weight layout (module docstring:
   W_up is transposed in every call)."""
-  return _ffn(x, w_gate, w_up, w_down, interpret)
+  return _ffn(x, w_gate, w_up, w_down, interpret, ell_width)

@@ -23,6 +23,7 @@ import numpy as np
 
 from pallas_kernels import ffn_mgpu
 from pallas_kernels._common import TILE_N
+from twell_jax import validation
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
            "hot_feature_count", "column_floor", "sparse_work", "tail_work", "calibrate",
@@ -135,7 +136,8 @@ DENSE_ROW_ENTRIES = ffn_mgpu.ForwardConfig().max_row_entries
 
 def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
               dense_row_entries: int | None = DENSE_ROW_ENTRIES, backward: bool = True):
-  """(w_gate, w_up, w_down, hot_features) for a batch x [M, D] that shows typical activity:
+  """(w_gate, w_up, w_down, hot_features) for a batch x [..., D] (leading axes are tokens,
+  as for `twell_jax.ffn`) that shows typical activity:
   the weights with their features sorted by how often they fire on x, and the K to pass as
   `ffn(..., hot_features=K)` (a host-side int; `backward=False`: the K of calls that are
   never differentiated, see `hot_feature_count`). One dense gate GEMM; run it once (on a
@@ -147,6 +149,12 @@ def calibrate(x, w_gate, w_up, w_down, *, break_even: float = BREAK_EVEN_RATE,
   """
   if dense_row_entries is not None and dense_row_entries < 0:
     raise ValueError(f"dense_row_entries must be >= 0 or None; got {dense_row_entries}")
+  # Floating operands of agreeing shapes: token ids and mismatched weights are named.
+  d, _ = validation.ffn_shapes(x, w_gate, w_up, w_down)
+  if x.size == 0:
+    raise ValueError(f"x must hold at least one token to calibrate on; got shape "
+                     f"{tuple(x.shape)}.")
+  x = jnp.reshape(x, (-1, d))
   pre = jnp.dot(x, w_up if w_gate is None else w_gate, preferred_element_type=jnp.float32)
   active = pre > 0
   if dense_row_entries is not None:

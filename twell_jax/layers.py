@@ -26,12 +26,14 @@ class FeedForward(nnx.Module):
 
   Call with `return_stats=True` to get `(y, FFNStats)`; add
   `l1_coeff * stats.l1` (averaged over layers) to the training loss.
-  The output has dtype `dtype`. `hot_features` (K, a multiple of 256): the
+  x [..., d_model] may have any floating dtype: it is cast to `dtype` (bfloat16 by
+  default), and so is the output, whatever x's dtype; integer x (token ids) is refused. `hot_features` (K, a multiple of 256): the
   sparse kernels compute the first K features densely; with the features
   sorted by popularity (`twell_jax.sort_features`) those are the hottest.
   `ell_width`, `tail_rows`, `hot_features` and `interpret` are plain attributes
-  (not parameters) and may be changed between calls. Under a mesh with batch axes
-  ("data", "fsdp") each device runs the FFN on its own tokens (`twell_jax.sharded`).
+  (not parameters) and may be changed between calls. Under a mesh in context
+  (`jax.set_mesh`, Explicit or Auto axes) with batch axes ("data", "fsdp") each device runs
+  the FFN on its own tokens (`twell_jax.sharded`).
   """
 
   def __init__(self, d_model: int, d_ff: int, *, gated: bool = True, activation: str = "relu",
@@ -59,6 +61,7 @@ class FeedForward(nnx.Module):
     self.w_down = nnx.Param(init(rngs.params(), (d_ff, d_model), param_dtype))
 
   def __call__(self, x, *, return_stats: bool = False):
+    validation.floating(x, "x")   # before the cast, which would turn token ids into floats
     cast = lambda w: None if w is None else jnp.asarray(w[...], self.dtype)
     return sharded.ffn(jnp.asarray(x, self.dtype), cast(self.w_gate), cast(self.w_up),
                        cast(self.w_down), activation=self.activation,

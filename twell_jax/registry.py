@@ -20,6 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _target as target
 from twell_jax import dense as dense_lib
 from twell_jax import shape_costs
 from twell_jax import sparse_xla
@@ -41,6 +42,9 @@ class Call:
   ell_width: int
   tail_rows: Optional[int]
   hot_features: int = 0
+  # The device the call runs on; None: `pallas_kernels._target.default_device()`, where JAX
+  # runs a call whose inputs are not committed to a device.
+  device: Optional[jax.Device] = None
 
 
 class Dense:
@@ -98,7 +102,8 @@ class MosaicGpu:
     from pallas_kernels import ffn_mgpu  # pylint: disable=import-outside-toplevel
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, call.dtype)
     return ffn_mgpu.supports(sds(call.m, call.d), sds(call.d, call.h) if call.gated else None,
-                             sds(call.d, call.h), sds(call.h, call.d), interpret=call.interpret)
+                             sds(call.d, call.h), sds(call.h, call.d), interpret=call.interpret,
+                             device=call.device)
 
   def slower(self, call: Call) -> bool:
     """Slower than dense at this shape on a GPU (`shape_costs.sparse_loses`); never in the
@@ -134,7 +139,8 @@ class Decode:
 
   def run(self, call: Call, x, w_gate, w_up, w_down):
     from twell_jax import decode  # pylint: disable=import-outside-toplevel
-    return decode.decode_ffn(x, w_gate, w_up, w_down, interpret=call.interpret)
+    return decode.decode_ffn(x, w_gate, w_up, w_down, interpret=call.interpret,
+                             ell_width=call.ell_width)
 
 
 def _kernels_unsupported(call: Call) -> Optional[str]:
@@ -142,9 +148,11 @@ def _kernels_unsupported(call: Call) -> Optional[str]:
   no interpreter), or None."""
   if call.activation != "relu":
     return f"activation={call.activation!r} has no exact zeros to skip"
-  if not call.interpret and jax.default_backend() != "gpu":
-    return (f"no GPU backend (default backend is {jax.default_backend()!r}); pass "
-            "interpret=True to run the kernels in the interpreter")
+  device = target.default_device() if call.device is None else call.device
+  platform = getattr(device, "platform", None)
+  if not call.interpret and platform != "gpu":
+    return (f"no GPU backend (the call runs on {device}); pass interpret=True to run the "
+            "kernels in the interpreter")
   return None
 
 

@@ -17,11 +17,19 @@ or `jax.sharding.use_abstract_mesh`; the axes named in `BATCH_AXES` that it has)
   of `shard_map` sums them over the batch axes: the all-reduce (a reduce-scatter where the
   weights are sharded) that GSPMD gives the weight gradients of a dense FFN.
 
+Any mesh JAX makes works, its axes Explicit (`jax.make_mesh`'s default) or Auto, whatever
+the sharding of x. With Explicit axes an array's sharding is part of its type, which
+`shard_map` checks against its in_specs: x and the weights are resharded
+(`jax.sharding.reshard`) to the split `shard_map` expects, and y back to x's sharding, as a
+dense FFN's output has it. With Auto axes GSPMD places them, and y stays split over the
+batch axes.
+
 Every implementation goes through this path, "dense" included: one code path, and sparse and
 dense runs differ only in the FFN they compute (the same per-device work, the same
 collectives). Axes of the mesh that are not batch axes stay under GSPMD (`axis_names`), which
 leaves room for a tensor-parallel axis. Without a mesh, with one device on the batch axes, or
-when no axis of x divides over them, `ffn` is `twell_jax.ffn`.
+when no axis of x divides over them, `ffn` is `twell_jax.ffn` (on whole operands where the
+mesh has Explicit axes).
 
 `check_vma=False`: the implementations' conditionals (`lax.cond` / `lax.switch` between the
 sparse and the dense path) build per-branch constants that the varying-axes type check would
@@ -65,6 +73,38 @@ def split_axes(rows: int, mesh=None) -> tuple[str, ...]:
   return axes if n > 1 and rows % n == 0 else ()
 
 
+def _explicit(spec: P, mesh) -> P:
+  """`spec` with only the mesh's Explicit axes (what `jax.sharding.reshard` takes)."""
+  keep = set(getattr(mesh, "explicit_axes", ()))
+  def entry(e):
+    names = tuple(n for n in ((e,) if isinstance(e, str) else e or ()) if n in keep)
+    return names[0] if len(names) == 1 else (names or None)
+  return P(*(entry(e) for e in spec))
+
+
+def _reshard(a, spec: P, mesh):
+  """`a` laid out as `spec` on the Explicit axes of the mesh in context (`a` itself where
+  the mesh has none: Auto axes are placed by GSPMD)."""
+  if a is None or not getattr(mesh, "explicit_axes", ()):
+    return a
+  return jax.sharding.reshard(a, _explicit(spec, mesh))
+
+
+def _reshape(a, shape, spec: P, mesh):
+  """`a` reshaped to `shape`, laid out as `spec` where the mesh has Explicit axes: through
+  the whole array there, since JAX cannot transpose (differentiate) a reshape that moves a
+  split axis."""
+  if not getattr(mesh, "explicit_axes", ()):
+    return a.reshape(shape)
+  return _reshard(_reshard(a, P(), mesh).reshape(shape), spec, mesh)
+
+
+def _spec_of(a) -> P:
+  """The PartitionSpec in `a`'s type (its Explicit axes; P() for none)."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  return getattr(sharding, "spec", None) or P()
+
+
 def gathered(w):
   """`w` whole on every device of the mesh in context (FSDP: the weight's all-gather right
   where it is used, so that GSPMD never moves activations instead); `w` itself without a
@@ -72,7 +112,10 @@ def gathered(w):
   mesh = jax.sharding.get_abstract_mesh()
   if not batch_axes(mesh):
     return w
-  return lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, P()))
+  w = _reshard(w, P(), mesh)
+  if set(mesh.axis_names) - set(mesh.explicit_axes) - set(mesh.manual_axes):   # Auto axes
+    w = lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, P()))
+  return w
 
 
 def reduce_stats(st: stats_lib.FFNStats, axes) -> stats_lib.FFNStats:
@@ -89,7 +132,8 @@ def reduce_stats(st: stats_lib.FFNStats, axes) -> stats_lib.FFNStats:
       max_tile_nnz=lax.pmax(count(st.max_tile_nnz), axes),
       overflow_rows=lax.psum(count(st.overflow_rows), axes),
       feature_counts=lax.psum(count(st.feature_counts), axes),
-      heavy_rows_by_hot=lax.psum(count(st.heavy_rows_by_hot), axes))
+      heavy_rows_by_hot=lax.psum(count(st.heavy_rows_by_hot), axes),
+      implementation=st.implementation)
 
 
 def ffn(x, w_gate, w_up, w_down, *, return_stats: bool = False, **kwargs):
@@ -107,15 +151,23 @@ def ffn(x, w_gate, w_up, w_down, *, return_stats: bool = False, **kwargs):
     over devices.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  shape = tuple(x.shape)
+  shape, x_spec = tuple(x.shape), _spec_of(x)
   axes = split_axes(shape[0], mesh) if x.ndim >= 2 else ()
-  if not axes and x.ndim >= 2:
+  if axes:
+    x = _reshard(x, P(axes), mesh)
+  elif x.ndim >= 2:
     axes = split_axes(math.prod(shape[:-1]), mesh)
     if axes:   # the leading axis does not divide over the devices; the tokens do
-      x = x.reshape(-1, shape[-1])
-  if not axes:   # no split: the unsharded call (under a mesh, XLA gathers x)
-    return api.ffn(x, w_gate, w_up, w_down, return_stats=return_stats, **kwargs)
+      x = _reshape(x, (-1, shape[-1]), P(axes), mesh)
+  if not axes:   # no split: the unsharded call (under a mesh, on whole operands)
+    whole = lambda a: _reshard(a, P(), mesh)
+    out = api.ffn(whole(x), whole(w_gate), whole(w_up), whole(w_down),
+                  return_stats=return_stats, **kwargs)
+    y, st = out if return_stats else (out, None)
+    y = _reshard(y, x_spec, mesh)
+    return (y, st) if return_stats else y
   weights = (w_up, w_down) if w_gate is None else (w_gate, w_up, w_down)
+  weights = tuple(_reshard(w, P(), mesh) for w in weights)
 
   def local(x, *ws):
     wg, wu, wd = (None, *ws) if w_gate is None else ws
@@ -126,5 +178,5 @@ def ffn(x, w_gate, w_up, w_down, *, return_stats: bool = False, **kwargs):
       local, mesh=mesh, in_specs=(P(axes),) + (P(),) * len(weights),
       out_specs=(P(axes), P()), axis_names=frozenset(axes),
       check_vma=False)(x, *weights)
-  y = y.reshape(shape)
+  y = _reshape(y, shape, x_spec, mesh) if y.ndim != len(shape) else _reshard(y, x_spec, mesh)
   return (y, st) if return_stats else y

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 from pallas_kernels import _common as common
 from pallas_kernels._common import TILE_N   # the TwELL tile: `max_tile_nnz` counts per tile
 
-__all__ = ["FFNStats", "tile_stats", "stats_from_mask", "empty_stats"]
+__all__ = ["FFNStats", "tile_stats", "stats_from_mask", "empty_stats", "stack"]
 
 # `twell_jax.ffn`'s default ELL width (`heavy_rows_by_hot` counts rows over it).
 DEFAULT_ELL_WIDTH = 128
@@ -20,6 +21,10 @@ DEFAULT_ELL_WIDTH = 128
 @dataclasses.dataclass(frozen=True)
 class FFNStats:
   """Statistics of the hidden activation h [M, H] of one `twell_jax.ffn` call.
+
+  Only `overflow_rows` depends on the implementation that ran (it counts that
+  implementation's own overflow path); every other field is the same function of the
+  activation pattern whichever ran, l1 up to the rounding of h.
 
   Attributes:
     l1: f32 scalar, differentiable: mean over the M tokens of sum_j |h_mj|
@@ -39,6 +44,10 @@ class FFNStats:
       256-column tile there): with the features in their current order, the rows that the
       sparse training kernels would compute on their dense tail with K = 256 t hot features
       (what the trainer's per-layer choice weighs; `train.models.layer_choice`).
+    implementation: str, static (pytree metadata, not an array): the implementation that
+      ran ("dense", "xla", "mosaic_gpu", "decode"; what `implementation=None` resolved to).
+      Stats combined by `stack` from calls of different implementations hold their names
+      joined by "+"; "" where no `twell_jax.ffn` call set it.
     fired (property): bool [H], feature_counts > 0 (for dead-neuron tracking).
   """
 
@@ -48,6 +57,7 @@ class FFNStats:
   overflow_rows: jax.Array
   feature_counts: jax.Array
   heavy_rows_by_hot: jax.Array
+  implementation: str = dataclasses.field(default="", metadata={"static": True})
 
   @property
   def fired(self) -> jax.Array:
@@ -86,4 +96,21 @@ def empty_stats(h: int) -> FFNStats:
 
 def from_dict(d: dict) -> FFNStats:
   """FFNStats from the kernels' stats dict (same keys)."""
-  return FFNStats(**{f.name: d[f.name] for f in dataclasses.fields(FFNStats)})
+  return FFNStats(**{f.name: d[f.name] for f in dataclasses.fields(FFNStats)
+                     if not f.metadata.get("static")})
+
+
+def stack(stats: Sequence[FFNStats], *, concatenate: bool = False) -> FFNStats:
+  """The stats of several calls as one FFNStats: every array stacked on a new leading axis
+  (a model's per-layer stats), or with `concatenate` joined along its leading axis (runs of
+  layers already stacked). `implementation` is the calls' distinct names in order of first
+  appearance, joined by "+" (one name when all agree; names already joined count one by
+  one): a model whose layers run different implementations, which `jax.tree.map` over
+  their stats cannot combine, the name being part of the tree structure."""
+  if not stats:
+    raise ValueError("stats must hold at least one FFNStats; got none.")
+  names = dict.fromkeys(name for st in stats for name in st.implementation.split("+") if name)
+  join = jnp.concatenate if concatenate else jnp.stack
+  arrays = [dataclasses.replace(st, implementation="") for st in stats]
+  combined = jax.tree.map(lambda *a: join(a), *arrays)
+  return dataclasses.replace(combined, implementation="+".join(names))

@@ -19,7 +19,7 @@ from twell_jax import dense as dense_lib
 from pallas_kernels._common import TILE_N
 
 __all__ = ["FLOAT_DTYPES", "static_int", "flag", "implementation_choice", "activation_choice",
-           "array", "hot_feature_count", "ffn_arguments"]
+           "array", "floating", "hot_features_value", "ffn_shapes", "ffn_arguments"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -73,12 +73,73 @@ def array(a, name: str, ndim: Optional[int] = None):
     raise ValueError(f"{name} must have dtype bfloat16, float16 or float32; got {a.dtype}.")
 
 
+def floating(a, name: str):
+  """Checks that `a` is an array of a floating dtype (any width: callers cast it)."""
+  if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+    raise ValueError(f"{name} must be an array; got {type(a).__name__}.")
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    raise ValueError(f"{name} must have a floating dtype; got {jnp.dtype(a.dtype)} (token ids "
+                     "go through an embedding first).")
+
+
 def hot_features_value(value, name: str = "hot_features") -> int:
   """`value` as a non-negative multiple of the 256-column TwELL tile; ValueError otherwise."""
   k = static_int(value, name, minimum=0)
   if k % TILE_N:
     raise ValueError(f"{name} must be a multiple of {TILE_N} (the TwELL tile); got {k}.")
   return k
+
+
+def _majority(sizes: Sequence[int]) -> int:
+  return max(sizes, key=sizes.count)
+
+
+def _and(names: Sequence[str]) -> str:
+  return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def ffn_shapes(x, w_gate, w_up, w_down) -> tuple[int, int]:
+  """Checks the ranks and shapes of x [..., D], w_gate [D, H] (or None), w_up [D, H] and
+  w_down [H, D] (arrays or `jax.ShapeDtypeStruct`s of floating dtypes); returns (D, H).
+
+  A size is what the tensors that have it agree on: the one tensor that disagrees with all
+  the others is named in the ValueError; without such a majority the error lists them all.
+  """
+  array(x, "x")
+  if x.ndim < 1:
+    raise ValueError(f"x must have shape [..., D] with rank >= 1; got shape {tuple(x.shape)}.")
+  weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+  if w_gate is None:   # only the gate is optional
+    del weights["w_gate"]
+  for name, w in weights.items():
+    array(w, name, 2)
+  shapes = {"x": tuple(int(n) for n in x.shape)}
+  shapes.update({name: tuple(int(n) for n in w.shape) for name, w in weights.items()})
+  layouts = {"x": "[..., D]", "w_gate": "[D, H]", "w_up": "[D, H]", "w_down": "[H, D]"}
+  # Where each tensor holds D and H.
+  d_axis = {"x": -1, "w_gate": 0, "w_up": 0, "w_down": 1}
+  h_axis = {"w_gate": 1, "w_up": 1, "w_down": 0}
+  h_of = {name: shapes[name][h_axis[name]] for name in weights}
+  d_of = {name: shapes[name][d_axis[name]] for name in shapes}
+  h, d = _majority(list(h_of.values())), _majority(list(d_of.values()))
+  expected = {"w_gate": (d, h), "w_up": (d, h), "w_down": (h, d)}
+  for size, value, of in (("H", h, h_of), ("D", d, d_of)):
+    odd = [name for name, n in of.items() if n != value]
+    if len(odd) == 1 and len(of) > 2:
+      name = odd[0]
+      others = _and([n for n in of if n != name])
+      if name == "x":
+        raise ValueError(f"x must have shape [..., D] with D = {d} (the D of {others}); "
+                         f"got {shapes['x']}.")
+      raise ValueError(f"{name} must have shape {layouts[name]} = {expected[name]} "
+                       f"({size} = {value} as in {others}); got {shapes[name]}.")
+    if odd:
+      listed = ", ".join(f"{name} {layouts[name]} = {shapes[name]}" for name in of)
+      raise ValueError(f"the arguments disagree on {size}: {listed}.")
+  if d < 1 or h < 1:
+    raise ValueError(f"x [..., D] and w_up [D, H] must have D >= 1 and H >= 1; got x "
+                     f"{shapes['x']}, w_up {shapes['w_up']}.")
+  return d, h
 
 
 def ffn_arguments(x, w_gate, w_up, w_down, *, activation: str, implementation,
@@ -91,26 +152,7 @@ def ffn_arguments(x, w_gate, w_up, w_down, *, activation: str, implementation,
   static_int(ell_width, "ell_width", minimum=1)
   static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
   hot_features_value(hot_features)
-  array(x, "x")
-  if x.ndim < 1:
-    raise ValueError(f"x must have shape [..., D] with rank >= 1; got shape {tuple(x.shape)}.")
-  array(w_up, "w_up", 2)
-  array(w_down, "w_down", 2)
-  d = x.shape[-1]
-  h = w_up.shape[1]
-  if d < 1 or h < 1:
-    raise ValueError(f"x [..., D] and w_up [D, H] must have D >= 1 and H >= 1; got x "
-                     f"{tuple(x.shape)}, w_up {tuple(w_up.shape)}.")
-  if w_up.shape[0] != d:
-    raise ValueError(f"w_up must have shape [D, H] = [{d}, H] to match x [..., {d}]; "
-                     f"got {tuple(w_up.shape)}.")
-  if w_gate is not None:
-    array(w_gate, "w_gate", 2)
-    if tuple(w_gate.shape) != (d, h):
-      raise ValueError(f"w_gate must have shape [D, H] = {(d, h)} like w_up; "
-                       f"got {tuple(w_gate.shape)}.")
-  if tuple(w_down.shape) != (h, d):
-    raise ValueError(f"w_down must have shape [H, D] = {(h, d)}; got {tuple(w_down.shape)}.")
+  d, h = ffn_shapes(x, w_gate, w_up, w_down)
   for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
     if w is not None and w.dtype != x.dtype:
       raise ValueError(f"{name} has dtype {w.dtype} but x has {x.dtype}; "

@@ -259,7 +259,7 @@ class Transformer(nnx.Module):
         x, stats = block(x)
       all_stats.append(stats)
     # Stack per-layer stats: every FFNStats leaf gains a leading [L] axis.
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *all_stats)
+    return x, twell_jax.stats.stack(all_stats)
 
   def __call__(self, tokens):
     x, stacked = self.features(tokens)
@@ -344,7 +344,7 @@ class LanguageModel:
       group = jax.tree.map(lambda a, s=start, e=stop: a[s:e], params["blocks"])
       x, stats = jax.lax.scan(layer, x, group, unroll=bool(self.cfg.scan_unroll) or 1)
       group_stats.append(stats)
-    stats = jax.tree.map(lambda *a: jnp.concatenate(a), *group_stats)
+    stats = twell_jax.stats.stack(group_stats, concatenate=True)
     return outer, x, stats
 
   def apply(self, params: dict, tokens: jax.Array):

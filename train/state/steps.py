@@ -81,7 +81,8 @@ def _fold_micro_batches(st: stats_lib.FFNStats) -> stats_lib.FFNStats:
       max_tile_nnz=jnp.max(st.max_tile_nnz, 0),
       overflow_rows=jnp.sum(st.overflow_rows, 0),
       feature_counts=jnp.sum(st.feature_counts, 0),
-      heavy_rows_by_hot=jnp.sum(st.heavy_rows_by_hot, 0))
+      heavy_rows_by_hot=jnp.sum(st.heavy_rows_by_hot, 0),
+      implementation=st.implementation)
 
 
 def _accumulate(grad_fn, params, tokens, l1_coeff, laid_out):
