@@ -6,14 +6,14 @@ r"""The user's measure: whole training runs from random initialisation, sparse a
 Every run is the command a user types (`python -m train.main`, its own workdir and an empty
 compilation cache, as a first run on a machine), from the config's seed on the same token
 stream: the offline corpus of Python sources with a 32k SentencePiece tokenizer trained on it
-offline (`benchmarks.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
-(`benchmarks.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
+offline (`benchmarks.common.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
+(`benchmarks.common.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
 trainer defaults otherwise (held-out evaluations every `--eval_every` steps, checkpoints every
 `--checkpoint_every`). Runs (`--runs`):
 
   dense_silu   the baseline: dense SiLU-gated FFN, no L1 (`configs/paper_0p5b.py:dense`)
   sparse       ReLU + L1 `--l1` with the default FFN choice (each layer's hot features
-               per layer, `train.training.layer_choice`); named twice, it runs twice, to show the
+               per layer, `train.models.layer_choice`); named twice, it runs twice, to show the
                spread
   NAME@DIR     run NAME from the checkout in DIR (another version of the code)
   NAME+KEY=VALUE[+KEY=VALUE...]
@@ -36,7 +36,7 @@ warm file cache.
 A cluster's run (`--processes=N`): each run as N processes of one GPU each, started by
 `python -m train.launch` (process 0's log in the run's, every process's in WORKDIR.processes/).
 A run longer than one command may take (`--stop_after_s`): stopped with a checkpoint, then
-continued by the same command, its wall-clock the sum of its commands' (`benchmarks.run_calls`;
+continued by the same command, its wall-clock the sum of its commands' (`benchmarks.common.run_calls`;
 "calls_s" lists them). `--dense_flags` go to the dense SiLU runs only (its micro-batch).
 
 Per run: the command's wall-clock (start-up, compiles, evaluations, checkpoints included), the
@@ -66,8 +66,8 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
-from benchmarks import run_calls
+from benchmarks.common import cli_run
+from benchmarks.common import run_calls
 
 
 def define_run_flags(**defaults) -> None:
@@ -124,7 +124,7 @@ def _define_flags():
   flags.DEFINE_float("stop_after_s", None, "stop a run still training after this many seconds "
                      "of this command (SIGTERM through train.launch: it writes a checkpoint); "
                      "the same command again continues it, its wall-clock the sum of its "
-                     "commands' (benchmarks.run_calls)")
+                     "commands' (benchmarks.common.run_calls)")
   flags.DEFINE_list("dense_flags", [], "more train.main flags for the dense SiLU runs only "
                     "(its micro-batch: --config.grad_accum_steps=1)")
 
@@ -153,7 +153,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str],
                 name: str | None = None) -> tuple[list[str], str]:
   """(the `train.main` command of run `spec` (the `index`-th), its workdir: `name` under
   `--workdir`, by default "INDEX_KIND")."""
-  from benchmarks import trained  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import trained  # pylint: disable=import-outside-toplevel
   kind, overrides, _ = parse_run(spec)
   workdir = os.path.join(fl.workdir, name or f"{index}_{kind}")
   dense = kind == "dense_silu"
@@ -172,8 +172,8 @@ def run_command(fl, spec: str, index: int, data_flags: list[str],
 def read_run(name: str, workdir: str, wall_s: float, t0) -> dict:
   """A finished run's measurements (module docstring) from its metrics.jsonl. `t0`: its start
   (time.time()), or for a run over several commands a function from a moment to the run's
-  seconds (`benchmarks.run_calls.clock`)."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  seconds (`benchmarks.common.run_calls.clock`)."""
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   seconds = t0 if callable(t0) else (lambda moment: moment - t0)
   rows = metrics.read_jsonl(workdir)
   train_rows = [r for r in rows if "tokens_per_s" in r]
@@ -405,7 +405,7 @@ def _finish(fl, results: dict, name: str, workdir: str, env: dict, proc, t0: flo
   except RuntimeError:
     if fl.stop_after_s is None or proc.returncode != 143:   # 143: stopped with a checkpoint
       raise
-    from train.training import checkpointing  # pylint: disable=import-outside-toplevel
+    from train.state import checkpointing  # pylint: disable=import-outside-toplevel
     calls = run_calls.record(workdir, t0, time.time() - t0 if wall is None else wall)
     print(f"  {name}: stopped after {calls[-1]['wall_s']:.1f} s at step "
           f"{max(checkpointing.steps_on_disk(workdir), default=0)} "

@@ -1,6 +1,6 @@
 """The benchmarks' cluster pieces without running them: a run continued over several
-commands (`benchmarks.run_calls`), `benchmarks.whole_run`'s launch through `train.launch`, and
-`benchmarks.multiprocess`'s settings, commands and throughput reading."""
+commands (`benchmarks.common.run_calls`), `benchmarks.whole_run`'s launch through `train.launch`, and
+`benchmarks.acceptance.multiprocess`'s settings, commands and throughput reading."""
 
 import json
 import os
@@ -10,9 +10,9 @@ import types
 
 from absl.testing import absltest
 
-from benchmarks import multiprocess
-from benchmarks import run_calls
 from benchmarks import whole_run
+from benchmarks.acceptance import multiprocess
+from benchmarks.common import run_calls
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,9 +116,9 @@ class BadFlagsTest(absltest.TestCase):
 
   def test_named_before_anything_runs(self):
     for args, message in (
-        (("benchmarks.multiprocess", "--smoke", "--parts=speed"),
+        (("benchmarks.acceptance.multiprocess", "--smoke", "--parts=speed"),
          "--parts: unknown ['speed']; choose from checks, throughput"),
-        (("benchmarks.multiprocess", "--smoke", "--processes=1"),
+        (("benchmarks.acceptance.multiprocess", "--smoke", "--processes=1"),
          "--processes=1: a cell needs at least 2"),
         (("benchmarks.whole_run", "--smoke", "--processes=2", "--parallel"),
          "--processes: each run takes that many GPUs; not with --parallel")):

@@ -10,9 +10,9 @@ from absl.testing import absltest
 
 import train_test_util as tu
 from configs import relufy
-from train.training import checkpointing
-from train.inference import hf_export as export_hf
-from train.training import metrics
+from train.state import checkpointing
+from train.hf import exporting
+from train.runtime import metrics
 from train.inference import report
 from train.training import loop as train_lib
 
@@ -81,7 +81,7 @@ class ReportTest(tu.FastCompile, absltest.TestCase):
   def test_relufication_of_a_silu_model(self):
     silu = tu.trained_workdir("silu")
     hf = os.path.join(self.create_tempdir().full_path, "silu_hf")
-    self.assertEqual(export_hf.export(silu, hf)["hidden_act"], "silu")
+    self.assertEqual(exporting.export(silu, hf)["hidden_act"], "silu")
     cfg = relufy.get_config("tiny")
     # The micro test model's data sizes (the shapes come from the checkpoint).
     cfg.data.update(seq_len=32, data_dir=tu.offline_data_dir())

@@ -9,7 +9,7 @@ sharded checkpoint onto another mesh. Each process reads its own share of the
 documents; the checkpoint must hold both data positions and the rerun must
 resume each process from its own.
 
-The cluster's acceptance run (`benchmarks.multiprocess --smoke`: 2 processes of 2 host
+The cluster's acceptance run (`benchmarks.acceptance.multiprocess --smoke`: 2 processes of 2 host
 devices) loses a process, the coordinator, and every process, each mid-run: the survivors of a
 lost process end by themselves within 60 s, naming it; the reruns resume from the last
 committed checkpoint and end with the uninterrupted run's train state; evaluate, generate and
@@ -86,7 +86,7 @@ class MultiProcessTest(absltest.TestCase):
 
   def test_lost_processes_killed_jobs_and_reruns_as_a_cluster_runs_them(self):
     out = os.path.join(tempfile.mkdtemp(prefix="twell_mp_smoke_"), "mp.json")
-    r = subprocess.run([sys.executable, "-m", "benchmarks.multiprocess", "--smoke",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.acceptance.multiprocess", "--smoke",
                         f"--out={out}", f"--workdir={os.path.dirname(out)}"],
                        cwd=tu.REPO, env=tu.run_env(), capture_output=True, text=True,
                        timeout=900)
@@ -124,7 +124,7 @@ def test_a_lost_process_on_gpus_ends_the_other():
   """Two processes, one GPU each (NCCL between them): the survivor of a SIGKILLed process,
   blocked in a collective that cannot finish, stops by itself within 60 s with the line naming
   the lost process."""
-  from benchmarks import multiprocess  # pylint: disable=g-import-not-at-top
+  from benchmarks.acceptance import multiprocess  # pylint: disable=g-import-not-at-top
   from train.runtime import launcher  # pylint: disable=g-import-not-at-top
   if len(launcher.host_gpus()) < 2:
     pytest.skip("needs two GPUs")

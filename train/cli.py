@@ -39,7 +39,7 @@ def _leave(line: str, code: int, *, failed: bool) -> None:
 def run(main, define_flags=None) -> None:
   """Defines the command's flags (`define_flags`, if the module does not at import), then
   runs `main()` under `absl.app` (module docstring)."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   from train.training import preemption  # pylint: disable=import-outside-toplevel
 
   def wrapped(argv):

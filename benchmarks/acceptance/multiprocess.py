@@ -1,8 +1,8 @@
 r"""One process per GPU, as a cluster runs it: train, lose a process, kill, resume; and the speed.
 
-    python -m benchmarks.multiprocess --processes=2 --out=mp2.json          # GPUs 0-1
-    python -m benchmarks.multiprocess --processes=4 --merge=mp2.json --out=multiprocess.json
-    python -m benchmarks.multiprocess --smoke --out=/tmp/mp.json            # CPU: 2 x 2 devices
+    python -m benchmarks.acceptance.multiprocess --processes=2 --out=mp2.json          # GPUs 0-1
+    python -m benchmarks.acceptance.multiprocess --processes=4 --merge=mp2.json --out=multiprocess.json
+    python -m benchmarks.acceptance.multiprocess --smoke --out=/tmp/mp.json            # CPU: 2 x 2 devices
 
 A cell is N processes of `python -m train.main`, one GPU each (`train.runtime.launcher`, as
 `python -m train.launch` starts them), on a mesh over their N GPUs (`--mesh`; on the CPU, N
@@ -47,11 +47,11 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
-from benchmarks import kill_resume
-from benchmarks import matrix
+from benchmarks.acceptance import kill_resume
+from benchmarks.acceptance import matrix
+from benchmarks.common import cli_run
 from train.runtime import launcher
-from train.training import checkpointing
+from train.state import checkpointing
 
 LOST_LIMIT_S = 60.0     # how long the survivors of a lost process may take to stop (goal: 30)
 MIN_RATIO = 0.98        # N processes' tokens/s over one process's, same mesh
@@ -257,7 +257,7 @@ def resume_and_compare(s: dict, wd: str, env: dict) -> dict:
 def tokens_per_s(workdir: str) -> float | None:
   """The median tokens/s of a run's logged windows after the first `WARM_WINDOWS` (the first
   logged step, its compile, is never one)."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   rows = sorted((r for r in metrics.read_jsonl(workdir) if "tokens_per_s" in r),
                 key=lambda r: r["step"])[1 + WARM_WINDOWS:]
   return statistics.median(r["tokens_per_s"] for r in rows) if rows else None

@@ -24,7 +24,7 @@ def _path(workdir: str) -> str:
 
 def earlier(workdir: str) -> list[dict]:
   """The recorded calls of a stopped run in `workdir` (none if it holds no checkpoint)."""
-  from train.training import checkpointing  # pylint: disable=import-outside-toplevel
+  from train.state import checkpointing  # pylint: disable=import-outside-toplevel
   if not os.path.exists(_path(workdir)) or not checkpointing.steps_on_disk(workdir):
     return []
   with open(_path(workdir)) as f:

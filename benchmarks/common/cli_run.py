@@ -14,7 +14,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The repository root (benchmarks/common/ is two folders below it).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
 DEFAULT_DATASET = "twell_python_source_site"
 
