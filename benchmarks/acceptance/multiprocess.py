@@ -1,8 +1,9 @@
 r"""One process per GPU, as a cluster runs it: train, lose a process, kill, resume; and the speed.
 
-    python -m benchmarks.acceptance.multiprocess --processes=2 --out=mp2.json          # GPUs 0-1
-    python -m benchmarks.acceptance.multiprocess --processes=4 --merge=mp2.json --out=multiprocess.json
-    python -m benchmarks.acceptance.multiprocess --smoke --out=/tmp/mp.json            # CPU: 2 x 2 devices
+    python -m benchmarks.acceptance.multiprocess --processes=2 --out=mp2.json   # GPUs 0-1
+    python -m benchmarks.acceptance.multiprocess --processes=4 --merge=mp2.json \
+        --out=multiprocess.json
+    python -m benchmarks.acceptance.multiprocess --smoke --out=/tmp/mp.json     # CPU: 2 x 2
 
 A cell is N processes of `python -m train.main`, one GPU each (`train.runtime.launcher`, as
 `python -m train.launch` starts them), on a mesh over their N GPUs (`--mesh`; on the CPU, N
