@@ -107,6 +107,26 @@ class MultiprocessBenchmarkTest(absltest.TestCase):
       f.writelines(json.dumps(dict(r, wall_time=float(r["step"]))) + "\n" for r in rows)
     self.assertEqual(multiprocess.tokens_per_s(wd), 100.0)
 
+  def test_the_parts_of_a_cell_from_two_calls_join(self):
+    checks = {"processes": 2, "devices": 2, "gpus": 2, "mesh": "fsdp=2", "parts": ["checks"],
+              "checks": {"trained": True, "lost_same_state": True}, "errors": [],
+              "lost_process_exit_s": 21.2, "seconds": 300.0}
+    speed = {"processes": 2, "devices": 2, "gpus": 2, "mesh": "fsdp=2", "parts": ["throughput"],
+             "checks": {}, "errors": [], "throughput": {"ratio": 0.99}, "seconds": 200.0}
+    cells = [multiprocess.judge(dict(checks))]
+    self.assertTrue(cells[0]["passed"])
+    joined = multiprocess.add_cell(cells, multiprocess.judge(dict(speed)))
+    self.assertLen(cells, 1)
+    self.assertEqual(joined["parts"], ["checks", "throughput"])
+    self.assertEqual((joined["lost_process_exit_s"], joined["throughput"]["ratio"],
+                      joined["seconds"]), (21.2, 0.99, 500.0))
+    self.assertTrue(joined["passed"])
+    slow = dict(speed, throughput={"ratio": 0.95})
+    self.assertFalse(multiprocess.add_cell([dict(checks)], slow)["passed"])   # below 0.98
+    other = multiprocess.add_cell(cells, dict(speed, processes=4, devices=4, mesh="fsdp=4"))
+    self.assertLen(cells, 2)
+    self.assertFalse(other is joined)
+
 
 class BadFlagsTest(absltest.TestCase):
 

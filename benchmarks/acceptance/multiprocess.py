@@ -81,7 +81,8 @@ def _define_flags():
                     "how each process gets its GPU (train.launch --isolate)")
   flags.DEFINE_string("workdir", None, "where the runs go (default: a temporary dir)")
   flags.DEFINE_integer("timeout", 900, "seconds per run")
-  flags.DEFINE_list("merge", [], "results JSONs of earlier calls whose cells come first")
+  flags.DEFINE_list("merge", [], "results JSONs of earlier calls whose cells come first (a "
+                    "cell's other part, from another call, joins it)")
   flags.DEFINE_string("out", None, "results JSON")
 
 
@@ -292,7 +293,7 @@ def run_cell(s: dict, wd: str, parts: list[str]) -> dict:
   os.makedirs(wd)
   cell = {"processes": s["processes"], "gpus": len(s["gpus"]), "devices": s["devices"],
           "mesh": s["mesh"], "steps": s["steps"], "isolate": s["isolate"] if s["gpus"] else None,
-          "checks": {}, "errors": []}
+          "parts": sorted(parts), "checks": {}, "errors": []}
   t0 = time.time()
   if "checks" in parts:
     env = environment(s, deterministic=True)
@@ -311,12 +312,34 @@ def run_cell(s: dict, wd: str, parts: list[str]) -> dict:
       cell["throughput"] = throughput(s, wd)
     except (RuntimeError, TimeoutError, OSError) as e:
       cell["errors"].append(f"throughput: {e}")
-  ratio = (cell.get("throughput") or {}).get("ratio")
-  judged_speed = bool(s["gpus"]) and "throughput" in parts
-  cell["passed"] = (not cell["errors"] and all(cell["checks"].values())
-                    and (not judged_speed or (ratio is not None and ratio >= MIN_RATIO)))
   cell["seconds"] = round(time.time() - t0, 1)
+  return judge(cell)
+
+
+def judge(cell: dict) -> dict:
+  """`passed`: no errors, every check true, and on GPUs a throughput ratio of at least
+  `MIN_RATIO` (of the parts the cell ran)."""
+  ratio = (cell.get("throughput") or {}).get("ratio")
+  speed = cell["gpus"] > 0 and "throughput" in cell["parts"]
+  cell["passed"] = (not cell["errors"] and all(cell["checks"].values())
+                    and (not speed or (ratio is not None and ratio >= MIN_RATIO)))
   return cell
+
+
+def add_cell(cells: list[dict], cell: dict) -> dict:
+  """Adds `cell` to `cells`, joined with an earlier one of the same processes and mesh (its
+  other part, run by another call); returns the cell as it now stands."""
+  key = lambda c: (c["processes"], c["devices"], c["mesh"])
+  same = next((c for c in cells if key(c) == key(cell)), None)
+  if same is None:
+    cells.append(cell)
+    return cell
+  joined = judge({**same, **cell, "checks": {**same["checks"], **cell["checks"]},
+                  "errors": same["errors"] + cell["errors"],
+                  "parts": sorted(set(same.get("parts", [])) | set(cell["parts"])),
+                  "seconds": same["seconds"] + cell["seconds"]})
+  cells[cells.index(same)] = joined
+  return joined
 
 
 def summary(cell: dict) -> str:
@@ -348,7 +371,7 @@ def main(argv):
   root = fl.workdir or tempfile.mkdtemp(prefix="twell_multiprocess_")
   cell = run_cell(s, os.path.join(root, f"p{s['processes']}_{s['mesh'].replace(',', '_')}"),
                   fl.parts)
-  results["cells"].append(cell)
+  cell = add_cell(results["cells"], cell)
   ratios = [c["throughput"]["ratio"] for c in results["cells"]
             if (c.get("throughput") or {}).get("ratio")]
   results["throughput_ratio"] = min(ratios) if ratios else None
