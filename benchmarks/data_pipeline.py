@@ -5,7 +5,7 @@ What a trainer's input side sustains, measured as the trainer reads it: local fi
 Python-source corpus, read, tokenized and packed by `train.data.pipeline.PackedBatches` into
 batches of `--rows` x (`--seq_len` + 1) tokens, with 0 (the packer's own thread) to
 `--workers` worker processes. Tokenizers: the 32k SentencePiece model of the benchmarks
-(`benchmarks.cli_run.DEFAULT_TOKENIZER`, trained offline if missing) and a 32k byte-level BPE
+(`benchmarks.common.cli_run.DEFAULT_TOKENIZER`, trained offline if missing) and a 32k byte-level BPE
 `tokenizer.json` trained here with the `tokenizers` library.
 
     python -m benchmarks.data_pipeline --out=benchmarks/results/h100/data_pipeline.json \
@@ -25,7 +25,7 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
+from benchmarks.common import cli_run
 
 
 def _define_flags():

@@ -3,10 +3,10 @@ r"""Decoding: tokens/s of the dense FFN against the exact sparse one, and the ba
     python -m benchmarks.decode --out=decode.json                       # one GPU
     python -m benchmarks.decode --smoke --out=/tmp/decode.json          # CPU, tiny shape
 
-`train.generate.Generator` decodes as `python -m train.generate` does (prefill, then the
+`train.inference.generator.Generator` decodes as `python -m train.generate` does (prefill, then the
 token loop inside one compiled program), greedy, `--new_tokens` tokens after prompts of
 `--prompts` tokens (validation documents of the offline corpus, one per row), at batch
-sizes `--batches`, on weights trained to the paper-like activity (`benchmarks.trained`,
+sizes `--batches`, on weights trained to the paper-like activity (`benchmarks.common.trained`,
 cached; 0.5B, and the 1.5B depth by repeating those layers), once with the dense FFN at
 every decode step and once with `--sparse` (a `train.generate` decode_ffn value; default
 "auto": the few-row sparse kernels of `twell_jax.decode` in the layers where few features
@@ -45,8 +45,8 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.common import timing
+from benchmarks.common import trained
 
 # HBM bandwidth by device kind (vendor specifications), GB/s.
 PEAK_GBS = {"NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H200": 4800.0, "NVIDIA H100 PCIe": 2000.0}
@@ -65,7 +65,7 @@ def _define_flags():
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "corpus and tokenizer of the "
-                    "trained weights and the prompts (benchmarks.trained.config_for)")
+                    "trained weights and the prompts (benchmarks.common.trained.config_for)")
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, short prompts, few tokens")
   flags.DEFINE_string("profile_dir", None, "trace one decode of each FFN at the first batch "
                       "size here; the rows get per-token kernel times (\"profile\")")
@@ -135,7 +135,7 @@ def parting(a: list[int], b: list[int]) -> int | None:
 
 
 def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
-  from train.inference import generator as generate  # pylint: disable=import-outside-toplevel
+  from train.inference import generator  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   base = "tiny" if shape == "tiny" else "paper_0p5b"
   cfg, params = trained.trained_params(base, "paper", steps=fl.steps, extreme_steps=0,
@@ -150,11 +150,11 @@ def run_shape(fl, shape: str, peak_gbs: float) -> list[dict]:
   sparse_cfg = copy.deepcopy(cfg)
   sparse_cfg.model.interpret = bool(fl.smoke)   # the CPU smoke runs the kernels interpreted
   attention = fl.decode_attention if not fl.smoke else "xla"
-  gens = {"dense": generate.Generator(params, cfg, prefill_ffn="dense", decode_ffn="dense",
+  gens = {"dense": generator.Generator(params, cfg, prefill_ffn="dense", decode_ffn="dense",
                                       decode_attention=attention),
-          fl.sparse: generate.Generator(params, sparse_cfg, prefill_ffn="dense",
+          fl.sparse: generator.Generator(params, sparse_cfg, prefill_ffn="dense",
                                         decode_ffn=fl.sparse, decode_attention=attention)}
-  greedy = generate.Sampling(temperature=0.0)
+  greedy = generator.Sampling(temperature=0.0)
   for prompt_len in map(int, fl.prompts):
     if prompt_len + fl.new_tokens > cfg.data.seq_len:
       print(f"  {shape}: prompt {prompt_len} + {fl.new_tokens} new tokens exceed the context "

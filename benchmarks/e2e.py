@@ -6,10 +6,10 @@ r"""End to end: the sparse model against the same model with a dense SiLU FFN, i
 Both models are the project's own (`train/models/transformer.py`) at the paper's shapes (D=2048,
 H=5632, 32 heads, context 2048, the 32k vocabulary) with the same attention (cuDNN flash
 attention on a GPU) and the same LM head (bf16, chunked cross-entropy). Weights are realistic:
-the 0.5B shape trained in-process to the paper-like activity (`benchmarks.trained`, shared with
+the 0.5B shape trained in-process to the paper-like activity (`benchmarks.common.trained`, shared with
 the captured-activation benchmark); deeper shapes repeat its 8 trained layers. The sparse model
 runs ReLU + L1 with each layer on the sparse kernels or the dense FFN by its measured activity
-(`train.training.layer_choice`: one choice for training, one for inference); the dense model runs SiLU
+(`train.models.implementations.replay`: one choice for training, one for inference); the dense model runs SiLU
 (the paper's baseline), the same weights.
 
 Measured per shape, as sparse / dense ratios in one process:
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.common import timing
+from benchmarks.common import trained
 
 _LAYERS = {"0p5b": 8, "1p5b": 28, "tiny": 2}
 
@@ -47,16 +47,16 @@ def _define_flags():
   flags.DEFINE_list("shapes", ["0p5b", "1p5b"], "0p5b, 1p5b (paper shapes) or tiny (CPU)")
   flags.DEFINE_integer("steps", 1500, "training steps of the paper-like weights (cached)")
   flags.DEFINE_integer("iters", 10, "timed steps / calls per measurement")
-  flags.DEFINE_string("sparse", None, "the sparse implementation (default: mosaic_gpu on a "
-                     "GPU, xla elsewhere)")
+  flags.DEFINE_string("sparse", None, "the sparse implementation (default: the one auto "
+                     "takes here, train.models.implementations; xla where that is dense)")
   flags.DEFINE_float("sparse_below", None, "per-layer choice threshold on the predicted "
-                     "ratio to dense (default: train.training.layer_choice's)")
+                     "ratio to dense (default: train.models.layer_choice's)")
   flags.DEFINE_string("cache_dir", trained.DEFAULT_CACHE, "where trained weights are kept")
   flags.DEFINE_list("profile", [], "shapes whose training step's device time is broken down "
                     "by kind of kernel (CUPTI; needs a second copy of the state)")
   flags.DEFINE_enum("tokenizer", "byte", ["byte", "python32k"], "byte: the docstring corpus "
                     "and byte tokens; python32k: the Python-source corpus with its 32k "
-                    "SentencePiece tokenizer (benchmarks.trained.config_for)")
+                    "SentencePiece tokenizer (benchmarks.common.trained.config_for)")
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -117,28 +117,19 @@ def _config(shape: str, tokenizer: str = "byte"):
 def _model(cfg, mc):
   """(LanguageModel, optimizer, jitted train step) of a model config."""
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
-  from train.training import optim  # pylint: disable=import-outside-toplevel
-  from train.training import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from train.state import optim  # pylint: disable=import-outside-toplevel
+  from train.state import steps as steps_lib  # pylint: disable=import-outside-toplevel
   lm = model_lib.LanguageModel(mc)
   tx = optim.make_optimizer(cfg)
   return lm, tx, jax.jit(steps_lib.make_train_step(lm, tx, cfg), donate_argnums=0)
 
 
 def _state(lm, tx, params, n_layers, seed=0):
-  from train.training import sparsity  # pylint: disable=import-outside-toplevel
+  from train.state import sparsity  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(jnp.copy, params)      # the step donates its state
   return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
           "rng": jax.random.key_data(jax.random.key(seed)),
           "since": sparsity.init_since(n_layers, lm.cfg.d_ff)}
-
-
-def batches(cfg, rows: int, n: int):
-  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  packer = data_lib.PackedBatches(
-      data_lib.make_source(cfg.data, cfg.data.train_split), tokenizer_lib.make_tokenizer(cfg.data),
-      seq_len=cfg.data.seq_len, rows=rows, seed=cfg.seed + 7)
-  return [jnp.asarray(packer.next_batch()) for _ in range(n)]
 
 
 def _prefill_rows(shape: str) -> tuple[int, ...]:
@@ -161,22 +152,11 @@ def _time_steps(step, state, batch, iters: int):
   return ms, power.mean_watts, state, m
 
 
-def kernel_kind(name: str) -> str:
-  n = name.lower()
-  if "twell" in n or "mosaic" in n:
-    return "sparse FFN kernels"
-  if "cudnn" in n or "flash" in n or "fmha" in n or "sdpa" in n:
-    return "attention (cuDNN)"
-  if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90", "triton_gemm")):
-    return "GEMMs"
-  return "other (fusions, copies, reductions)"
-
-
 def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   """Device time of one training step by kind of kernel (CUPTI), from a non-donating step."""
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
-  from train.training import optim  # pylint: disable=import-outside-toplevel
-  from train.training import steps as steps_lib  # pylint: disable=import-outside-toplevel
+  from train.state import optim  # pylint: disable=import-outside-toplevel
+  from train.state import steps as steps_lib  # pylint: disable=import-outside-toplevel
   lm = model_lib.LanguageModel(mc)
   tx = optim.make_optimizer(run_cfg)
   step = jax.jit(steps_lib.make_train_step(lm, tx, run_cfg))
@@ -184,9 +164,7 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   table = timing.kernel_breakdown(step, state, batch, iterations=2)
   if not table:
     return {}
-  kinds: dict[str, float] = {}
-  for name, t in table:
-    kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
+  kinds = timing.by_kind(table)
   out = timing.summarize_breakdown(label, table, top=15)
   out.pop("kernels", None)
   out["by_kind_ms"] = kinds
@@ -195,8 +173,36 @@ def _step_profile(label, run_cfg, mc, params, n_layers, batch) -> dict:
   return out
 
 
+def _choices(mc_sparse, params, train_batch, fl) -> tuple:
+  """The sparse model's per-layer choices (training, inference) from the trained weights'
+  measured activity, as the trainer makes them (`train.models.implementations.replay`): its
+  hidden features sorted by popularity, the hot ones per layer, each layer's implementation by
+  its predicted ratio to dense. Returns (params sorted, training model config, prefill model
+  config, result fields)."""
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
+  tokens = train_batch[:, :-1]
+  _, stats = jax.jit(probe.hidden)(params, tokens)
+  active = np.asarray(stats.nnz_per_token)
+  sparse = fl.sparse or implementations.sparse_here(mc_sparse, tokens.size) or "xla"
+  choice, order, infer = implementations.replay(
+      mc_sparse, jax.device_get(stats.feature_counts), tokens.size, sparse=sparse,
+      sparse_below=fl.sparse_below)
+  params = model_lib.permute_ffn_features(params, jnp.asarray(order))
+  mc_train = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
+                                 ffn_layer_hot_features=choice.hot_features)
+  mc_prefill = dataclasses.replace(mc_sparse, ffn_layer_implementations=infer.implementations,
+                                   ffn_layer_hot_features=tuple(choice.hot))
+  fields = {"hot_features": list(choice.hot), "active_per_token": [float(a) for a in active],
+            "tail_per_token": choice.tail, "predicted_train_ratio": choice.predicted,
+            "sparse_layers": choice.describe(),
+            "sparse_layers_prefill": infer.describe((infer.implementations, choice.hot))}
+  return params, mc_train, mc_prefill, fields
+
+
 def run_shape(shape: str, fl) -> dict:
-  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   base_shape = "tiny" if shape == "tiny" else "paper_0p5b"
   _, params = trained.trained_params(base_shape, "paper", steps=fl.steps,
@@ -209,43 +215,24 @@ def run_shape(shape: str, fl) -> dict:
   mc_sparse = model_lib.ModelConfig.from_config(cfg.model)
   mc_dense = dataclasses.replace(mc_sparse, ffn_activation="silu", ffn_implementation="dense")
   b, t = cfg.batch_size, cfg.data.seq_len
-  train_batches = batches(cfg, b, 2)
+  train_batches = trained.batches(cfg, b, 2)
   res = {"shape": shape, "layers": n_layers, "batch": b, "seq_len": t,
-         "attention": model_lib.attention_implementation(mc_sparse)}
+         "attention": implementations.attention(mc_sparse)}
+  params, mc_sparse, mc_prefill_sparse, fields = _choices(mc_sparse, params,
+                                                          train_batches[0], fl)
+  res.update(fields)
+  mc_prefill = {"sparse": mc_prefill_sparse, "dense": mc_dense}
+  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in res['active_per_token'])}, "
+        f"hot features {' '.join(map(str, res['hot_features']))} -> layers "
+        f"{res['sparse_layers']} (training), {res['sparse_layers_prefill']} (prefill)",
+        flush=True)
+  return _measure(shape, fl, cfg, res, params, mc_sparse, mc_dense, mc_prefill, train_batches)
 
-  # The sparse model's per-layer choices (training, inference) from the trained weights'
-  # measured activity, as the trainer makes them (`LayerChoice.update_from_counts`): its
-  # hidden features sorted by popularity, the hot ones per layer, each layer's implementation
-  # by its predicted ratio to dense.
-  probe = model_lib.LanguageModel(dataclasses.replace(mc_sparse, ffn_implementation="dense"))
-  _, stats = jax.jit(probe.hidden)(params, train_batches[0][:, :-1])
-  active = np.asarray(stats.nnz_per_token)
-  counts = jax.device_get(stats.feature_counts)
-  kw = {} if fl.sparse_below is None else dict(sparse_below=fl.sparse_below,
-                                               dense_above=max(fl.sparse_below,
-                                                               layer_choice.DEFAULT_DENSE_ABOVE))
-  choice = layer_choice.LayerChoice(n_layers, mc_sparse.d_ff, sparse=fl.sparse, **kw)
-  _, order = choice.update_from_counts(counts, b * t)
-  params = model_lib.permute_ffn_features(params, jnp.asarray(order))
-  hot = choice.hot
-  tail = choice.tail
-  infer_choice = layer_choice.LayerChoice.for_inference(tail, mc_sparse.d_ff, hot,
-                                                        sparse=fl.sparse)
-  res["hot_features"] = list(hot)
-  mc_sparse = dataclasses.replace(mc_sparse, ffn_layer_implementations=choice.implementations,
-                                  ffn_layer_hot_features=choice.hot_features)
-  mc_prefill = {"sparse": dataclasses.replace(
-      mc_sparse, ffn_layer_implementations=infer_choice.implementations,
-      ffn_layer_hot_features=tuple(hot)), "dense": mc_dense}
-  res["active_per_token"] = [float(a) for a in active]
-  res["tail_per_token"] = tail
-  res["predicted_train_ratio"] = choice.predicted
-  res["sparse_layers"] = choice.describe()
-  res["sparse_layers_prefill"] = infer_choice.describe((infer_choice.implementations, hot))
-  print(f"  {shape}: active/token {' '.join(f'{a:.1f}' for a in active)}, hot features "
-        f"{' '.join(map(str, hot))} -> layers {choice.describe()} (training), "
-        f"{res['sparse_layers_prefill']} (prefill)", flush=True)
 
+def _measure(shape, fl, cfg, res, params, mc_sparse, mc_dense, mc_prefill, train_batches):
+  """Training and prefill of the sparse and the dense model (module docstring), into `res`."""
+  from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
+  b, t, n_layers = cfg.batch_size, cfg.data.seq_len, cfg.model.n_layers
   tokens = b * t
   limit = _memory_limit()
   for name, mc, l1 in (("sparse", mc_sparse, cfg.l1_coeff), ("dense", mc_dense, 0.0)):
@@ -279,7 +266,7 @@ def run_shape(shape: str, fl) -> dict:
     lm_prefill = model_lib.LanguageModel(mc_prefill[name])
     fwd = jax.jit(lambda p, x, lm=lm_prefill: lm.hidden(p, x)[0])
     for rows in _prefill_rows(shape):
-      toks = jnp.asarray(np.concatenate([np.asarray(bb) for bb in batches(cfg, rows, 1)]))
+      toks = trained.batches(cfg, rows, 1)[0]
       res[f"{name}_prefill_{rows}x{t}"] = _timed(fwd, (params, toks[:, :-1]), fl.iters,
                                                  rows * t)
     print(f"  {shape} {name}: train {ms:.1f} ms/step (remat {remat}), peak "
@@ -304,8 +291,6 @@ def run_shape(shape: str, fl) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  if fl.sparse is None:
-    fl.sparse = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
   device = jax.devices()[0].device_kind
   print("device:", device, flush=True)
   results = {"device": device, "jax": jax.__version__}

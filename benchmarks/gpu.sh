@@ -6,56 +6,35 @@
 #   bash benchmarks/gpu.sh kernels tests          # the kernel benchmark, then the GPU tests
 #   SPECS=paper_16k_skew bash benchmarks/gpu.sh kernels
 #
-# Parts:
+# Parts, by kind (benchmarks/ keeps the same grouping):
+# The product's numbers (benchmarks/*.py):
 #   kernels   benchmarks.kernels, forward and forward + backward ($SPECS, $FWD_BWD_SPECS)
 #   breakdown the same with per-kernel CUPTI times, XLA command buffers off
-#   sweep     benchmarks.sweep ($SWEEP, default train)
-#   captured  benchmarks.captured (trains the paper shape, captures activations, times kernels)
 #   e2e       benchmarks.e2e (whole-model training and inference, sparse vs dense)
 #   whole_run benchmarks.whole_run: whole training commands from random initialisation, dense
 #             SiLU and sparse twice, concurrently one GPU each where there are several, started
 #             $WHOLE_RUN_STAGGER (30) s apart ($WHOLE_RUN_FLAGS; --runs=...,sparse+KEY=VALUE
-#             adds a run with config overrides). One at a time, alone on one GPU (builds take
-#             6-23 s there, 18-28 s with four runs on the host): CUDA_VISIBLE_DEVICES=0 and
-#             --noparallel, one call per run or two, joined by whole_run --runs= --merge=a,b
-#   activity_sweep benchmarks.activity_sweep: a from-init run's captured activity, and the
-#             kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
-#             --skews_from=benchmarks/results/h200/activity_sweep.json no run: ~2.5 min; with
-#             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures: ~4 min;
-#             --capture_steps=2500 --actives=200: the last layer as trained, ~8 min)
+#             adds a run with config overrides). One at a time, alone on one GPU (builds are
+#             faster alone on the host): CUDA_VISIBLE_DEVICES=0 and --noparallel, one call per
+#             run or two, joined by whole_run --runs= --merge=a,b
 #   time_to_quality benchmarks.time_to_quality: per seed ($TTQ_FLAGS, e.g. --seeds=0,1,2) dense
 #             SiLU, sparse at equal steps and sparse at dense's wall-clock, one after the
 #             other on the first GPU; carries on from $TTQ_OUT (default the committed
 #             benchmarks/results/h200/time_to_quality.json) and starts no run predicted to end
 #             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in
-#   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
-#             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
-#             training one), then the paper 0.5B shape trained through train.main on those
-#             parquet shards with that tokenizer.json ($DATA_STEPS steps; the log's data wait)
-#   tests     the GPU tests (pytest -m gpu)
-#   registers ptxas register / spill report of every kernel
-#   l2        the L2 row-gather ceiling probe
-#   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained weights)
-#   generate  trains the paper's 0.5B shape for $GEN_STEPS steps (offline corpus, byte tokenizer)
-#             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
-#             JSON per run) with the default FFN choice (dense decode) and with the sparse
-#             kernels in every layer (prefill and decode), and train.report
+#   decode    benchmarks.decode: decode tokens/s with the dense FFN and with the exact sparse
+#             decode FFN (decode_ffn=auto), both with the default decode attention, the
+#             bandwidth ceiling, exactness ($DECODE_FLAGS)
 #   scaling   benchmarks.scaling: sparse and dense training data parallel over 1, 2, 4, ... and
 #             all GPUs ($SCALING_FLAGS)
 #   node      benchmarks.scaling at the paper 1.5B and 2B depths ($NODE_LAYERS, default 28 38)
 #             over all GPUs ($NODE_MESHES, default 1xN: fsdp over N), sparse (batch 8 per GPU,
 #             $NODE_SPARSE_FLAGS) and dense SiLU (batch 4 per GPU, 2 micro-batches,
-#             $NODE_DENSE_FLAGS), merged into node.json
-#   resume    benchmarks.kill_resume: SIGKILL a run on all GPUs, resume, compare ($RESUME_FLAGS)
-#   matrix    benchmarks.matrix: every config x FFN x mesh of this machine through the CLIs
-#             (train, SIGKILL, resume, same state, evaluate, generate, export), then the
-#             kernels at public model shapes (benchmarks.shapes) ($MATRIX_FLAGS)
-#   shapes    benchmarks.shapes alone ($SHAPES_FLAGS)
-#   decode    benchmarks.decode: decode tokens/s with the dense FFN and with the exact sparse
-#             decode FFN (decode_ffn=auto), both with the default decode attention, the
-#             bandwidth ceiling, exactness ($DECODE_FLAGS)
-#   decode_ffn benchmarks.decode_ffn: the few-row sparse FFN against dense by rows and union,
-#             and the tile sweep ($DECODE_FFN_FLAGS, default --sweep)
+#             $NODE_DENSE_FLAGS; $NODE_MODELS: one of them), merged into node.json
+#   data      benchmarks.data_pipeline (tokens/s by worker count, 32k SentencePiece and a 32k
+#             BPE tokenizer.json, parquet shards; $SPM_MODEL: a .model to use instead of
+#             training one), then the paper 0.5B shape trained through train.main on those
+#             parquet shards with that tokenizer.json ($DATA_STEPS steps; the log's data wait)
 #   lm_eval   benchmarks.lm_eval_check: local tasks through our lm-eval backend and through
 #             lm-eval's hf model (float32, item by item), and loglikelihood requests/s with the
 #             sparse prefill against dense ($LM_EVAL_MODEL: default --trained=paper_0p5b, the
@@ -65,6 +44,38 @@
 #   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
 #             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
 #             a rerun with the same $OUT skips the runs quality.json holds)
+#   generate  trains the paper's 0.5B shape for $GEN_STEPS steps (offline corpus, byte tokenizer)
+#             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
+#             JSON per run) with the default FFN choice (dense decode) and with the sparse
+#             kernels in every layer (prefill and decode), and train.report
+# Acceptance checks (benchmarks/acceptance/) and the GPU tests:
+#   tests     the GPU tests (pytest -m gpu)
+#   resume    benchmarks.acceptance.kill_resume: SIGKILL a run on all GPUs, resume, compare
+#             ($RESUME_FLAGS)
+#   matrix    benchmarks.acceptance.matrix: every config x FFN x mesh of this machine through
+#             the CLIs (train, SIGKILL, resume, same state, evaluate, generate, export), then
+#             the kernels at public model shapes (benchmarks.sweeps.shapes) ($MATRIX_FLAGS)
+#   multiprocess benchmarks.acceptance.multiprocess: one process per GPU on $MP_PROCESSES
+#             (default all) GPUs: lose a process, the coordinator, every process; resume to the
+#             same state; evaluate, generate, export; tokens/s against one process ($MP_FLAGS,
+#             e.g. --parts=checks, --merge=a.json), into multiprocess_<N>.json
+# Tuning sweeps (benchmarks/sweeps/):
+#   sweep     benchmarks.sweeps.sweep ($SWEEP, default train)
+#   captured  benchmarks.sweeps.captured (trains the paper shape, captures activations, times
+#             the kernels on them)
+#   activity_sweep benchmarks.sweeps.activity_sweep: a from-init run's captured activity, and
+#             the kernels at 50-800 active per token with its skew ($SWEEP_FLAGS; with
+#             --skews_from=benchmarks/results/h200/activity_sweep.json no run; with
+#             --capture_steps=300,500 --stop_at_last_capture --actives= the early captures;
+#             --capture_steps=2500 --actives=200: the last layer as trained)
+#   shapes    benchmarks.sweeps.shapes alone ($SHAPES_FLAGS)
+#   decode_ffn benchmarks.sweeps.decode_ffn: the few-row sparse FFN against dense by rows and
+#             union, and the tile sweep ($DECODE_FFN_FLAGS, default --sweep)
+# Probes (benchmarks/probes/):
+#   registers ptxas register / spill report of every kernel
+#   l2        the L2 row-gather ceiling probe
+#   profile   benchmarks.probes.forward_profile (prefill and per-layer forward kernels, trained
+#             weights)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1 PYTHONPATH=.:$PYTHONPATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -96,10 +107,10 @@ for part in "${parts[@]}"; do
         --out="$OUT/kernels_breakdown.json" 2>&1 | quiet > "$OUT/breakdown.log"
       tail -40 "$OUT/breakdown.log" ;;
     sweep)
-      timeout ${T_SWEEP:-400} python3 -m benchmarks.sweep --what=${SWEEP:-train} \
+      timeout ${T_SWEEP:-400} python3 -m benchmarks.sweeps.sweep --what=${SWEEP:-train} \
         --specs=${SWEEP_SPECS:-paper_16k_skew} --out="$OUT/sweep.json" 2>&1 | quiet | tail -20 ;;
     captured)
-      timeout ${T_CAPTURED:-560} python3 -m benchmarks.captured --out="$OUT/captured.json" \
+      timeout ${T_CAPTURED:-560} python3 -m benchmarks.sweeps.captured --out="$OUT/captured.json" \
         ${CAPTURED_FLAGS} 2>&1 | tee "$OUT/captured.log" | quiet | tail -60 ;;
     e2e)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_E2E:-560} python3 -m benchmarks.e2e --out="$OUT/e2e.json" ${E2E_FLAGS} \
@@ -141,7 +152,7 @@ for part in "${parts[@]}"; do
         --config.l1_coeff=3e-5 2>&1 | tee "$OUT/data_run.log" | grep -E "data wait|eval step|rror" \
         | cut -c1-220 ;;
     activity_sweep)
-      timeout ${T_ACTIVITY:-590} python3 -m benchmarks.activity_sweep \
+      timeout ${T_ACTIVITY:-590} python3 -m benchmarks.sweeps.activity_sweep \
         --out="$OUT/activity_sweep.json" ${SWEEP_FLAGS} 2>&1 | tee "$OUT/activity_sweep.log" \
         | grep -E "^  |^skew|^[a-z_]+ +[0-9]|rror" ;;
     l2)
@@ -178,7 +189,7 @@ for part in "${parts[@]}"; do
     node)
       n=$(nvidia-smi -L | wc -l); node_files=()
       for layers in ${NODE_LAYERS:-28 38}; do
-        for model in sparse dense; do
+        for model in ${NODE_MODELS:-sparse dense}; do
           [ $model = sparse ] && flags=${NODE_SPARSE_FLAGS:---batch_per_device=8} \
             || flags=${NODE_DENSE_FLAGS:---batch_per_device=4 --grad_accum=2}
           XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_NODE:-400} \
@@ -191,24 +202,29 @@ for part in "${parts[@]}"; do
         done
       done
       python3 -m benchmarks.scaling --merge=$(IFS=,; echo "${node_files[*]}") --out="$OUT/node.json" ;;
+    multiprocess)
+      n=${MP_PROCESSES:-$(nvidia-smi -L | wc -l)}
+      timeout ${T_MP:-590} python3 -m benchmarks.acceptance.multiprocess --processes=$n \
+        --workdir=/tmp/twell_multiprocess --out="$OUT/multiprocess_$n.json" ${MP_FLAGS} 2>&1 \
+        | tee "$OUT/multiprocess_$n.log" | grep -E "processes, |rror" ;;
     resume)
-      timeout ${T_RESUME:-560} python3 -m benchmarks.kill_resume --out="$OUT/kill_resume.json" \
+      timeout ${T_RESUME:-560} python3 -m benchmarks.acceptance.kill_resume --out="$OUT/kill_resume.json" \
         ${RESUME_FLAGS:---config=configs/small.py --steps=60 --every=20 -- \
           --config.mesh.data=-1 --config.batch_size=16 --config.data.seq_len=512 \
           --config.model.ffn_implementation=mosaic_gpu} 2>&1 \
         | quiet | tail -30 ;;
     matrix)
-      timeout ${T_MATRIX:-3000} python3 -m benchmarks.matrix --out="$OUT/matrix.json" \
+      timeout ${T_MATRIX:-3000} python3 -m benchmarks.acceptance.matrix --out="$OUT/matrix.json" \
         ${MATRIX_FLAGS} 2>&1 | tee "$OUT/matrix.log" | grep -E "^\[|passed|  [a-z]" ;;
     shapes)
-      timeout ${T_SHAPES:-900} python3 -m benchmarks.shapes --out="$OUT/shapes.json" \
+      timeout ${T_SHAPES:-900} python3 -m benchmarks.sweeps.shapes --out="$OUT/shapes.json" \
         ${SHAPES_FLAGS} 2>&1 | quiet | tail -20 ;;
     decode)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout ${T_DECODE:-560} \
         python3 -m benchmarks.decode --out="$OUT/decode.json" ${DECODE_FLAGS} 2>&1 \
         | tee "$OUT/decode.log" | grep -E "^  |^device" ;;
     decode_ffn)
-      timeout ${T_DECODE_FFN:-400} python3 -m benchmarks.decode_ffn --out="$OUT/decode_ffn.json" \
+      timeout ${T_DECODE_FFN:-400} python3 -m benchmarks.sweeps.decode_ffn --out="$OUT/decode_ffn.json" \
         ${DECODE_FFN_FLAGS:---sweep} 2>&1 | tee "$OUT/decode_ffn.log" | grep -E "^M |^break|^  \{" ;;
     lm_eval)
       timeout ${T_LM_EVAL:-400} python3 -m benchmarks.lm_eval_check \

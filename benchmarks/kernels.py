@@ -4,16 +4,16 @@ r"""Kernel benchmark: the sparse FFN against XLA dense on the same inputs, in on
     python -m benchmarks.kernels --mode=fwd_bwd --specs=paper_16k,paper_16k_heavy --out=t.json
 
 * ``fwd``: the inference forward (``pallas_kernels.ffn_mgpu.ffn_forward``, y only) against the
-  dense FFN (``pallas_kernels.reference.dense_ffn``: the "dense" implementation).
+  dense FFN (``pallas_kernels.reference.dense_ffn_hidden``: the "dense" implementation).
 * ``fwd_bwd``: ``jax.jit(jax.grad(loss))`` of loss = sum(y * ct) + 2e-5 * l1 (ct a fixed
   random cotangent) per implementation of ``twell_jax.ffn`` (``--impls``; "dense" is the
   baseline every ratio is against), plus the bytes each saves for the backward (weights
   excluded) and the gradients' relative error against dense's.
-Inputs come from ``benchmarks.specs`` (uniform, heavy-row and skewed activity), with the hidden
+Inputs come from ``benchmarks.common.specs`` (uniform, heavy-row and skewed activity), with the hidden
 features sorted by their activity on x and the features above the 1% break-even rate computed
 as dense GEMMs (``hot_features``, ``twell_jax.features.calibrate``; 0 for uniform activity), as
 a model that keeps its features sorted runs them. Times: medians of synchronized calls
-(``benchmarks.timing.wall_ms``: "ratio"; each call also pays the host's launch and wait,
+(``benchmarks.common.timing.wall_ms``: "ratio"; each call also pays the host's launch and wait,
 ~0.3 ms at the paper shape for either implementation), back-to-back calls (``pipelined_ms``:
 "piped", as in a model's step, where nothing waits for each FFN) and the device time, all
 kernels summed (``device_ms``, CUPTI: "device"); ``--breakdown`` adds each kernel's device
@@ -36,24 +36,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import specs as specs_lib
-from benchmarks import timing
+from benchmarks.common import specs as specs_lib
+from benchmarks.common import timing
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import ffn_train_mgpu
 from pallas_kernels import reference
-import twell_jax as tj
-from twell_jax import features as tj_features
 from twell_jax import testing
 
 F32 = jnp.float32
-LAMBDA = 2e-5
 
 
 def _define_flags():
   """The command line (defined when run as a program, so other modules can import this one)."""
   flags.DEFINE_enum("mode", "fwd", ["fwd", "fwd_bwd"], "what to time (module docstring)")
   flags.DEFINE_list("specs", ["paper_16k", "paper_16k_heavy", "paper_16k_skew"],
-                    "benchmarks.specs names")
+                    "benchmarks.common.specs names")
   flags.DEFINE_list("impls", ["dense", "mosaic_gpu"],
                     "fwd_bwd: twell_jax.ffn implementations (dense is the baseline)")
   flags.DEFINE_integer("iters", 30, "timed calls per measurement")
@@ -63,7 +60,7 @@ def _define_flags():
 
 
 def _dense_y(x, wg, wu, wd):
-  return reference.dense_ffn(x, wg, wu, wd)[0]
+  return reference.dense_ffn_hidden(x, wg, wu, wd)[0]
 
 
 def input_stats(spec: specs_lib.Spec, x, wg, wu) -> dict:
@@ -73,22 +70,8 @@ def input_stats(spec: specs_lib.Spec, x, wg, wu) -> dict:
   return testing.activity_stats(np.asarray(pre))
 
 
-def calibrated_inputs(spec: specs_lib.Spec):
-  """The spec's inputs with the features sorted by their activity on x, and the number of hot
-  features to compute densely (`twell_jax.features.calibrate`): what a model whose features
-  are kept sorted runs. Uniform activity gives K = 0; a spec's `hot_block` is taken as K."""
-  x, wg, wu, wd = spec.inputs()
-  if spec.hot_block is not None:
-    counts = jnp.sum(jnp.dot(x, wg if spec.gated else wu, preferred_element_type=F32) > 0,
-                     axis=0, dtype=jnp.int32)
-    wg, wu, wd, _ = tj_features.sort_features(wg, wu, wd, counts)
-    return (x, wg, wu, wd), spec.hot_block
-  wg, wu, wd, k = tj_features.calibrate(x, wg, wu, wd)
-  return (x, wg, wu, wd), k
-
-
 def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool) -> dict:
-  (x, wg, wu, wd), k = calibrated_inputs(spec)
+  (x, wg, wu, wd), k = specs_lib.calibrated_inputs(spec)
   res = {"hot_features": k}
   fwd_cfg = ffn_mgpu.ForwardConfig(hot_features=k)
   dense = jax.jit(_dense_y)
@@ -115,7 +98,7 @@ def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool
   st = jax.device_get(st)
   res.update(nnz_per_token=float(st["nnz_per_token"]), overflow_rows=int(st["overflow_rows"]),
              max_tile_nnz=int(st["max_tile_nnz"]))
-  ref, _ = reference.reference_ffn(x, wg, wu, wd)
+  ref, _ = reference.reference_ffn_hidden(x, wg, wu, wd)
   res["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
   if breakdown:
     for label, fn in (("dense", dense), ("twell", sparse)):
@@ -125,18 +108,7 @@ def bench_fwd(spec: specs_lib.Spec, iters: int, interpret: bool, breakdown: bool
   return res
 
 
-def loss_fn(impl: str, spec: specs_lib.Spec, interpret: bool = False, hot_features: int = 0):
-  """loss(x, wg, wu, wd, ct) = sum(y * ct) + LAMBDA * l1 of `twell_jax.ffn(implementation=impl)`
-  (the cotangent ct an argument, not a constant of the program)."""
-  def loss(x, wg, wu, wd, ct):
-    y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, interpret=interpret,
-                   ell_width=spec.ell_width, tail_rows=spec.tail_rows,
-                   hot_features=hot_features)
-    return jnp.sum(y.astype(F32) * ct) + LAMBDA * st.l1
-  return loss
-
-
-def residual_bytes(loss, *args) -> int:
+def saved_residual_bytes(loss, *args) -> int:
   """Bytes saved for the backward by jax.grad(loss), the weights (args 1-3) excluded."""
   from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
   total = 0
@@ -149,20 +121,20 @@ def residual_bytes(loss, *args) -> int:
 
 def bench_fwd_bwd(spec: specs_lib.Spec, iters: int, impls, interpret: bool,
                   breakdown: bool) -> dict:
-  (x, wg, wu, wd), k = calibrated_inputs(spec)
+  (x, wg, wu, wd), k = specs_lib.calibrated_inputs(spec)
   ct = jax.random.normal(jax.random.key(1), x.shape, F32)
   argnums = (0, 1, 2, 3) if spec.gated else (0, 2, 3)
   res, grads = {"hot_features": k}, {}
   for impl in impls:
     t0 = time.time()
     try:
-      f = jax.jit(jax.grad(loss_fn(impl, spec, interpret, k), argnums=argnums))
+      f = jax.jit(jax.grad(specs_lib.loss_fn(impl, spec, interpret, k), argnums=argnums))
       args = (x, wg, wu, wd, ct)
       res[f"{impl}_ms"] = timing.wall_ms(f, *args, iters=iters if impl != "xla" else 3)
       grads[impl] = f(*args)
       # The FFN's own residuals: a scalar cotangent, so the loss saves no [M, D] array.
-      res[f"{impl}_residual_bytes"] = residual_bytes(loss_fn(impl, spec, interpret, k),
-                                                     x, wg, wu, wd, F32(1.0))
+      res[f"{impl}_residual_bytes"] = saved_residual_bytes(
+          specs_lib.loss_fn(impl, spec, interpret, k), x, wg, wu, wd, F32(1.0))
       res[f"{impl}_pipelined_ms"] = timing.pipelined_ms(f, *args, iters=iters)
       res[f"{impl}_device_ms"] = timing.device_ms(f, *args)
       if breakdown:

@@ -3,11 +3,11 @@ sparse against dense.
 
     python -m benchmarks.lm_eval_check --workdir=W --out=R.json          # a training workdir
     python -m benchmarks.lm_eval_check --hf_dir=D --out=R.json           # a Llama directory
-    python -m benchmarks.lm_eval_check --trained=paper_0p5b --out=R.json # benchmarks.trained's
+    python -m benchmarks.lm_eval_check --trained=paper_0p5b --out=R.json # benchmarks.common.trained's
     python -m benchmarks.lm_eval_check --workdir=W --out=R.json --smoke  # CPU, a tiny model
 
 The model: W's latest checkpoint; D imported (`train.import_hf`, configs/default.py's
-settings); or the paper shape trained to the paper-like activity (`benchmarks.trained`,
+settings); or the paper shape trained to the paper-like activity (`benchmarks.common.trained`,
 cached on the machine: the weights the decode and e2e benchmarks time). Files go to
 --scratch (default: a temporary directory, removed after).
 
@@ -233,14 +233,14 @@ def load_model(out_dir: str, *, workdir: str | None = None, hf_dir: str | None =
                trained: str | None = None, trained_steps: int = 1500) -> Model:
   """The latest checkpoint of `workdir`; or `hf_dir` imported into out_dir/workdir (with
   configs/default.py's training settings); or `trained`, a shape's weights trained to the
-  paper-like activity by `benchmarks.trained` (cached: the ones the decode and e2e
+  paper-like activity by `benchmarks.common.trained` (cached: the ones the decode and e2e
   benchmarks time)."""
   from train.inference import generator  # pylint: disable=import-outside-toplevel
   from train.inference import loading  # pylint: disable=import-outside-toplevel
   if sum(x is not None for x in (workdir, hf_dir, trained)) != 1:
     raise ValueError("give exactly one of workdir, hf_dir and trained")
   if trained is not None:
-    from benchmarks import trained as trained_lib  # pylint: disable=import-outside-toplevel
+    from benchmarks.common import trained as trained_lib  # pylint: disable=import-outside-toplevel
     from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     cfg, params = trained_lib.trained_params(trained, "paper", steps=trained_steps,
                                              extreme_steps=0)
@@ -248,10 +248,10 @@ def load_model(out_dir: str, *, workdir: str | None = None, hf_dir: str | None =
                  {"trained": trained, "steps": trained_steps})
   if hf_dir is not None:
     from configs import default  # pylint: disable=import-outside-toplevel
-    from train.training import hf_import  # pylint: disable=import-outside-toplevel
+    from train.hf import importing  # pylint: disable=import-outside-toplevel
     workdir = os.path.join(out_dir, "workdir")
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-      hf_import.import_checkpoint(hf_dir, workdir, default.get_config())
+      importing.import_checkpoint(hf_dir, workdir, default.get_config())
   ck = loading.load_checkpoint(workdir)
   return Model(ck.params, ck.config, ck.tokenizer,
                generator.logged_activity(workdir, ck.step, ck.model_cfg.n_layers),
@@ -262,7 +262,7 @@ def cross_check(model: Model, out_dir: str, run, tasks: list[str], *, batch_size
                 hf_dir: str | None) -> tuple[dict, dict | None]:
   """(a) of the module docstring: (the record, the hf model's results or None)."""
   import jax  # pylint: disable=import-outside-toplevel
-  from train.inference import hf_export  # pylint: disable=import-outside-toplevel
+  from train.hf import exporting  # pylint: disable=import-outside-toplevel
   # Full float32 products: on a GPU, JAX's default precision multiplies float32 matrices in
   # TF32 (torch does not).
   with jax.default_matmul_precision("highest"):
@@ -274,7 +274,7 @@ def cross_check(model: Model, out_dir: str, run, tasks: list[str], *, batch_size
     return {**record, "cross_check": {"skipped": why}}, None
   if hf_dir is None:
     hf_dir = os.path.join(out_dir, "hf")
-    hf_export.write_hf_dir(hf_dir, model.params, model.config, model.tokenizer, overwrite=True)
+    exporting.write_hf_dir(hf_dir, model.params, model.config, model.tokenizer, overwrite=True)
   theirs = run(hf_model(hf_dir, eos_id=int(model.tokenizer.eos_id),
                         context=int(model.config.data.seq_len), batch_size=batch_size), tasks)
   return {**record, "cross_check": {"tolerance": TOLERANCE, **compare(ours, theirs, tasks)}}, theirs
@@ -339,7 +339,7 @@ def _define_flags():
   flags.DEFINE_string("workdir", None, "A training workdir (its latest checkpoint).")
   flags.DEFINE_string("hf_dir", None, "Or a Hugging Face Llama directory (imported).")
   flags.DEFINE_string("trained", None, "Or a shape (paper_0p5b) trained to the paper-like "
-                      "activity by benchmarks.trained (cached).")
+                      "activity by benchmarks.common.trained (cached).")
   flags.DEFINE_integer("trained_steps", 1500, "Training steps of --trained (the cache's name).")
   flags.DEFINE_string("out", None, "Write the JSON record here.")
   flags.DEFINE_string("scratch", None, "Directory for the tasks, the exported model and an "

@@ -25,7 +25,7 @@ on `--sweep_shape` (all of them) and `--best_shape` (dense SiLU and the sparse r
     its own equal-tokens run), with its own schedule over them.
 
 Schedules: linear warm-up over the first tenth of a run's steps, then the config's cosine;
-the paper shapes at 8 x 2048 tokens a step (`benchmarks.trained.SHORT_RUN`).
+the paper shapes at 8 x 2048 tokens a step (`benchmarks.common.trained.SHORT_RUN`).
 
 Every run starts with an empty compilation cache (its own), as a first run on a machine
 does, so no run inherits another's compiles. Each equal-tokens run traces
@@ -49,7 +49,7 @@ import os
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
+from benchmarks.common import cli_run
 
 
 def _define_flags():
@@ -108,17 +108,17 @@ def run_specs(fl) -> list[dict]:
 
 def _schedule_flags(shape: str, steps: int) -> list[str]:
   """Warm-up over the first tenth of each run's own steps; the paper shapes at
-  `benchmarks.trained.SHORT_RUN`'s batch and rate (their configs are for 50k-step runs)."""
+  `benchmarks.common.trained.SHORT_RUN`'s batch and rate (their configs are for 50k-step runs)."""
   warmup = max(1, steps // 10)
   if shape.startswith("paper_"):
-    from benchmarks import trained  # pylint: disable=import-outside-toplevel
+    from benchmarks.common import trained  # pylint: disable=import-outside-toplevel
     return trained.short_run_flags(warmup)
   return [f"--config.warmup_steps={warmup}"]
 
 
 def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> dict:
   """One `train.main` command; its measurements (module docstring)."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   workdir = os.path.join(fl.workdir, spec["name"].replace("/", "_") + tag)
   config = f"configs/{spec['shape']}.py" + (f":{spec['variant']}" if spec["variant"] else "")
   every = max(1, steps // fl.eval_points)
@@ -145,7 +145,7 @@ def train_run(fl, spec: dict, steps: int, data_flags: list[str], tag: str) -> di
   from train.config import workdir as workdir_config
   run_cfg = workdir_config.read_workdir_config(workdir)   # the config the run trained with
   tokens_per_step = run_cfg["batch_size"] * run_cfg["data"]["seq_len"]
-  from benchmarks import timing  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import timing  # pylint: disable=import-outside-toplevel
   traced = timing.trace_breakdown(os.path.join(workdir, "profile"), profile) if profile else None
   return {
       "profile": traced and {"span_ms": traced["span_ms"], "kernels": traced["kernels"][:8]},

@@ -12,10 +12,10 @@ loss per device under shard_map, parameters split over fsdp) with `--batch_per_d
 sequences of the shape's context per device, for two models at the paper's shape with
 `--layers` layers (as `benchmarks.e2e`):
 
-  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.training.layer_choice`)
+  * sparse: ReLU + L1 as the trainer runs it: the per-layer choice (`train.models.layer_choice`)
     decides each layer's FFN and hot features from one step's feature counts and the
     features are sorted by popularity, as `train.main` does on its first step; on weights
-    trained to the paper-like activity (`benchmarks.trained`, cached; `--weights=init`:
+    trained to the paper-like activity (`benchmarks.common.trained`, cached; `--weights=init`:
     random);
   * dense: the same weights with a SiLU FFN on the dense implementation.
 
@@ -33,9 +33,9 @@ Per mesh, model and option set: tokens/s of back-to-back steps, as the trainer r
 against the 1-device mesh (tokens/s over devices x the 1-device tokens/s); the same of
 synchronized steps (`synced_*`: each step waited for, so each pays its launch); the compiled
 step's collectives by kind, every one that moves something other
-than a weight (`train.runtime.hlo.non_weight_collectives`; expected: none), how many of the
+than a weight (`benchmarks.common.hlo.non_weight_collectives`; expected: none), how many of the
 asynchronous ones overlap compute and how many bytes they move
-(`train.runtime.hlo.collective_overlap`), XLA's peak memory estimate and each device's measured
+(`benchmarks.common.hlo.collective_overlap`), XLA's peak memory estimate and each device's measured
 peak.
 """
 
@@ -52,8 +52,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.common import timing
+from benchmarks.common import trained
 
 
 def _define_flags():
@@ -81,7 +81,7 @@ def _define_flags():
   flags.DEFINE_string("dump_hlo", None, "write each compiled step's HLO text to this folder")
   flags.DEFINE_string("profile_dir", None, "trace 3 steps of each run into this folder "
                       "(jax.profiler, with a Perfetto trace; summarized into the run's "
-                      "\"profile\": benchmarks.timing.trace_breakdown)")
+                      "\"profile\": benchmarks.common.timing.trace_breakdown)")
   flags.DEFINE_list("one_device_on", ["0"], "device indices the 1x1 mesh runs on, one after "
                     "the other (efficiency is against the first; each one's own is recorded)")
   flags.DEFINE_string("choose_mesh", "1x1", "DATAxFSDP mesh whose first step makes the sparse "
@@ -202,12 +202,13 @@ def _choose(fl, params):
   """The sparse model's per-layer choice on the `--choose_mesh` mesh, as the trainer's first
   step makes it: (`LayerChoice.key`, the popularity order [L, H] that sorts the features, the
   description and the predicted per-layer ratios). None where the config makes no choice."""
-  from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   data, fsdp = parse_mesh(fl.choose_mesh)
   cfg = _config(fl, "sparse", data, fsdp)
-  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
-  choice = tr.layer_choice()
+  tr = trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
+  choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   if choice is None:
     return None
   state = _state(tr, params)
@@ -234,13 +235,13 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
   """One model on one mesh with one option set (`OPTION_SETS`), on the devices from
   `first_device` on; `choice` (from `_choose`) gives the sparse model's layers and feature
   order."""
-  from train.runtime import hlo  # pylint: disable=import-outside-toplevel
-  from train.runtime import mesh as sharding  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import hlo  # pylint: disable=import-outside-toplevel
+  from train.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = _config(fl, model, data, fsdp, options)
   n = data * fsdp
   devices = jax.devices()[first_device:first_device + n]
-  tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, devices))
+  tr = trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, devices))
   state = _state(tr, params)
   key = None
   if model == "sparse" and choice is not None:
@@ -279,7 +280,7 @@ def run_mesh(fl, model: str, data: int, fsdp: int, params, *, choice=None,
       "scan_layers": fl.scan_layers, "scan_unroll": fl.scan_unroll,
       "frozen_weights": fl.frozen_weights,
       "compiler_options": compiler_options(options), "config_options": config_options(options),
-      "split_moments": sharding.split_count(tr.grad_sharding)[0], "tokens_per_step": tokens,
+      "split_moments": mesh_lib.split_count(tr.grad_sharding)[0], "tokens_per_step": tokens,
       "ffn_per_layer": None if key is None else choice["describe"],
       "ms": ms, "tokens_per_s": tokens / ms * 1e3,
       "tokens_per_s_per_device": tokens / ms * 1e3 / n,
@@ -331,22 +332,64 @@ def merge_results(results: list[dict]) -> dict:
           "failed": [run for r in results for run in r["runs"] if "error" in run]}
 
 
+def _merge_files(paths, out) -> None:
+  """`--merge`: the results files at `paths` merged (`merge_results`), printed, written to
+  `out`."""
+  loaded = []
+  for path in paths:
+    with open(path) as f:
+      loaded.append(json.load(f))
+  merged = merge_results(loaded)
+  for r in merged["ratios"]:
+    print(f"  {r['layers']} layers, mesh {r['mesh']}: sparse {r['speedup']:.3f}x dense, "
+          f"step's peak memory {r['peak_memory_ratio']:.3f}x (process peaks "
+          f"{r['process_peak_ratio']:.3f}x)", flush=True)
+  if out:
+    with open(out, "w") as f:
+      json.dump(merged, f, indent=1)
+
+
+def _add_efficiency(r: dict, one_device_runs: list[dict]) -> None:
+  """A run's scaling efficiency against the model's first one-device run, and against each
+  device's own one-device run (devices of one host differ by a few percent)."""
+  if not one_device_runs or r["devices"] == 1:
+    return
+  one = one_device_runs[0]
+  for key in ("", "synced_"):
+    r[f"{key}scaling_efficiency"] = (r[f"{key}tokens_per_s"]
+                                     / (r["devices"] * one[f"{key}tokens_per_s"]))
+  r["scaling_efficiency_by_one_device"] = {
+      str(x["device_ids"][0]): r["tokens_per_s"] / (r["devices"] * x["tokens_per_s"])
+      for x in one_device_runs}
+
+
+def _print_run(r: dict) -> None:
+  """One run's line (and its trace's, if profiled)."""
+  print(f"  {r['model']:<6} mesh {r['mesh']:<5} {r['options']:<16} "
+        f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "
+        f"device" + (f", efficiency {r['scaling_efficiency']:.3f}"
+                     if "scaling_efficiency" in r else "")
+        + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
+        + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
+           if "synced_scaling_efficiency" in r else "")
+        + f"); collectives {r['collectives']}, overlapped "
+        f"{r['overlapped_collectives']}/{r['async_collectives']} "
+        f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
+        f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
+        f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
+  if r.get("profile"):
+    pr = r["profile"]
+    print(f"    trace per step: span {pr['span_ms']:.2f} ms, compute "
+          f"{pr['compute_ms']:.2f}, idle {pr['idle_ms']:.2f}, collectives "
+          f"{pr['collective_ms']:.2f} ({pr['exposed_collective_ms']:.2f} exposed)",
+          flush=True)
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
   if fl.merge:
-    loaded = []
-    for path in fl.merge:
-      with open(path) as f:
-        loaded.append(json.load(f))
-    merged = merge_results(loaded)
-    for r in merged["ratios"]:
-      print(f"  {r['layers']} layers, mesh {r['mesh']}: sparse {r['speedup']:.3f}x dense, "
-            f"step's peak memory {r['peak_memory_ratio']:.3f}x (process peaks "
-            f"{r['process_peak_ratio']:.3f}x)", flush=True)
-    if fl.out:
-      with open(fl.out, "w") as f:
-        json.dump(merged, f, indent=1)
+    _merge_files(fl.merge, fl.out)
     return
   n = jax.device_count()
   meshes = fl.meshes or default_meshes(n)
@@ -385,36 +428,10 @@ def main(argv):
           print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} failed: {r['error']}",
                 flush=True)
           continue
-        one = next((x for x in results["runs"] if x["model"] == model and x["devices"] == 1
-                    and "error" not in x), None)
-        if one is not None and r["devices"] > 1:
-          for key in ("", "synced_"):
-            r[f"{key}scaling_efficiency"] = (r[f"{key}tokens_per_s"]
-                                             / (r["devices"] * one[f"{key}tokens_per_s"]))
-          # Against each device's own one-device run (devices of one host differ by a few %).
-          r["scaling_efficiency_by_one_device"] = {
-              str(x["device_ids"][0]): r["tokens_per_s"] / (r["devices"] * x["tokens_per_s"])
-              for x in results["runs"] if x["model"] == model and x["devices"] == 1
-              and "error" not in x}
+        _add_efficiency(r, [x for x in results["runs"] if x["model"] == model
+                            and x["devices"] == 1 and "error" not in x])
         results["runs"].append(r)
-        print(f"  {model:<6} mesh {r['mesh']:<5} {options:<16} "
-              f"{r['tokens_per_s']:>12,.0f} tok/s ({r['tokens_per_s_per_device']:,.0f} per "
-              f"device" + (f", efficiency {r['scaling_efficiency']:.3f}"
-                           if "scaling_efficiency" in r else "")
-              + f") {r['ms']:.1f} ms ({r['synced_ms']:.1f} synced"
-              + (f", efficiency {r['synced_scaling_efficiency']:.3f}"
-                 if "synced_scaling_efficiency" in r else "")
-              + f"); collectives {r['collectives']}, overlapped "
-              f"{r['overlapped_collectives']}/{r['async_collectives']} "
-              f"({r['overlapped_bytes'] / 2**20:.0f}/{r['collective_bytes'] / 2**20:.0f} MiB); "
-              f"non-weight {len(r['non_weight_collectives'])}; XLA peak "
-              f"{r['xla_peak_bytes_per_device'] / 2**30:.2f} GiB/device", flush=True)
-        if r.get("profile"):
-          pr = r["profile"]
-          print(f"    trace per step: span {pr['span_ms']:.2f} ms, compute "
-                f"{pr['compute_ms']:.2f}, idle {pr['idle_ms']:.2f}, collectives "
-                f"{pr['collective_ms']:.2f} ({pr['exposed_collective_ms']:.2f} exposed)",
-                flush=True)
+        _print_run(r)
         if fl.out:
           with open(fl.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -55,7 +55,7 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
+from benchmarks.common import cli_run
 from benchmarks import whole_run
 
 ARMS = ("dense", "sparse", "sparse_t")

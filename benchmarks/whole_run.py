@@ -6,14 +6,14 @@ r"""The user's measure: whole training runs from random initialisation, sparse a
 Every run is the command a user types (`python -m train.main`, its own workdir and an empty
 compilation cache, as a first run on a machine), from the config's seed on the same token
 stream: the offline corpus of Python sources with a 32k SentencePiece tokenizer trained on it
-offline (`benchmarks.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
-(`benchmarks.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
+offline (`benchmarks.common.cli_run`), the paper 0.5B shape at 8 x 2048 tokens a step
+(`benchmarks.common.trained.SHORT_RUN`: learning rate 1e-3, 100 warm-up steps, cosine over the run),
 trainer defaults otherwise (held-out evaluations every `--eval_every` steps, checkpoints every
 `--checkpoint_every`). Runs (`--runs`):
 
   dense_silu   the baseline: dense SiLU-gated FFN, no L1 (`configs/paper_0p5b.py:dense`)
   sparse       ReLU + L1 `--l1` with the default FFN choice (each layer's hot features
-               per layer, `train.training.layer_choice`); named twice, it runs twice, to show the
+               per layer, `train.models.layer_choice`); named twice, it runs twice, to show the
                spread
   NAME@DIR     run NAME from the checkout in DIR (another version of the code)
   NAME+KEY=VALUE[+KEY=VALUE...]
@@ -32,6 +32,12 @@ deterministic GPU ops (the training kernels use no atomics; the model then takes
 attention, `train.models.transformer.attention_implementation`). Before the runs the offline
 corpus's held-out split is read once, untimed (`warm_corpus`): every run starts with the same
 warm file cache.
+
+A cluster's run (`--processes=N`): each run as N processes of one GPU each, started by
+`python -m train.launch` (process 0's log in the run's, every process's in WORKDIR.processes/).
+A run longer than one command may take (`--stop_after_s`): stopped with a checkpoint, then
+continued by the same command, its wall-clock the sum of its commands' (`benchmarks.common.run_calls`;
+"calls_s" lists them). `--dense_flags` go to the dense SiLU runs only (its micro-batch).
 
 Per run: the command's wall-clock (start-up, compiles, evaluations, checkpoints included), the
 time to its first step, held-out cross-entropy at every evaluation, and at every logged step
@@ -60,7 +66,8 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
+from benchmarks.common import cli_run
+from benchmarks.common import run_calls
 
 
 def define_run_flags(**defaults) -> None:
@@ -112,6 +119,14 @@ def _define_flags():
   flags.DEFINE_list("merge", [], "results JSONs of earlier invocations on the same kind of "
                     "device whose runs come first (one GPU and a time limit per command: one "
                     "run per invocation, then --runs= --merge=a.json,b.json,c.json)")
+  flags.DEFINE_integer("processes", 1, "each run as this many processes, one GPU each "
+                       "(python -m train.launch, as a cluster starts them), on that many GPUs")
+  flags.DEFINE_float("stop_after_s", None, "stop a run still training after this many seconds "
+                     "of this command (SIGTERM through train.launch: it writes a checkpoint); "
+                     "the same command again continues it, its wall-clock the sum of its "
+                     "commands' (benchmarks.common.run_calls)")
+  flags.DEFINE_list("dense_flags", [], "more train.main flags for the dense SiLU runs only "
+                    "(its micro-batch: --config.grad_accum_steps=1)")
 
 
 RUN_KINDS = ("dense_silu", "sparse")
@@ -138,7 +153,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str],
                 name: str | None = None) -> tuple[list[str], str]:
   """(the `train.main` command of run `spec` (the `index`-th), its workdir: `name` under
   `--workdir`, by default "INDEX_KIND")."""
-  from benchmarks import trained  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import trained  # pylint: disable=import-outside-toplevel
   kind, overrides, _ = parse_run(spec)
   workdir = os.path.join(fl.workdir, name or f"{index}_{kind}")
   dense = kind == "dense_silu"
@@ -146,7 +161,7 @@ def run_command(fl, spec: str, index: int, data_flags: list[str],
   schedule = (trained.short_run_flags(fl.warmup_steps) if fl.shape.startswith("paper_")
               else [f"--config.warmup_steps={fl.warmup_steps}"])
   model = [] if dense else ["--config.model.ffn_activation=relu", f"--config.l1_coeff={fl.l1}"]
-  cmd = cli_run.command(workdir, config, [
+  cmd = cli_run.command(workdir, config, fresh=not run_calls.continues(workdir), flags=[
       f"--config.num_train_steps={fl.steps}", f"--config.log_every={fl.log_every}",
       f"--config.eval_every={fl.eval_every}", f"--config.eval_batches={fl.eval_batches}",
       f"--config.checkpoint_every={fl.checkpoint_every}", "--config.keep_checkpoints=1",
@@ -154,15 +169,18 @@ def run_command(fl, spec: str, index: int, data_flags: list[str],
   return cmd, workdir
 
 
-def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
-  """A finished run's measurements (module docstring) from its metrics.jsonl."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+def read_run(name: str, workdir: str, wall_s: float, t0) -> dict:
+  """A finished run's measurements (module docstring) from its metrics.jsonl. `t0`: its start
+  (time.time()), or for a run over several commands a function from a moment to the run's
+  seconds (`benchmarks.common.run_calls.clock`)."""
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
+  seconds = t0 if callable(t0) else (lambda moment: moment - t0)
   rows = metrics.read_jsonl(workdir)
   train_rows = [r for r in rows if "tokens_per_s" in r]
   layers = sorted(int(k.rsplit("_", 1)[1]) for k in train_rows[-1]
                   if k.startswith("active_per_token/"))
   per_layer = lambda r, key: [r.get(f"{key}/layer_{l}") for l in layers]
-  points = [{"step": r["step"], "seconds": r["wall_time"] - t0,
+  points = [{"step": r["step"], "seconds": seconds(r["wall_time"]),
              "tokens_per_s": r["tokens_per_s"],
              "active_per_token": per_layer(r, "active_per_token"),
              "overflow_rows": [int(v) for v in per_layer(r, "overflow_rows")],
@@ -177,12 +195,12 @@ def read_run(name: str, workdir: str, wall_s: float, t0: float) -> dict:
   waits = [[e["step"], e["waited_s"]] for e in landings]
   builds = [[e["step"], e["build_s"]] for e in landings]
   batch_losses = {e["step"]: e["losses"] for e in metrics.events(rows, "eval_batch_losses")}
-  evals = [{"step": r["step"], "seconds": r["wall_time"] - t0, "ce": r["eval/loss"],
+  evals = [{"step": r["step"], "seconds": seconds(r["wall_time"]), "ce": r["eval/loss"],
             "ce_se": r.get("eval/loss_se"), "tokens": r.get("eval/tokens"),
             "batch_ce": batch_losses.get(r["step"])}
            for r in rows if "eval/loss" in r]
   return {"name": name, "wall_s": wall_s,
-          "first_step_s": train_rows[0]["wall_time"] - t0,
+          "first_step_s": seconds(train_rows[0]["wall_time"]),
           "eval_ce": evals[-1]["ce"] if evals else None, "evals": evals, "points": points,
           "data_passes": train_rows[-1].get("data_passes"),
           "decisions": decisions, "landing_waits_s": waits, "build_s": builds,
@@ -295,6 +313,8 @@ def main(argv):
   if fl.smoke:
     set_smoke(fl)
   parsed = [parse_run(spec) for spec in fl.runs]   # every entry checked before anything runs
+  if fl.processes > 1 and fl.parallel:
+    raise app.UsageError("--processes: each run takes that many GPUs; not with --parallel")
   os.makedirs(fl.workdir, exist_ok=True)
   tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
   data_flags = cli_run.data_flags(fl.dataset, tokenizer)
@@ -304,7 +324,9 @@ def main(argv):
   gpus = cli_run.gpu_names()
   results = {"device": gpus[0] if gpus else "cpu", "steps": fl.steps, "shape": fl.shape,
              "l1": fl.l1, "parallel": fl.parallel, "deterministic": fl.deterministic,
-             "gpus_per_run": 1 if fl.parallel or not gpus else len(gpus),
+             "gpus_per_run": (1 if fl.parallel or not gpus else
+                              fl.processes if fl.processes > 1 else len(gpus)),
+             "processes_per_run": fl.processes,
              "tokenizer": (tokenizer or {}).get("model"), "runs": []}
   for path in fl.merge:
     with open(path) as f:
@@ -329,6 +351,7 @@ def main(argv):
           [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_deterministic_ops=true"]).strip()
     if fl.parallel and started and fl.stagger_s > 0:
       time.sleep(fl.stagger_s)
+    cmd = launched(fl, cmd, parsed[i][0], workdir)
     print(f"  {spec} ({i}): {' '.join(cmd[3:])}", flush=True)
     proc = cli_run.start(cmd, workdir + ".log", os.path.abspath(root or cli_run.ROOT), **env)
     started.append((spec, workdir, env, *proc))
@@ -363,10 +386,35 @@ def main(argv):
         f"same decisions {results.get('same_decisions')}")
 
 
+def launched(fl, cmd: list[str], kind: str, workdir: str) -> list[str]:
+  """A run's `train.main` command with the dense SiLU runs' own flags, through `train.launch`
+  for several processes (each one's log in WORKDIR.processes/, process 0's in the run's) or a
+  time limit."""
+  cmd = cmd + (fl.dense_flags if kind == "dense_silu" else [])
+  if fl.processes == 1 and fl.stop_after_s is None:
+    return cmd
+  limit = [] if fl.stop_after_s is None else [f"--stop_after_s={fl.stop_after_s}"]
+  return [*cmd[:2], "train.launch", f"--num_processes={fl.processes}",
+          f"--process_logs={workdir}.processes", *limit, "--", *cmd[3:]]
+
+
 def _finish(fl, results: dict, name: str, workdir: str, env: dict, proc, t0: float,
             wall: float | None = None) -> None:
-  wall = cli_run.finish(proc, t0, fl.timeout, name, wall)
-  run = read_run(name, workdir, wall, t0)
+  try:
+    wall = cli_run.finish(proc, t0, fl.timeout, name, wall)
+  except RuntimeError:
+    if fl.stop_after_s is None or proc.returncode != 143:   # 143: stopped with a checkpoint
+      raise
+    from train.state import checkpointing  # pylint: disable=import-outside-toplevel
+    calls = run_calls.record(workdir, t0, time.time() - t0 if wall is None else wall)
+    print(f"  {name}: stopped after {calls[-1]['wall_s']:.1f} s at step "
+          f"{max(checkpointing.steps_on_disk(workdir), default=0)} "
+          f"({run_calls.total(calls, 0):.1f} s so far); the same command continues it",
+          flush=True)
+    return
+  calls = run_calls.finish(workdir)
+  run = read_run(name, workdir, run_calls.total(calls, wall), run_calls.clock(calls, t0))
+  run["calls_s"] = [c["wall_s"] for c in calls] + [wall]
   run["gpu"] = env.get("CUDA_VISIBLE_DEVICES")
   run["started_at"] = t0   # time.time() of its start (runs side by side: their offsets)
   run["xla_flags"] = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))

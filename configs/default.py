@@ -12,15 +12,29 @@ from ml_collections import config_dict
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
+  _model(c)
+  _data(c)
+  _optimization(c)
+  _layer_choice(c)
+  _runtime(c)
+  c.log_every = 50
+  c.eval_every = 1000
+  c.eval_batches = 8
+  c.checkpoint_every = 1000
+  c.keep_checkpoints = 3
+  return c
 
+
+def _model(c: ml_collections.ConfigDict) -> None:
+  """The model: shapes, the FFN, dtypes and layouts (train/models/transformer.py)."""
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=259,         # >= the tokenizer's (byte tokenizer: 259)
       d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1408,
       rope_theta=10000.0, norm_eps=1e-6, init_std=0.02,
       ffn_gated=True,
       ffn_activation="relu",  # sparse kernels need relu; dense: silu/gelu too
-      # None = best available (mosaic_gpu where supported, else dense);
-      # "dense" is the dense baseline.
+      # None = auto (train/models/implementations.py: mosaic_gpu where it runs and wins,
+      # else dense; the per-layer choice below); "dense" is the dense baseline.
       ffn_implementation=config_dict.placeholder(str),
       dtype="bfloat16", param_dtype="float32",
       remat=False,            # jax.checkpoint each block (memory for compute)
@@ -33,6 +47,9 @@ def get_config() -> ml_collections.ConfigDict:
                               # slow; with ffn_implementation=mosaic_gpu and bfloat16)
   ))
 
+
+def _data(c: ml_collections.ConfigDict) -> None:
+  """The input pipeline."""
   # Input (train/data/): local files (`files`) or a dataset by name (`dataset`), a tokenizer,
   # packed rows of seq_len + 1 tokens.
   c.data = ml_collections.ConfigDict(dict(
@@ -61,6 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
       prefetch=2,
   ))
 
+
+def _optimization(c: ml_collections.ConfigDict) -> None:
+  """The optimizer, its schedule and the sparsity terms."""
   # Optimization: AdamW, linear warm-up then cosine to min_lr_ratio * peak.
   c.num_train_steps = 10_000
   c.batch_size = 32           # global sequences per optimizer step
@@ -87,7 +107,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.dead_reinit = False
   c.dead_reinit_every = 1000
 
-  # Per-layer FFN choice (train/training/layer_choice.py): with ffn_implementation=None, each layer
+
+def _layer_choice(c: ml_collections.ConfigDict) -> None:
+  """The per-layer FFN choice."""
+  # Per-layer FFN choice (train/models/layer_choice.py): with ffn_implementation=None, each layer
   # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
   # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
   # every `every` steps. The new step compiles in the background and runs after
@@ -100,16 +123,14 @@ def get_config() -> ml_collections.ConfigDict:
       enabled=True,
       sparse="auto",          # the sparse layers' implementation; auto: what None resolves to
       every=20,
-      sparse_below=0.9,       # predicted FFN time over dense (train/training/layer_choice.py)
+      sparse_below=0.9,       # predicted FFN time over dense (train/models/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=200,      # builds take 6-23 s beside training once the kernels are
-                              # compiled (paper 0.5B, one run alone on an H200; mostly
-                              # 12-18 s), 18-28 s with four runs on one host; 200 dense steps'
-                              # time (21-23 s) made the loop wait 0-2.5 s alone, 0-12 s there
+      landing_steps=200,      # dense steps' time a build has beside training before its
+                              # choice lands (enough for the builds measured at the paper
+                              # shape: docs/performance.md)
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
-                              # goes on with the running step (builds take 6-28 s; one on
-                              # four H200s never came back)
+                              # goes on with the running step (a build may never come back)
       bridge=True,            # run the step compiled at the start (first layer dense, the
                               # others at K = 256) while a choice builds, where predicted
                               # faster (train/training/choice_steps.py _bridge)
@@ -118,6 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
                               # cost model alone
   ))
 
+
+def _runtime(c: ml_collections.ConfigDict) -> None:
+  """Where a run starts from, its devices, compile cache and profile."""
   # Start from a Hugging Face Llama checkpoint instead of random weights (train/import_hf.py):
   # the model's shapes and tokenizer come from the directory. activation "hf" keeps its
   # hidden_act, "relu" switches the gate to ReLU (ReLUfication, configs/relufy.py);
@@ -136,25 +160,18 @@ def get_config() -> ml_collections.ConfigDict:
   # f32): less memory per device, a slower step on 2 GPUs (docs/performance.md).
   # gradient_reduction (data-only meshes): "per_device" runs the step per device and reduces
   # the gradients once after the backward; "gspmd" lets XLA reduce them inside the backward
-  # as they appear; "auto" picks per_device (train/training/steps.py).
+  # as they appear; "auto" picks per_device (train/state/steps.py).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, shard_optimizer=False,
                                           gradient_reduction="auto"))
 
   # Compiled programs kept across runs and resumes on a GPU (JAX's persistent compilation
-  # cache; the per-layer choice's train steps take 13-36 s each to build at the paper's
-  # shape). Empty: off.
+  # cache; the per-layer choice's train steps take tens of seconds each to build at large
+  # shapes). Empty: off.
   c.compilation_cache_dir = "~/.cache/twell_jax/jax"
 
   # Trace `profile.steps` steps from step `profile.first_step` (jax.profiler, with a Perfetto
   # trace) into workdir/profile: TensorBoard's profile plugin or ui.perfetto.dev reads it.
   c.profile = ml_collections.ConfigDict(dict(first_step=0, steps=0))
-
-  c.log_every = 50
-  c.eval_every = 1000
-  c.eval_batches = 8
-  c.checkpoint_every = 1000
-  c.keep_checkpoints = 3
-  return c
 
 
 def apply_variant(c: ml_collections.ConfigDict, variant: str | None):

@@ -27,6 +27,13 @@ TILE_N = 256
 EMPTY_WORD = 0x7FFFFFFF
 
 
+def take_rows(a, index):
+  """a[index] along axis 0, with the rows of out-of-range indices (the padding value, a.shape[0])
+  set to zero: the gather of a row list padded to a static length."""
+  rows = jnp.take(a, jnp.minimum(index, a.shape[0] - 1), axis=0)
+  return jnp.where((index < a.shape[0])[:, None], rows, jnp.zeros((), a.dtype))
+
+
 def tile_max(active):
   """Most True entries in one 256-column tile of one row of ``active`` [M, N], as int32 (0 when
   the array is empty)."""
@@ -56,7 +63,7 @@ def first_true(mask, size: int, fill: int):
   """Indices of the first ``size`` True entries of the 1-D ``mask`` (int32), ``fill`` after
   them: ``jnp.nonzero(mask, size=size, fill_value=fill)``, but as a scatter in which only
   True entries write (each to its own slot). jnp.nonzero's scatter-add sends every False
-  entry to one counter, and those colliding atomics took 0.013 ms at M = 16384 (H100)."""
+  entry to one counter, where the colliding atomics serialize."""
   n = mask.shape[0]
   pos = jnp.arange(n, dtype=jnp.int32)
   rank = jnp.cumsum(mask, dtype=jnp.int32) - 1          # in [0, n): distinct for True entries
@@ -137,9 +144,8 @@ def stable_kernel_ids() -> None:
   serialized module: its in-process kernel cache), but Mosaic GPU stamps every module it
   lowers with a dump name ending in a process-wide counter (``mosaic_gpu.dump_basename``,
   "twell_gate_pack_7"), so the same kernel lowered into a second program hashes differently
-  and compiles again: each train step built for a new per-layer choice compiled all five
-  kernels anew (a new choice's step built in 14-23 s at the paper shape on an H100, 10-16 s
-  with the kernels compiled once). Before serialization the stamp of a module named
+  and compiles again: each train step built for a new per-layer choice would compile every
+  kernel anew, most of its build time. Before serialization the stamp of a module named
   ``twell_*`` is set to the module's own name; the name only matters to Mosaic GPU's
   debugging dumps, where identical kernels now share one file. Idempotent; a no-op where
   jax's Mosaic GPU lowering has no such pass."""
@@ -169,7 +175,7 @@ def jit_kernel_entry(static_argnames):
   shapes and configs): every call of one shape then traces to one jaxpr, so a train step
   lowers and compiles the kernel once for all the layers that share it. Calls with
   ``interpret`` set run the entry as it is: the Mosaic GPU interpreter's state does not
-  survive a cached executable run again (a later test's call hung). Also makes the kernels'
+  survive a cached executable run again. Also makes the kernels'
   modules the same bytes in every program (``stable_kernel_ids``)."""
   stable_kernel_ids()
 

@@ -40,7 +40,7 @@ For M <= ``rows_max`` (default 1: a single sequence) one kernel does all of it:
   rows the per-row products outgrow the registers (2 rows: 25-32 us against the tiled
   kernels' 20.7), so M > 1 takes the tiled kernels.
 
-It is the dense ReLU FFN's function (``reference.dense_ffn``): the same roundings, sums in f32
+It is the dense ReLU FFN's function (``reference.dense_ffn_hidden``): the same roundings, sums in f32
 in another order. A feature that fires in no row has its W_up^T row skipped, one whose h is
 zero in every row its W_down row (they contribute nothing): a non-finite entry there (which
 the dense FFN would spread as NaN) is not seen. A NaN or infinity in x or W_gate reaches y as
@@ -88,7 +88,7 @@ class DecodeConfig:
   nothing; a kernel of ``rows_sum_cols`` columns per program loads the partials of the blocks
   that fired only) or "xla" (those blocks write zeros and XLA sums every block's).
   Defaults tuned on an H100 at the paper's 0.5B shape (D 2048, H 5632; ``python -m
-  benchmarks.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
+  benchmarks.sweeps.decode_ffn --sweep``): at 2 rows with 1% of H firing 16.3 us per call against
   the dense FFN's 29.3 (the 54 tilings measured span 16.1-26 us); at 16 rows and 10%, 19.9
   against 31.2. At 64 rows every union measured loses to dense (41-58 us against 38).
   The rows path's (``benchmarks.probes.decode_gate``: weights out of L2, one row, ~30

@@ -6,7 +6,7 @@ For i < n, with r = rows[i] (n and rows are device values):
     non-gated:  g = bf16(x_r @ w_up),                           h_i = relu(g)
     y_i  = bf16(h_i @ w_down)          (every product a bf16 wgmma with f32 accumulation)
     l1_i = sum_j |h_ij| (f32);  counts_j = #{i < n : g_ij > 0}
-which is ``reference.dense_ffn`` row for row (the same roundings; only the GEMMs' summation
+which is ``reference.dense_ffn_hidden`` row for row (the same roundings; only the GEMMs' summation
 order may differ). Outputs are compact: y [R, D], l1 [R] (entries i >= n are unspecified),
 counts [H] int32.
 

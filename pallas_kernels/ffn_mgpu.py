@@ -135,6 +135,85 @@ def supports(x, w_gate, w_up, w_down, *, interpret: bool = False, device=None) -
   return None
 
 
+def _check_operands(x, w_gate, w_up, w_down) -> tuple[int, int, int]:
+  """(M, D, H) of the forward's operands; ValueError naming a misshapen or non-bf16 one."""
+  if x.ndim != 2:
+    raise ValueError(f"x must be [M, D], got shape {x.shape}")
+  m, d = x.shape
+  if w_up.ndim != 2 or w_up.shape[0] != d:
+    raise ValueError(f"w_up must be [D={d}, H], got shape {w_up.shape}")
+  h = w_up.shape[1]
+  if w_gate is not None and w_gate.shape != (d, h):
+    raise ValueError(f"w_gate must be [D={d}, H={h}], got shape {w_gate.shape}")
+  if w_down.shape != (h, d):
+    raise ValueError(f"w_down must be [H={h}, D={d}], got shape {w_down.shape}")
+  for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    if a is not None and a.dtype != jnp.bfloat16:
+      raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
+  return m, d, h
+
+
+def _cold_features(config: ForwardConfig, m: int, xp, wg_p, wup_p, wd_p, w_up_t, k_hot: int,
+                   y_hot, interpret):
+  """The features from `k_hot` on through the kernels (module docstring), on the padded
+  operands: (y [Mp, Dp] with `y_hot` added, l1 per row [Mp], the rows that took the dense
+  path [Mp], entries per row and tile [T, Mp], rows over the ELL width, tokens per feature
+  from k_hot on [Hp - K], tokens per feature of the dense rows [Hp])."""
+  mp, hp = xp.shape[0], wup_p.shape[1]
+  gated, pad, slots = wg_p is not None, common.pad_to, config.gate.slots
+  n_tiles = (hp - k_hot) // common.TILE_N
+  # w_up (gated) and w_down: see the non-finite note below.
+  checked = (wup_p if gated else None, wd_p)
+  in_gate = config.weight_check == "gate" or (
+      config.weight_check == "auto" and 0 < gate_pack_mgpu.check_blocks_per_tile(
+          wd_p.size, mp, n_tiles, config.gate, interpret) <= GATE_CHECK_BLOCKS)
+  packed = gate_pack_mgpu.gate_pack(
+      xp, wg_p if gated else wup_p, col_start=k_hot, config=config.gate,
+      check=checked if in_gate else (), interpret=interpret)
+  if in_gate:
+    words, counts, nonfinite = packed
+  else:
+    (words, counts), nonfinite = packed, reference.any_nonfinite(*checked)
+  # The rows the sparse kernels cannot hold (a tile over S entries, or more than
+  # max_row_entries), or every row when w_up (gated) or w_down holds a NaN / inf (the dense
+  # FFN multiplies it by the zeros of h, spreading it to every row), run densely; the dense
+  # kernels read their count on the device (no host round trip). They get n = 0 here;
+  # padding rows have no entries.
+  # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach
+  # the pre-activations, whose non-finite values are packed as active entries or are -inf,
+  # which ReLU zeroes in the dense FFN as well.
+  # (Checking w_up's transposed copy beside w_down in one reduction is no faster: the
+  # transpose then slows down by what the reduction saves.)
+  if config.convert == "triton":
+    entries, n, pos, rows, tally = twell_to_ell_triton.twell_to_ell(
+        words, counts, nonfinite, m=m, slots=slots, width=config.max_row_entries,
+        config=config.convert_kernel, interpret=interpret)
+    n_dense, n_over = tally, tally[1]    # the dense kernels read tally[0] themselves
+    if entries.shape[1] % config.ell.group:
+      entries = pad(entries, (mp, common.round_up(entries.shape[1], config.ell.group)))
+    take = pos >= 0
+  else:
+    valid_row = jnp.arange(mp) < m
+    entries, n, row_over, counts = ell_up_down_mgpu.ell_from_twell(
+        words, counts, slots=slots, width=config.max_row_entries, group=config.ell.group)
+    take = (row_over | nonfinite) & valid_row
+    rank = jnp.cumsum(take, dtype=jnp.int32) - 1
+    rows, n_dense = common.first_true(take, mp, fill=0), rank[-1] + 1
+    pos, n = jnp.where(take, rank, -1), jnp.where(take, 0, n)
+    n_over = jnp.sum((row_over & valid_row).astype(jnp.int32))
+  dp = xp.shape[1]
+  wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
+  y_d, l1_d, counts_dense = dense_rows_mgpu.dense_ffn_rows(
+      xp, rows, n_dense, wg_p, wup_p, wd_p, config=config.dense_rows, interpret=interpret)
+  y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
+      xp, entries, n, wup_t, wd_p, y_init=y_hot, dense=(pos, y_d, l1_d),
+      write_u=False, config=config.ell, interpret=interpret)
+  in_ell = jnp.arange(entries.shape[1])[None, :] < n[:, None]
+  col = jnp.where(in_ell, lax.shift_right_logical(entries, 16) - k_hot, hp - k_hot)
+  counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
+  return y, l1_rows, take, counts, n_over, counts_cold, counts_dense
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfig(),
                 w_up_t=None, interpret=False):
@@ -145,33 +224,14 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
   "max_tile_nnz", "overflow_rows", "feature_counts" [H] int32 (tokens on which each feature
   fired).
   """
-  if x.ndim != 2:
-    raise ValueError(f"x must be [M, D], got shape {x.shape}")
-  m, d = x.shape
-  if w_up.ndim != 2 or w_up.shape[0] != d:
-    raise ValueError(f"w_up must be [D={d}, H], got shape {w_up.shape}")
-  h = w_up.shape[1]
-  gated = w_gate is not None
-  if gated and w_gate.shape != (d, h):
-    raise ValueError(f"w_gate must be [D={d}, H={h}], got shape {w_gate.shape}")
-  if w_down.shape != (h, d):
-    raise ValueError(f"w_down must be [H={h}, D={d}], got shape {w_down.shape}")
-  for name, a in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-    if a is not None and a.dtype != jnp.bfloat16:
-      raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
-
+  m, d, h = _check_operands(x, w_gate, w_up, w_down)
   mp = common.round_up(m, gate_pack_mgpu.CTA_M)
   dp = common.round_up(d, 128)
   hp = common.round_up(h, common.TILE_N)
   k_hot = min(config.hot_features, hp)
-  slots = config.gate.slots
-  n_tiles = (hp - k_hot) // common.TILE_N
-
   pad = common.pad_to
-  xp = pad(x, (mp, dp))
-  wup_p = pad(w_up, (dp, hp))
-  wd_p = pad(w_down, (hp, dp))
-  wg_p = pad(w_gate, (dp, hp)) if gated else None
+  xp, wup_p, wd_p = pad(x, (mp, dp)), pad(w_up, (dp, hp)), pad(w_down, (hp, dp))
+  wg_p = pad(w_gate, (dp, hp)) if w_gate is not None else None
   valid_row = jnp.arange(mp) < m
 
   # The hot features: dense GEMMs on every row (rows that take the dense path below are
@@ -183,63 +243,15 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
     y_hot, _, p_hot, h_hot = reference.dense_ffn_columns(xp, wg_p, wup_p, wd_p, k_hot)
     hot_l1 = jnp.sum(jnp.abs(h_hot.astype(jnp.float32)), axis=1)
     hot_active = p_hot > 0
-  if n_tiles == 0:
+  if k_hot == hp:
     # Every feature is hot: y_hot is the dense FFN itself (non-finite weights spread as there).
-    cnt = jnp.zeros((0, mp), jnp.int32)
-    take = jnp.zeros((mp,), bool)
-    n_over = jnp.zeros((), jnp.int32)
     y, l1_rows = y_hot, jnp.zeros((mp,), jnp.float32)
-    counts_cold = jnp.zeros((0,), jnp.int32)
-    counts_dense = jnp.zeros((hp,), jnp.int32)
+    take, cnt = jnp.zeros((mp,), bool), jnp.zeros((0, mp), jnp.int32)
+    n_over = jnp.zeros((), jnp.int32)
+    counts_cold, counts_dense = jnp.zeros((0,), jnp.int32), jnp.zeros((hp,), jnp.int32)
   else:
-    # w_up (gated) and w_down: see the non-finite note below.
-    checked = (wup_p if gated else None, wd_p)
-    in_gate = config.weight_check == "gate" or (
-        config.weight_check == "auto" and 0 < gate_pack_mgpu.check_blocks_per_tile(
-            wd_p.size, mp, n_tiles, config.gate, interpret) <= GATE_CHECK_BLOCKS)
-    packed = gate_pack_mgpu.gate_pack(
-        xp, wg_p if gated else wup_p, col_start=k_hot, config=config.gate,
-        check=checked if in_gate else (), interpret=interpret)
-    if in_gate:
-      words, counts, nonfinite = packed
-    else:
-      (words, counts), nonfinite = packed, reference.any_nonfinite(*checked)
-    # The rows the sparse kernels cannot hold (a tile over S entries, or more than
-    # max_row_entries), or every row when w_up (gated) or w_down holds a NaN / inf (the dense
-    # FFN multiplies it by the zeros of h, spreading it to every row), run densely; the dense
-    # kernels read their count on the device (no host round trip). They get n = 0 here;
-    # padding rows have no entries.
-    # The packed weight (w_gate, or w_up when non-gated) needs no check: its NaN / inf reach
-    # the pre-activations, whose non-finite values are packed as active entries or are -inf,
-    # which ReLU zeroes in the dense FFN as well.
-    # (Checking w_up's transposed copy beside w_down in one reduction measured no faster: the
-    # transpose then slows down by what the reduction saves.)
-    if config.convert == "triton":
-      entries, n, pos, rows, tally = twell_to_ell_triton.twell_to_ell(
-          words, counts, nonfinite, m=m, slots=slots, width=config.max_row_entries,
-          config=config.convert_kernel, interpret=interpret)
-      n_dense, n_over = tally, tally[1]    # the dense kernels read tally[0] themselves
-      if entries.shape[1] % config.ell.group:
-        entries = pad(entries, (mp, common.round_up(entries.shape[1], config.ell.group)))
-      take = pos >= 0
-      cnt = counts
-    else:
-      entries, n, row_over, cnt = ell_up_down_mgpu.ell_from_twell(
-          words, counts, slots=slots, width=config.max_row_entries, group=config.ell.group)
-      take = (row_over | nonfinite) & valid_row
-      rank = jnp.cumsum(take, dtype=jnp.int32) - 1
-      rows, n_dense = common.first_true(take, mp, fill=0), rank[-1] + 1
-      pos, n = jnp.where(take, rank, -1), jnp.where(take, 0, n)
-      n_over = jnp.sum((row_over & valid_row).astype(jnp.int32))
-    wup_t = (pad(w_up_t, (hp, dp)) if w_up_t is not None else wup_p.T) if gated else None
-    y_d, l1_d, counts_dense = dense_rows_mgpu.dense_ffn_rows(
-        xp, rows, n_dense, wg_p, wup_p, wd_p, config=config.dense_rows, interpret=interpret)
-    y, _, l1_rows = ell_up_down_mgpu.ell_up_down(
-        xp, entries, n, wup_t, wd_p, y_init=y_hot, dense=(pos, y_d, l1_d),
-        write_u=False, config=config.ell, interpret=interpret)
-    in_ell = jnp.arange(entries.shape[1])[None, :] < n[:, None]
-    col = jnp.where(in_ell, lax.shift_right_logical(entries, 16) - k_hot, hp - k_hot)
-    counts_cold = jnp.zeros((hp - k_hot,), jnp.int32).at[col.reshape(-1)].add(1, mode="drop")
+    y, l1_rows, take, cnt, n_over, counts_cold, counts_dense = _cold_features(
+        config, m, xp, wg_p, wup_p, wd_p, w_up_t, k_hot, y_hot, interpret)
   live = ~take & valid_row
   # Dense rows' l1 covers the whole row; the sparse rows' adds the hot features'.
   l1_rows = jnp.where(live, l1_rows + hot_l1, jnp.where(take, l1_rows, 0.0))
@@ -252,7 +264,7 @@ def ffn_forward(x, w_gate, w_up, w_down, *, config: ForwardConfig = ForwardConfi
                       dtype=jnp.int32).T                                  # [K / 256, M]
   stats = {
       "heavy_rows_by_hot": common.heavy_rows_by_tile(
-          jnp.concatenate([hot_tiles, cnt_valid]), config.max_row_entries, slots)[
+          jnp.concatenate([hot_tiles, cnt_valid]), config.max_row_entries, config.gate.slots)[
               :-(-h // common.TILE_N)],
       "l1": jnp.sum(l1_rows) / m,
       "nnz_per_token": (jnp.sum(cnt_valid) + jnp.sum(hot_valid)).astype(jnp.float32) / m,

@@ -55,7 +55,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 
@@ -177,18 +176,11 @@ def _padded(cfg: HybridConfig, x, w_gate, w_up, w_down):
           pad(w_down, (cfg.hp, cfg.dp)))
 
 
-def _rows(a, index):
-  """a[index] with the padding index (== a.shape[0]) giving zero rows."""
-  rows = jnp.take(a, jnp.minimum(index, a.shape[0] - 1), axis=0)
-  return jnp.where((index < a.shape[0])[:, None], rows, jnp.zeros((), a.dtype))
-
-
 def _dense_ffn(x, w_gate, w_up, w_down):
   """(y, l1, feature counts, most actives in one 256-column tile of a row) of
-  ``reference.dense_ffn``: the exact path of a batch over capacity."""
-  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down)
-  return (y, jnp.sum(jnp.abs(h.astype(_F32))) / x.shape[0],
-          jnp.sum(active, axis=0, dtype=jnp.int32), common.tile_max(active))
+  ``reference.dense_ffn_l1``: the exact path of a batch over capacity."""
+  y, l1, active = reference.dense_ffn_l1(x, w_gate, w_up, w_down)
+  return y, l1, jnp.sum(active, axis=0, dtype=jnp.int32), common.tile_max(active)
 
 
 # ----------------------------------------------------------------------------
@@ -213,6 +205,39 @@ def _hybrid_from_twell(cfg: HybridConfig, words, counts):
       first_tile=kt)
 
 
+def _forward_stats(cfg: HybridConfig, cnt, p_hot, tile_top, feature_counts, heavy_rows, l1,
+                   zero_i) -> dict:
+  """The forward's statistics. Every row's actives are in feature_counts: the ELL rows' cold
+  entries and hot ones (their dense GEMMs; padding rows have none), the heavy rows' from their
+  dense tail (or the dense branch's). The tile maximum likewise: the cold tiles' true counts
+  (`cnt` [T, Mp]), the ELL rows' hot tiles (`p_hot`), the branch's dense rows (`tile_top`)."""
+  cnt = jnp.where((jnp.arange(cfg.mp) < cfg.m)[None, :], cnt, 0)
+  nnz = jnp.sum(feature_counts, dtype=_F32) / cfg.m
+  hot_top = zero_i if p_hot is None else common.tile_max(p_hot > 0)
+  max_tile = jnp.maximum(jnp.maximum(jnp.max(cnt, initial=0), hot_top), tile_top)
+  # Rows over the ELL width by number of hot features, from the ELL rows' hot tiles and every
+  # row's cold ones: a row heavy on its cold tiles alone is heavy at every smaller K too.
+  hot_tiles = (jnp.zeros((0, cfg.mp), jnp.int32) if p_hot is None else jnp.sum(
+      (p_hot > 0).reshape(cfg.mp, -1, common.TILE_N), axis=2, dtype=jnp.int32).T)
+  heavy_by_hot = common.heavy_rows_by_tile(jnp.concatenate([hot_tiles, cnt]), cfg.ell_width,
+                                           cfg.gate.slots)
+  return {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
+          "overflow_rows": heavy_rows, "feature_counts": feature_counts,
+          "heavy_rows_by_hot": heavy_by_hot}
+
+
+def _cold_pattern(cfg: HybridConfig, xp, w_in, interpret):
+  """The gate GEMM of the features from K on, packed (`gate_pack`), in the hybrid layout:
+  (entries, n, heavy, cnt) of `_hybrid_from_twell`."""
+  if cfg.n_tiles:
+    # The first cold column as a run-time value: one gate kernel for every K.
+    words, counts = gate_pack_mgpu.gate_pack(xp, w_in, col_start=jnp.int32(cfg.k_hot),
+                                             config=cfg.gate, interpret=interpret)
+  else:
+    words = counts = None
+  return _hybrid_from_twell(cfg, words, counts)
+
+
 def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   """Returns ((y [M, D], stats dict), residuals); ``overflow_rows`` counts the heavy rows."""
   m, dt = cfg.m, x.dtype
@@ -220,15 +245,9 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   xp, wg, wu, wd = _padded(cfg, x, w_gate, w_up, w_down)
   w_in = wg if gated else wu
   k = cfg.k_hot
-  if cfg.n_tiles:
-    # The first cold column as a run-time value: one gate kernel for every K.
-    words, counts = gate_pack_mgpu.gate_pack(xp, w_in, col_start=jnp.int32(k),
-                                             config=cfg.gate, interpret=interpret)
-  else:
-    words = counts = None
-  entries, n, heavy, cnt = _hybrid_from_twell(cfg, words, counts)
-  # The backward's kernels take columns and values apart: one more pass (0.016 ms at the
-  # paper shape; XLA does not write them beside the entries, even from the same gather).
+  entries, n, heavy, cnt = _cold_pattern(cfg, xp, w_in, interpret)
+  # The backward's kernels take columns and values apart: one more pass (XLA does not write
+  # them beside the entries, even from the same gather).
   cols, p = ell_up_down_mgpu.split_entries(entries)
   heavy_rows = jnp.sum(heavy, dtype=jnp.int32)
   tail_index = common.first_true(heavy, cfg.tail_rows, fill=cfg.mp)
@@ -266,7 +285,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
       if rb == 0:
         return y[:m, :cfg.d], l1_ell / m, feature_counts[:cfg.h], zero_i, (u, zp, zu)
       idx = tail_index[:rb]
-      xt = _rows(xp, idx)
+      xt = common.take_rows(xp, idx)
       gt = jnp.dot(xt, w_in, preferred_element_type=_F32)
       pt = jnp.maximum(gt, 0).astype(dt)                                 # [rb, Hp]
       if gated:
@@ -293,23 +312,7 @@ def forward(cfg: HybridConfig, x, w_gate, w_up, w_down, *, interpret=False):
   y, l1, feature_counts, tile_top, (u, pt, ut) = lax.switch(
       _branch(cfg, heavy_rows, nonfinite), [tail(rb) for rb in tail_buckets(cfg)] + [dense],
       y_ell, u)
-  cnt = jnp.where((jnp.arange(cfg.mp) < m)[None, :], cnt, 0)
-  # Every row's actives are in feature_counts: the ELL rows' cold entries (col_count) and hot
-  # ones (their dense GEMMs; padding rows have none), the heavy rows' from their dense tail
-  # (or the dense branch's). The tile maximum likewise: the cold tiles' true counts, the ELL
-  # rows' hot tiles, the branch's dense rows.
-  nnz = jnp.sum(feature_counts, dtype=_F32) / m
-  hot_top = zero_i if p_hot is None else common.tile_max(p_hot > 0)
-  max_tile = jnp.maximum(jnp.maximum(jnp.max(cnt, initial=0), hot_top), tile_top)
-  # Rows over the ELL width by number of hot features, from the ELL rows' hot tiles and every
-  # row's cold ones: a row heavy on its cold tiles alone is heavy at every smaller K too.
-  hot_tiles = (jnp.zeros((0, cfg.mp), jnp.int32) if p_hot is None else jnp.sum(
-      (p_hot > 0).reshape(cfg.mp, -1, common.TILE_N), axis=2, dtype=jnp.int32).T)
-  heavy_by_hot = common.heavy_rows_by_tile(jnp.concatenate([hot_tiles, cnt]), cfg.ell_width,
-                                           cfg.gate.slots)
-  stats = {"l1": l1, "nnz_per_token": nnz, "max_tile_nnz": max_tile,
-           "overflow_rows": heavy_rows, "feature_counts": feature_counts,
-           "heavy_rows_by_hot": heavy_by_hot}
+  stats = _forward_stats(cfg, cnt, p_hot, tile_top, feature_counts, heavy_rows, l1, zero_i)
   residuals = (x, w_gate, w_up, w_down, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
                gu_hot, heavy if k else None, nonfinite)
   return (y, stats), residuals
@@ -340,26 +343,12 @@ def _csc(cfg: HybridConfig, cols, n, col_count=None):
   return col_ptr, sid
 
 
-def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
-  """Gradients (dx, dw_gate or None, dw_up, dw_down) from the residuals of ``forward``.
-
-  ``cotangents`` = (dy, stats cotangent): the statistics other than l1 have no gradient.
-  The sparse kernels run unconditionally; then one ``lax.switch`` adds the tail bucket's
-  products or, when the forward exceeded the tail capacity, replaces everything by the dense
-  VJP (see ``forward`` for why there is one conditional per direction).
-  """
-  dy, dl1 = cotangents[0], cotangents[1]["l1"]
-  (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
-   gu_hot, heavy, nonfinite) = residuals
-  m, d, h, dt = cfg.m, cfg.d, cfg.h, x.dtype
-  gated = w_gate is not None
-  xp, wg, wu, wd = _padded(cfg, *residuals[:4])
-  # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
-  # can share W_up^T with the forward's when both are in one jit.
-  wu_t, wg_t = wu.T, (None if wg is None else wg.T)
-  dyp = common.pad_to(dy.astype(dt), (cfg.mp, cfg.dp))
-  c = (dl1.astype(_F32) / m).reshape(1)
-
+def _sparse_weight_grads(cfg: HybridConfig, gated: bool, xp, dyp, wd, p, u, cols, n, col_count,
+                         c, interpret):
+  """The sparse kernels' part of the backward (module docstring of
+  ``sparse_backward_mgpu``): (dW_down, dW_up^T or None, dW_gate^T (dW_up^T when non-gated),
+  du and dg per ELL entry)."""
+  dt = xp.dtype
   col_ptr, sid = _csc(cfg, cols, n, col_count)
   rows_s = sid // cfg.wk
   bwd = sparse_backward_mgpu
@@ -393,20 +382,52 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
     dwu_t, (dwg_t,) = None, bwd.column_sums(xp, col_ptr, rows_s, dg_s, pieces=pieces,
                                             config=cfg.wgrads, out_dtype=dt,
                                             name="twell_train_wgrad_up_ng", interpret=interpret)
+  return dwd, dwu_t, dwg_t, du_e, dg_e
+
+
+def _hot_weight_grads(cfg: HybridConfig, xp, dyp, wg, wu, wd, c, gu_hot, heavy, dwg_t, dwu_t,
+                      dwd):
+  """The hot features' backward (`_hot_backward`) written into the sparse kernels' weight
+  gradients, whose hot rows they left zero (no ELL entry names a hot feature): (dx part,
+  dW_gate^T, dW_up^T, dW_down)."""
+  k = cfg.k_hot
+  dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, gu_hot, ~heavy)
+  # Written in place (a dynamic_update_slice of the first k rows).
+  put = lambda a, rows: lax.dynamic_update_slice(a, rows.astype(a.dtype), (0, 0))
+  dwg_t = put(dwg_t, dw_hot[:k])
+  if wg is not None:
+    dwu_t = put(dwu_t, dw_hot[k:])
+  return dx_hot, dwg_t, dwu_t, put(dwd, dwd_hot)
+
+
+def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
+  """Gradients (dx, dw_gate or None, dw_up, dw_down) from the residuals of ``forward``.
+
+  ``cotangents`` = (dy, stats cotangent): the statistics other than l1 have no gradient.
+  The sparse kernels run unconditionally; then one ``lax.switch`` adds the tail bucket's
+  products or, when the forward exceeded the tail capacity, replaces everything by the dense
+  VJP (see ``forward`` for why there is one conditional per direction).
+  """
+  dy, dl1 = cotangents[0], cotangents[1]["l1"]
+  (x, w_gate, _, _, cols, p, u, n, col_count, tail_index, heavy_rows, pt, ut,
+   gu_hot, heavy, nonfinite) = residuals
+  m, d, h, dt, gated = cfg.m, cfg.d, cfg.h, x.dtype, w_gate is not None
+  xp, wg, wu, wd = _padded(cfg, *residuals[:4])
+  # The weights' transposes (rows for the dx gathers) outside the conditional, so that XLA
+  # can share W_up^T with the forward's when both are in one jit.
+  wu_t, wg_t = wu.T, (None if wg is None else wg.T)
+  dyp = common.pad_to(dy.astype(dt), (cfg.mp, cfg.dp))
+  c = (dl1.astype(_F32) / m).reshape(1)
+
+  dwd, dwu_t, dwg_t, du_e, dg_e = _sparse_weight_grads(
+      cfg, gated, xp, dyp, wd, p, u, cols, n, col_count, c, interpret)
   dx_hot = None
   if cfg.k_hot:
-    k = cfg.k_hot
-    dx_hot, dw_hot, dwd_hot = _hot_backward(xp, dyp, wg, wu, wd, c, k, gu_hot, ~heavy)
-    # The gather kernels leave the hot rows zero: no ELL entry names a hot feature. Written in
-    # place (a dynamic_update_slice of the first k rows).
-    put = lambda a, rows: lax.dynamic_update_slice(a, rows.astype(a.dtype), (0, 0))
-    dwg_t = put(dwg_t, dw_hot[:k])
-    if gated:
-      dwu_t = put(dwu_t, dw_hot[k:])
-    dwd = put(dwd, dwd_hot)
+    dx_hot, dwg_t, dwu_t, dwd = _hot_weight_grads(cfg, xp, dyp, wg, wu, wd, c, gu_hot, heavy,
+                                                  dwg_t, dwu_t, dwd)
   # The hot columns' dx products start the dx kernel's sums.
-  dx = bwd.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, dx_init=dx_hot, config=cfg.dx,
-                  dx_dtype=dt, interpret=interpret)
+  dx = sparse_backward_mgpu.ell_dx(cols, n, du_e, dg_e, wu_t, wg_t, dx_init=dx_hot,
+                                   config=cfg.dx, dx_dtype=dt, interpret=interpret)
 
   # The kernels write the weight gradients in the parameters' dtype (rounded once from their
   # f32 sums): no f32 [H, D] round trip through memory and no convert kernels. Dense tail rows
@@ -424,7 +445,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
         dw_in, dw_up, dw_down = dwg_t.T, (dwu_t.T if gated else None), dwd
       else:
         idx = tail_index[:rb]
-        xt, dyt = _rows(xp, idx), _rows(dyp, idx)
+        xt, dyt = common.take_rows(xp, idx), common.take_rows(dyp, idx)
         ptr, utr = pt[:rb], (ut[:rb] if gated else None)
         ptf = ptr.astype(_F32)
         h_tail = (ptf * utr.astype(_F32)).astype(dt) if gated else ptr
@@ -447,7 +468,7 @@ def backward(cfg: HybridConfig, residuals, cotangents, *, interpret=False):
   def dense(*_):
     # More heavy rows than the tail holds: the forward took its dense path, and so does this
     # (the sparse kernels above ran on that batch's residuals; their results are dropped).
-    dx, dwg, dwu, dwd = _dense_backward(residuals, dy, dl1)
+    dx, dwg, dwu, dwd = reference.dense_ffn_l1_vjp(*residuals[:4], dy, dl1)
     return (dx, dwg, dwu, dwd) if gated else (dx, dwu, None, dwd)
 
   # A NaN or infinity in dy or in the L1 cotangent reaches every weight gradient in the dense
@@ -481,21 +502,3 @@ def _hot_backward(xp, dyp, wg, wu, wd, c, k: int, gu, rows):
   dx = jnp.dot(d_cat, reference.column_weights(wg, wu, k).T)
   return dx, dot(d_cat.T, xp), dot(h.T, dyp)
 
-
-def _dense_backward(residuals, dy, dl1):
-  x, w_gate, w_up, w_down = residuals[:4]
-  dt = x.dtype
-  fn = lambda *a: _dense_ffn(*a)[:2]
-  if w_gate is None:
-    _, vjp = jax.vjp(lambda x_, wu_, wd_: fn(x_, None, wu_, wd_), x, w_up, w_down)
-    dx, dwu, dwd = vjp((dy.astype(dt), dl1.astype(_F32)))
-    return dx.astype(dt), None, dwu.astype(dt), dwd.astype(dt)
-  _, vjp = jax.vjp(fn, x, w_gate, w_up, w_down)
-  return tuple(g.astype(dt) for g in vjp((dy.astype(dt), dl1.astype(_F32))))
-
-
-def residual_bytes(residuals) -> int:
-  """Bytes of the activation residuals (everything saved except the weights)."""
-  x, _, _, _, *rest = residuals
-  leaves = [x] + jax.tree.leaves(rest)
-  return sum(int(a.size) * a.dtype.itemsize for a in leaves)

@@ -4,17 +4,20 @@
     non-gated:  h = act(x @ w_up);                   y = h @ w_down
 x [M, D], w_gate / w_up [D, H], w_down [H, D].
 
-``dense_ffn`` computes it as a bf16 model is written: plain ``x.dtype`` products (each GEMM
-accumulates in f32 and rounds its output to x.dtype), h rounded to x.dtype. Its VJP is then
-made of x.dtype GEMMs on the tensor cores too. The kernels take this path, exactly, for rows
-beyond their static capacities, and the library's dense implementation is this function.
+``dense_ffn_hidden`` computes it as a bf16 model is written: plain ``x.dtype`` products (each
+GEMM accumulates in f32 and rounds its output to x.dtype), h rounded to x.dtype. Its VJP is
+then made of x.dtype GEMMs on the tensor cores too (asking for f32 outputs and casting would
+make the cotangents f32 and the backward's GEMMs f32 x bf16, far slower). ``dense_ffn_l1`` adds
+the L1 term every implementation returns, and ``dense_ffn_l1_vjp`` is its VJP: the kernels take
+this path, exactly, for rows beyond their static capacities, and the library's dense
+implementation is this function.
 
 ``dense_ffn_columns`` is the same computation restricted to a subset of the hidden features
 (the FFN is a sum over them): the kernels run a batch's most frequent features this way, as
 small GEMMs on the tensor cores, and the rest through their gathers.
 
-``reference_ffn`` computes everything in f32 at HIGHEST precision: what the tests compare the
-kernels against.
+``reference_ffn_hidden`` computes everything in f32 at HIGHEST precision: what the tests compare
+the kernels against.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ ACTIVATIONS = {
 }
 
 
-def dense_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
+def dense_ffn_hidden(x, w_gate, w_up, w_down, activation: str = "relu"):
   """Returns (y [M, D] x.dtype, h [M, H] x.dtype, active [M, H] bool).
 
   ``active`` is the pattern the sparse paths use: relu's gate pre-activation > 0 (h != 0 for
@@ -45,6 +48,23 @@ def dense_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
   y = jnp.dot(h, w_down)
   active = pre > 0 if activation == "relu" else h != 0
   return y, h, active
+
+
+def dense_ffn_l1(x, w_gate, w_up, w_down, activation: str = "relu"):
+  """Returns (y [M, D] x.dtype, l1 f32, active [M, H] bool) of ``dense_ffn_hidden``: l1 = the
+  sum of |h| over the features, averaged over the M tokens (the L1 term of every
+  implementation)."""
+  y, h, active = dense_ffn_hidden(x, w_gate, w_up, w_down, activation)
+  return y, jnp.sum(jnp.abs(h.astype(jnp.float32))) / x.shape[0], active
+
+
+def dense_ffn_l1_vjp(x, w_gate, w_up, w_down, dy, dl1, activation: str = "relu"):
+  """(dx, dw_gate (None when w_gate is None), dw_up, dw_down) of ``dense_ffn_l1``'s (y, l1) for
+  the cotangents dy [M, D] and dl1 (scalar), each in its operand's dtype: the backward of
+  every path that falls back to the dense FFN."""
+  primal = lambda *a: dense_ffn_l1(*a, activation)[:2]
+  _, vjp = jax.vjp(primal, x, w_gate, w_up, w_down)
+  return vjp((dy.astype(x.dtype), jnp.asarray(dl1, jnp.float32)))
 
 
 def any_nonfinite(*arrays):
@@ -113,7 +133,7 @@ def columns_p_h(gu, k: int, rows=None):
   return p, (p.astype(jnp.float32) * gu[:, k:].astype(jnp.float32)).astype(gu.dtype)
 
 
-def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
+def reference_ffn_hidden(x, w_gate, w_up, w_down, activation: str = "relu"):
   """f32 reference at HIGHEST precision: (y [..., D] f32, h [..., H] f32); x [..., D]."""
   f32, hp = jnp.float32, jax.lax.Precision.HIGHEST
   act = ACTIVATIONS[activation]

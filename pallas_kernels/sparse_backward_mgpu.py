@@ -26,11 +26,10 @@ ahead, D-long contiguous row reads, no atomics, no tensor cores. Tuned choices p
 ``row_loops.GatherConfig``. Requires D % 128 == 0.
 
 Column pieces (``column_pieces``, ``PieceConfig``): a CTA walks its entries one after another,
-so one long column sets a column kernel's time. Captured activations of a from-init run (paper
-0.5B, step 300, features in the trainer's order) had single columns of 2,000-5,700 entries
-outside the hot features where a fair share was a few hundred: csc_down_dh took 2.98 ms (H200),
-more than the dense FFN's two largest GEMMs together; in pieces, 0.25 ms. So the column kernels
-walk pieces of at most L entries:
+so one long column sets a column kernel's time. A batch's own hot features outside the K hot
+ones make single columns many times a fair share long (captured activations early in a run
+from initialisation: docs/performance.md), which one CTA would walk longer than the dense FFN
+takes. So the column kernels walk pieces of at most L entries:
     L = max(PieceConfig.length, ceil(E / X)),  X = extra pieces (static)
 CTA j < H takes column j's first piece and CTAs H .. H + X - 1 the rest of every longer column
 (at most X: the pieces past each column's first are at most E / L). A column of one piece is

@@ -50,7 +50,7 @@ class ConvertConfig:
   """Rows per program (a power of two dividing M), warps per program, and the tiles whose
   counts one step of the tile loop loads at once. At the paper shape on an H100 (M = 16384,
   T = 22, ~30 entries per row) one row per one-warp program takes 0.018 ms; 2, 4 or 8 rows
-  0.019-0.022, more warps per program 0.021-0.031 (``python -m benchmarks.sweep
+  0.019-0.022, more warps per program 0.021-0.031 (``python -m benchmarks.sweeps.sweep
   --what=up_down --specs=paper_16k``). Its work is the [rows, slots] sum over the tiles:
   22 x 128 compares per row, about 9 us of the H100's integer rate."""
   rows_per_program: int = 1

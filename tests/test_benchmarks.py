@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import activity_sweep
-from benchmarks import captured
+from benchmarks.sweeps import activity_sweep
+from benchmarks.sweeps import captured
 from benchmarks import kernels
-from benchmarks import matrix
+from benchmarks.acceptance import matrix
 from benchmarks import scaling
-from benchmarks import specs
+from benchmarks.common import specs
 from benchmarks import time_to_quality
 from benchmarks import whole_run
 from benchmarks.probes import l2_rows
@@ -272,7 +272,7 @@ class ScalingSmokeTest(absltest.TestCase):
     """`--scan_layers=false` runs scan-layout (cached) weights in the loop layout: the
     parameters the loop layout's init makes, with layer l's slice of every stacked leaf."""
     from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
-    from benchmarks import trained  # pylint: disable=import-outside-toplevel
+    from benchmarks.common import trained  # pylint: disable=import-outside-toplevel
     cfg = trained.config_for("tiny", batch=2)
     shapes = {}
     for scan in (True, False):
@@ -294,7 +294,7 @@ class TraceBreakdownTest(absltest.TestCase):
 
   def test_per_step_summary(self):
     import gzip  # pylint: disable=import-outside-toplevel
-    from benchmarks import timing  # pylint: disable=import-outside-toplevel
+    from benchmarks.common import timing  # pylint: disable=import-outside-toplevel
     meta = lambda pid, name: {"ph": "M", "name": "process_name", "pid": pid,
                               "args": {"name": name}}
     kernel = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name,
@@ -361,7 +361,7 @@ class QualitySmokeTest(absltest.TestCase):
 
 
 class DecodeFfnSmokeTest(absltest.TestCase):
-  """`benchmarks.decode_ffn --smoke --sweep`: the few-row FFN against dense by rows and union
+  """`benchmarks.sweeps.decode_ffn --smoke --sweep`: the few-row FFN against dense by rows and union
   (interpreted), the break-even table and the sweep's entries, into the JSON."""
 
   def test_smoke_mode(self):
@@ -370,7 +370,7 @@ class DecodeFfnSmokeTest(absltest.TestCase):
     tmp = self.create_tempdir().full_path
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(tmp, "decode_ffn.json")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_ffn", "--smoke", "--sweep",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sweeps.decode_ffn", "--smoke", "--sweep",
                            f"--out={out}"], cwd=root, capture_output=True, text=True,
                           timeout=600, check=False)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
@@ -616,12 +616,12 @@ class TailColumnsTest(absltest.TestCase):
 
 
 class ActivitySweepSmokeTest(absltest.TestCase):
-  """`benchmarks.activity_sweep --smoke`: a run's captured layers and the sweep points, each
+  """`benchmarks.sweeps.activity_sweep --smoke`: a run's captured layers and the sweep points, each
   with the choice's K and the measured ratio."""
 
   def test_smoke(self):
     r = _run_module(os.path.join(self.create_tempdir().full_path, "a.json"),
-                    "benchmarks.activity_sweep", "--smoke", "--capture_steps=2",
+                    "benchmarks.sweeps.activity_sweep", "--smoke", "--capture_steps=2",
                     "--actives=20", "--early=2:0", "--iters=1", "--profile_captures=2:1",
                     "--steps=40", "--stop_at_last_capture")
     self.assertEqual([c["step"] for c in r["captures"]], [2])
@@ -644,7 +644,7 @@ class ActivitySweepSmokeTest(absltest.TestCase):
     saved = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200",
                          "activity_sweep.json")
     r = _run_module(os.path.join(self.create_tempdir().full_path, "a.json"),
-                    "benchmarks.activity_sweep", "--smoke", f"--skews_from={saved}",
+                    "benchmarks.sweeps.activity_sweep", "--smoke", f"--skews_from={saved}",
                     "--actives=20", "--scan_hot=0", "--profile_active=20", "--iters=1")
     self.assertNotIn("captures", r)
     self.assertEqual(sorted(p["skew"] for p in r["sweep"]), ["early", "last_layer"])

@@ -160,8 +160,8 @@ class CheckpointResumeTest(absltest.TestCase):
   def test_checkpoint_that_does_not_fit_the_model_is_left_in_place(self):
     """Restoring with another model's state (same config file, other code) moves nothing."""
     from configs import tiny  # pylint: disable=g-import-not-at-top
-    from train.training import checkpointing  # pylint: disable=g-import-not-at-top
-    from train.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+    from train.state import checkpointing  # pylint: disable=g-import-not-at-top
+    from train.state import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
     wd = self._fresh("misfit", from_ref=True)
     cfg = tiny.get_config()
     cfg.model.d_ff = 512
@@ -219,7 +219,7 @@ class DamagedReadNoiseTest(absltest.TestCase):
     return [r for r in records if "never retrieved" in r.getMessage()]
 
   def test_drops_reports_about_damaged_steps_only(self):
-    from train.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from train.state import checkpointing  # pylint: disable=g-import-not-at-top
     wd = tempfile.mkdtemp(prefix="twell_noise_test_")
     self.addCleanup(shutil.rmtree, wd, ignore_errors=True)
     checkpointing._silence_damaged_read_noise()  # pylint: disable=protected-access

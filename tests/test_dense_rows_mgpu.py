@@ -1,5 +1,5 @@
 """The dense FFN on a device-counted row list (pallas_kernels/dense_rows_mgpu.py) against
-``reference.dense_ffn`` on the same rows: no row, one row, a partial last row block, every
+``reference.dense_ffn_hidden`` on the same rows: no row, one row, a partial last row block, every
 row, rows listed out of order and repeated, non-gated, and a NaN weight spreading as in the
 dense FFN."""
 
@@ -37,7 +37,7 @@ class DenseRowsTestBase(ktu.KernelTestBase):
     y, l1, counts = dense_rows_mgpu.dense_ffn_rows(x, rows, jnp.int32(n), wg, wu, wd,
                                                    interpret=self.INTERPRET)
     self.assertEqual((y.shape, l1.shape, counts.shape), ((r, d), (r,), (h,)))
-    y_ref, h_ref, act = reference.dense_ffn(x[rows[:n]], wg, wu, wd)
+    y_ref, h_ref, act = reference.dense_ffn_hidden(x[rows[:n]], wg, wu, wd)
     np.testing.assert_allclose(np.asarray(y[:n], np.float32), np.asarray(y_ref, np.float32),
                                rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(l1[:n]),
@@ -54,7 +54,7 @@ class DenseRowsTestBase(ktu.KernelTestBase):
     rows = jnp.arange(m, dtype=jnp.int32)
     y, _, _ = dense_rows_mgpu.dense_ffn_rows(x, rows, jnp.int32(m), wg, wu, wd,
                                              interpret=self.INTERPRET)
-    y_ref = reference.dense_ffn(x, wg, wu, wd)[0]
+    y_ref = reference.dense_ffn_hidden(x, wg, wu, wd)[0]
     np.testing.assert_array_equal(np.isnan(np.asarray(y, np.float32)),
                                   np.isnan(np.asarray(y_ref, np.float32)))
     self.assertTrue(np.isnan(np.asarray(y, np.float32)[:, 5]).all())

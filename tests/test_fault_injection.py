@@ -61,8 +61,8 @@ class FaultInjectionTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    from train.training import checkpointing  # pylint: disable=g-import-not-at-top
-    from train.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+    from train.state import checkpointing  # pylint: disable=g-import-not-at-top
+    from train.state import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
     cls.ckpt = checkpointing
     cls.root = tempfile.mkdtemp(prefix="twell_faults_")
     cls.ref = os.path.join(cls.root, "ref")

@@ -348,7 +348,7 @@ def test_decode_rows_kernel_matches_reference(case, gated, chunk, rows_sum):
       x, t(wg) if gated else t(wu), t(wu) if gated else None, wd, config=cfg, interpret=True)
   assert _rel(y, tj.reference_ffn(x, wg, wu, wd)[0]) < TOL["y"]
   np.testing.assert_array_equal(np.asarray(p > 0), _active_mask(x, wg, wu))
-  _, h_dense, _ = reference.dense_ffn(x, wg if gated else None, wu, wd, "relu")
+  _, h_dense, _ = reference.dense_ffn_hidden(x, wg if gated else None, wu, wd, "relu")
   assert _rel(hid.astype(F32), h_dense.astype(F32)) < 1e-2
   y_dense = tj.ffn(x, wg, wu, wd, implementation="dense")
   assert _rel(y, y_dense.astype(F32)) < 1e-2

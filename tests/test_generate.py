@@ -12,9 +12,9 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train.inference import generator as generate
-from train.inference import loading as inference
-from train.inference import plan
+from train.inference import generator
+from train.inference import loading
+from train.models import implementations
 from train.models import transformer as model_lib
 from train import errors
 
@@ -35,8 +35,8 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     prompts = [[2, 5, 9, 100], [2, 7], [2, 50, 51, 52, 53, 54, 55, 56, 57]]
     for scan in (False, True):
       cfg, lm, params = _random_model(scan)
-      out = generate.Generator(params, cfg).generate_ids(
-          prompts, max_new_tokens=10, sampling=generate.Sampling(temperature=0.0),
+      out = generator.Generator(params, cfg).generate_ids(
+          prompts, max_new_tokens=10, sampling=generator.Sampling(temperature=0.0),
           stop_at_eos=False)
       self.assertEqual(out.stats["decode_steps"], 9)
       self.assertEqual(out.stats["decode_ffn"], "DD")
@@ -50,16 +50,16 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
           seq.append(int(jnp.argmax(fwd(params, padded)[0, len(seq) - 1])))
         self.assertEqual(new, seq[len(prompt):], f"scan_layers={scan}")
       # One prompt alone (decoded as two equal rows): its tokens in the batch.
-      alone = generate.Generator(params, cfg).generate_ids(
-          prompts[2:], max_new_tokens=10, sampling=generate.Sampling(temperature=0.0),
+      alone = generator.Generator(params, cfg).generate_ids(
+          prompts[2:], max_new_tokens=10, sampling=generator.Sampling(temperature=0.0),
           stop_at_eos=False)
       self.assertEqual(alone.tokens, out.tokens[2:])
       self.assertEqual(alone.stats["decode_steps"], 9)
     # A sparse FFN implementation at prefill and decode (the portable one on the CPU) gives
     # the same tokens.
-    sparse = generate.Generator(params, cfg, prefill_ffn="xla", decode_ffn="same")
+    sparse = generator.Generator(params, cfg, prefill_ffn="xla", decode_ffn="same")
     again = sparse.generate_ids(prompts, max_new_tokens=10, stop_at_eos=False,
-                                sampling=generate.Sampling(temperature=0.0))
+                                sampling=generator.Sampling(temperature=0.0))
     self.assertEqual((again.stats["prefill_ffn"], again.stats["decode_ffn"]), ("SS", "SS"))
     self.assertEqual(again.tokens, out.tokens)
     # The few-row decode kernels (interpreted), which read only the firing features' W_up
@@ -67,24 +67,24 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     # dense and "sparse" is refused.
     interpreted = copy.deepcopy(cfg)
     interpreted.model.interpret = True
-    kernels = generate.Generator(params, interpreted, decode_ffn="sparse",
+    kernels = generator.Generator(params, interpreted, decode_ffn="sparse",
                                  decode_attention="kernel").generate_ids(
         prompts, max_new_tokens=10, stop_at_eos=False,
-        sampling=generate.Sampling(temperature=0.0))
+        sampling=generator.Sampling(temperature=0.0))
     self.assertEqual(kernels.stats["decode_ffn"], "SS")
     self.assertEqual(kernels.stats["decode_attention"], "kernel")   # interpreted too
     self.assertEqual(out.stats["decode_attention"], "xla")          # the CPU, compiled
     self.assertEqual(kernels.tokens, out.tokens)
     with self.assertRaisesRegex(errors.ConfigError, "decode_ffn='sparse': no GPU"):
-      generate.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)
+      generator.Generator(params, cfg, decode_ffn="sparse").generate_ids(prompts)
 
   def test_recorded_gaps_are_the_top2_gaps_of_the_full_forward(self):
     """record_gaps: each new token's top-2 logit gap, as a full forward over its prefix gives
     it (up to rounding); the same tokens as without; None unless asked."""
     cfg, lm, params = _random_model(False)
     prompts = [[2, 5, 9, 100], [2, 7]]
-    gen = generate.Generator(params, cfg)
-    greedy = generate.Sampling(temperature=0.0)
+    gen = generator.Generator(params, cfg)
+    greedy = generator.Sampling(temperature=0.0)
     out = gen.generate_ids(prompts, max_new_tokens=6, sampling=greedy, stop_at_eos=False,
                            record_gaps=True)
     self.assertEqual(out.tokens, gen.generate_ids(prompts, max_new_tokens=6, sampling=greedy,
@@ -106,8 +106,8 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     from twell_jax import decode  # pylint: disable=import-outside-toplevel
     cfg, _, params = _random_model(False)
     prompt = [[2, 50, 51, 52, 53]]
-    greedy = generate.Sampling(temperature=0.0)
-    dense = generate.Generator(params, cfg).generate_ids(prompt, max_new_tokens=6,
+    greedy = generator.Sampling(temperature=0.0)
+    dense = generator.Generator(params, cfg).generate_ids(prompt, max_new_tokens=6,
                                                          sampling=greedy, stop_at_eos=False)
     interpreted = copy.deepcopy(cfg)
     interpreted.model.interpret = True
@@ -118,7 +118,7 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
       rows.append(x.shape[0])
       return real(x, *args, **kw)
     with mock.patch.object(decode, "decode_ffn_weights", spy):
-      sparse = generate.Generator(params, interpreted, decode_ffn="sparse").generate_ids(
+      sparse = generator.Generator(params, interpreted, decode_ffn="sparse").generate_ids(
           prompt, max_new_tokens=6, sampling=greedy, stop_at_eos=False)
     self.assertEqual(sparse.stats["decode_ffn"], "SS")
     self.assertEqual(set(rows), {1})
@@ -129,15 +129,15 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     row of the batch stay within DECODE_UNION_LIMIT of H; dense where the kernels cannot run."""
     cfg, _, params = _random_model(True, dtype="bfloat16")
     h = cfg.model.d_ff
-    auto = generate.Generator(params, cfg)
+    auto = generator.Generator(params, cfg)
     self.assertEqual(auto.plan.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
     interpreted = copy.deepcopy(cfg)
     interpreted.model.interpret = True
-    auto = generate.Generator(params, interpreted)
+    auto = generator.Generator(params, interpreted)
     self.assertEqual(auto.plan.decode_attention, "kernel")
     # Measured for 16-bit models only: an f32 model decodes dense with XLA's attention.
     interpreted.model.dtype = "float32"
-    f32 = generate.Generator(params, interpreted)
+    f32 = generator.Generator(params, interpreted)
     self.assertEqual(f32.plan.decode_implementations(1, None, [1.0, 1.0]), ("dense", "dense"))
     self.assertEqual(f32.plan.decode_attention, "xla")
     few, many = 0.02 * h, 0.6 * h
@@ -145,12 +145,12 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     # 0.02 H per row: the union of 16 rows is ~28% of H, of 32 rows ~48%.
     self.assertEqual(auto.plan.decode_implementations(16, None, [few, few]), ("decode", "decode"))
     self.assertEqual(auto.plan.decode_implementations(32, None, [0.001 * h] * 2), ("dense", "dense"))
-    self.assertEqual(plan.DECODE_MAX_BATCH, 16)
+    self.assertEqual(implementations.DECODE_MAX_BATCH, 16)
 
   def test_sampling_filters(self):
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
     key = jax.random.key(0)
-    draw = lambda **kw: np.asarray(generate.sample(logits, key, generate.Sampling(**kw)))
+    draw = lambda **kw: np.asarray(generator.sample(logits, key, generator.Sampling(**kw)))
     self.assertTrue(np.all(draw(temperature=0.0) == 0))
     self.assertTrue(np.all(draw(temperature=1.0, top_k=1) == 0))
     self.assertEqual(set(draw(temperature=1.0, top_k=2)), {0, 1})
@@ -158,7 +158,7 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(set(draw(temperature=1.0)), {0, 1, 2, 3})
     np.testing.assert_array_equal(draw(temperature=1.0), draw(temperature=1.0))
     with self.assertRaisesRegex(errors.ConfigError, "top_p"):
-      generate.Sampling(top_p=0.0)
+      generator.Sampling(top_p=0.0)
 
   def test_stops_at_eos_and_pads_after_it(self):
     cfg, _, params = _random_model(False)
@@ -168,8 +168,8 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
     scale = jnp.ones((cfg.model.vocab_size,)).at[2].set(3.0)
     params = {**params, "embed": scale[:, None] * u[None, :],
               "blocks": jax.tree.map(jnp.zeros_like, params["blocks"])}
-    gen = generate.Generator(params, cfg)
-    greedy = generate.Sampling(temperature=0.0)
+    gen = generator.Generator(params, cfg)
+    greedy = generator.Sampling(temperature=0.0)
     out = gen.generate_ids([[5, 6], [7]], max_new_tokens=6, sampling=greedy)
     self.assertEqual(out.tokens, [[], []])
     self.assertEqual(out.finished, [True, True])
@@ -179,26 +179,26 @@ class GenerateTest(tu.FastCompile, absltest.TestCase):
 
   def test_prompt_longer_than_the_context_is_refused(self):
     cfg, _, params = _random_model(False)
-    gen = generate.Generator(params, cfg)
+    gen = generator.Generator(params, cfg)
     with self.assertRaisesRegex(errors.ConfigError, "exceeds the context of 96"):
       gen.generate_ids([[3] * 90], max_new_tokens=7)
     with self.assertRaisesRegex(errors.ConfigError, "decode_ffn"):
-      generate.Generator(params, cfg, decode_ffn="gather")
+      generator.Generator(params, cfg, decode_ffn="gather")
     with self.assertRaisesRegex(errors.ConfigError, "decode_attention='flash'"):
-      generate.Generator(params, cfg, decode_attention="flash")
+      generator.Generator(params, cfg, decode_attention="flash")
     with self.assertRaisesRegex(errors.ConfigError, "decode_attention='kernel': no GPU"):
-      generate.Generator(params, cfg, decode_attention="kernel")
+      generator.Generator(params, cfg, decode_attention="kernel")
 
   def test_text_api_and_cli_on_a_trained_checkpoint(self):
     wd = tu.trained_workdir("relu")
-    ck = inference.load_checkpoint(wd)
-    out = generate.generate(ck.params, ck.config, ["def ", "import"], max_new_tokens=12,
+    ck = loading.load_checkpoint(wd)
+    out = generator.generate(ck.params, ck.config, ["def ", "import"], max_new_tokens=12,
                             top_k=20, top_p=0.9, seed=3)
     self.assertLen(out.texts, 2)
     self.assertTrue(all(isinstance(t, str) for t in out.texts))
     self.assertGreater(out.stats["decode_tokens_per_s"], 0)
     self.assertEqual(out.stats["ffn_implementations"], ["dense"])  # the CPU: dense only
-    again = generate.generate(ck.params, ck.config, ["def ", "import"], max_new_tokens=12,
+    again = generator.generate(ck.params, ck.config, ["def ", "import"], max_new_tokens=12,
                               top_k=20, top_p=0.9, seed=3)
     self.assertEqual(again.tokens, out.tokens)
 

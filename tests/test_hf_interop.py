@@ -13,13 +13,13 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train.training import checkpointing
-from train.inference import hf_export as export_hf
+from train.state import checkpointing
+from train.hf import exporting
 from train.hf import format as hf_format
-from train.training import hf_import as import_hf
-from train.inference import loading as inference
+from train.hf import importing
+from train.inference import loading
 from train.training import loop as train_lib
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 from train import errors
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None
@@ -34,8 +34,8 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     cls.workdir = tu.trained_workdir("relu")
     cls.hf_dir = os.path.join(absltest.get_default_test_tmpdir(), "hf_interop_export")
     shutil.rmtree(cls.hf_dir, ignore_errors=True)
-    cls.summary = export_hf.export(cls.workdir, cls.hf_dir)
-    cls.loss = inference.evaluate_checkpoint(cls.workdir)["loss"]
+    cls.summary = exporting.export(cls.workdir, cls.hf_dir)
+    cls.loss = loading.evaluate_checkpoint(cls.workdir)["loss"]
 
   def _copy_of_export(self):
     path = os.path.join(self.create_tempdir().full_path, "hf")
@@ -71,21 +71,21 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
   def test_round_trip_gives_the_same_eval_loss(self):
     for scan in (False, True):
       wd = self.create_tempdir().full_path
-      import_hf.import_checkpoint(self.hf_dir, wd, tu.micro_config(
+      importing.import_checkpoint(self.hf_dir, wd, tu.micro_config(
           **{"model.scan_layers": scan}))
-      loss = inference.evaluate_checkpoint(wd)["loss"]
+      loss = loading.evaluate_checkpoint(wd)["loss"]
       if scan:  # the same weights through lax.scan: float32 rounding may differ
         self.assertAlmostEqual(loss, self.loss, places=5)
       else:
         self.assertEqual(loss, self.loss)
     # Loop layout: the parameters themselves come back bit for bit.
-    ours = inference.load_checkpoint(self.workdir).params
-    back = inference.load_checkpoint(self._imported()).params
+    ours = loading.load_checkpoint(self.workdir).params
+    back = loading.load_checkpoint(self._imported()).params
     self.assertTrue(tu.tree_equal(ours, back))
 
   def _imported(self):
     wd = self.create_tempdir().full_path
-    import_hf.import_checkpoint(self.hf_dir, wd, tu.micro_config())
+    importing.import_checkpoint(self.hf_dir, wd, tu.micro_config())
     return wd
 
   def test_trainer_resumes_from_an_import_and_the_cli_commands_run(self):
@@ -137,7 +137,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     for hf, message in cases:
       wd = self.create_tempdir().full_path
       with self.assertRaisesRegex(checkpointing.CheckpointError, message):
-        import_hf.import_checkpoint(hf, wd, cfg())
+        importing.import_checkpoint(hf, wd, cfg())
       self.assertEmpty(os.listdir(wd), "a failed import left files behind")
     # A tokenizer whose ids the checkpoint's vocabulary cannot hold.
     hf = self._copy_of_export()
@@ -147,15 +147,15 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:200]
     hf_format.save_tensors(os.path.join(hf, hf_format.WEIGHTS), tensors)
     with self.assertRaisesRegex(errors.ConfigError, "tokenizer mismatch"):
-      import_hf.import_checkpoint(hf, self.create_tempdir().full_path, cfg())
+      importing.import_checkpoint(hf, self.create_tempdir().full_path, cfg())
     # Nothing is overwritten: a workdir with checkpoints, a non-empty export directory.
     with self.assertRaisesRegex(checkpointing.CheckpointError, "already holds checkpoints"):
-      import_hf.import_checkpoint(self.hf_dir, self.workdir, cfg())
+      importing.import_checkpoint(self.hf_dir, self.workdir, cfg())
     with self.assertRaisesRegex(checkpointing.CheckpointError, "not empty"):
-      export_hf.export(self.workdir, self.hf_dir)
+      exporting.export(self.workdir, self.hf_dir)
     # A Hugging Face directory where a workdir is expected; checkpoints of another program.
     with self.assertRaisesRegex(checkpointing.CheckpointError, "train.import_hf"):
-      inference.load_checkpoint(self.hf_dir)
+      loading.load_checkpoint(self.hf_dir)
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     foreign = self.create_tempdir().full_path
     mngr = ocp.CheckpointManager(checkpointing.checkpoint_dir(foreign), item_names=("params",))
@@ -163,7 +163,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     mngr.wait_until_finished()
     mngr.close()
     with self.assertRaisesRegex(checkpointing.CheckpointError, "written by another program"):
-      inference.load_checkpoint(foreign)
+      loading.load_checkpoint(foreign)
 
   def test_sentencepiece_tokenizer_goes_out_and_comes_back(self):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
@@ -180,15 +180,15 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
     params = lm.init_params(jax.random.key(0))
     hf = os.path.join(self.create_tempdir().full_path, "spm_hf")
-    export_hf.write_hf_dir(hf, params, cfg, trainer_lib.Trainer(cfg).tokenizer)
+    exporting.write_hf_dir(hf, params, cfg, trainer_lib.Trainer(cfg).tokenizer)
     with open(os.path.join(hf, "tokenizer_config.json")) as f:
       self.assertEqual(json.load(f)["tokenizer_class"], "LlamaTokenizer")
     with open(os.path.join(hf, "config.json")) as f:
       self.assertEqual(json.load(f)["eos_token_id"], 1)
     wd = self.create_tempdir().full_path
-    self.assertEqual(import_hf.import_checkpoint(hf, wd, tu.micro_config())["tokenizer"],
+    self.assertEqual(importing.import_checkpoint(hf, wd, tu.micro_config())["tokenizer"],
                      "sentencepiece")
-    back = inference.load_checkpoint(wd)
+    back = loading.load_checkpoint(wd)
     self.assertEqual(back.config.data.spm_model, os.path.join(wd, "tokenizer.model"))
     self.assertEqual(back.tokenizer.vocab_size, 300)
     self.assertTrue(tu.tree_equal(params, back.params))
@@ -196,7 +196,7 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     self._edit_config(hf, vocab_size=256)
     wd = self.create_tempdir().full_path
     with self.assertRaisesRegex(errors.ConfigError, "tokenizer mismatch"):
-      import_hf.import_checkpoint(hf, wd, tu.micro_config())
+      importing.import_checkpoint(hf, wd, tu.micro_config())
     self.assertEmpty(os.listdir(wd))
 
   @absltest.skipUnless(HAVE_TRANSFORMERS, "needs transformers and torch (the hf extra)")
@@ -212,8 +212,8 @@ class HFInteropTest(tu.FastCompile, absltest.TestCase):
     params = jax.tree.map(lambda a: a * 3 if a.ndim >= 2 else a,
                           lm.init_params(jax.random.key(4)))
     random_dir = os.path.join(self.create_tempdir().full_path, "random")
-    export_hf.write_hf_dir(random_dir, params, cfg, trainer_lib.Trainer(cfg).tokenizer)
-    trained = inference.load_checkpoint(self.workdir)
+    exporting.write_hf_dir(random_dir, params, cfg, trainer_lib.Trainer(cfg).tokenizer)
+    trained = loading.load_checkpoint(self.workdir)
     tokens = np.random.default_rng(0).integers(3, 259, (2, 24)).astype(np.int32)
     for hf_dir, lm, params in ((self.hf_dir, trained.trainer.lm, trained.params),
                                (random_dir, lm, params)):

@@ -22,13 +22,13 @@ from train.corpus import text_corpus
 from train.data import tokenizer as tokenizer_lib
 from train.hf import format as hf_format
 from train.inference import generator
-from train.inference import hf_export as export_hf
-from train.inference import loading as inference
+from train.hf import exporting
+from train.inference import loading
 from train.models import transformer as model_lib
-from train.training import checkpointing
-from train.training import hf_import as import_hf
+from train.state import checkpointing
+from train.hf import importing
 from train.training import loop as train_lib
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None
                         for m in ("transformers", "torch"))
@@ -64,7 +64,7 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
     lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
     cls.params = lm.init_params(jax.random.key(0))
     cls.src = os.path.join(cls.tmp, "llama")
-    export_hf.write_hf_dir(cls.src, cls.params, cfg, cls.tok)
+    exporting.write_hf_dir(cls.src, cls.params, cfg, cls.tok)
     os.remove(os.path.join(cls.src, hf_format.TWELL_TOKENIZER))
     shutil.copyfile(os.path.join(tok_dir, "tokenizer_config.json"),
                     os.path.join(cls.src, "tokenizer_config.json"))
@@ -74,7 +74,7 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
     cls.relufied = os.path.join(cls.tmp, "relufied")
     train_lib.train_and_evaluate(cls._relufy_config(num_train_steps=2), cls.relufied)
     cls.export = os.path.join(cls.tmp, "export")
-    cls.summary = export_hf.export(cls.relufied, cls.export, step=2)
+    cls.summary = exporting.export(cls.relufied, cls.export, step=2)
 
   @classmethod
   def tearDownClass(cls):
@@ -99,9 +99,9 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
 
   def test_a_llama_directory_with_a_tokenizer_json_imports(self):
     src, wd = self._copy(self.src), self.create_tempdir().full_path
-    self.assertEqual(import_hf.import_checkpoint(src, wd, tu.micro_config())["tokenizer"], "hf")
+    self.assertEqual(importing.import_checkpoint(src, wd, tu.micro_config())["tokenizer"], "hf")
     shutil.rmtree(src)  # the workdir keeps its own copy and the end-of-document token
-    ck = inference.load_checkpoint(wd)
+    ck = loading.load_checkpoint(wd)
     self.assertEqual(_data_fields(ck.config.data),
                      {"tokenizer": "hf", "tokenizer_file": os.path.join(wd, "tokenizer.json"),
                       "eos_token": EOS})
@@ -121,7 +121,7 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
     shutil.rmtree(self.relufy_src)
     train_lib.train_and_evaluate(self._relufy_config(num_train_steps=3), self.relufied,
                                  accept_config_change=True)
-    ck = inference.load_checkpoint(self.relufied)
+    ck = loading.load_checkpoint(self.relufied)
     self.assertEqual((ck.step, ck.config.data.tokenizer_file), (3, copy))
     self.assertEqual(self._ids(ck.tokenizer), self._ids(self.tok))
 
@@ -147,12 +147,12 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
     hf = self._copy(self.export)
     os.remove(os.path.join(hf, "tokenizer_config.json"))
     wd = self.create_tempdir().full_path
-    import_hf.import_checkpoint(hf, wd, tu.micro_config())
-    back = inference.load_checkpoint(wd)
+    importing.import_checkpoint(hf, wd, tu.micro_config())
+    back = loading.load_checkpoint(wd)
     self.assertEqual(_data_fields(back.config.data)["eos_token"], EOS)
     self.assertEqual(self._ids(back.tokenizer), self._ids(self.tok))
     self.assertTrue(tu.tree_equal(back.params,
-                                inference.load_checkpoint(self.relufied, 2).params))
+                                loading.load_checkpoint(self.relufied, 2).params))
     # Generation encodes the prompt and decodes the completion with it.
     out = generator.generate(back.params, back.config, ["def add(a, b):"], max_new_tokens=6,
                              temperature=0.0, stop_at_eos=False, tokenizer=back.tokenizer)
@@ -176,7 +176,7 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
     with self.assertRaisesRegex(errors.ConfigError,
                                 "tokenizer mismatch: the hf tokenizer has 400 ids, more than "
                                 "the checkpoint's vocab_size 300"):
-      import_hf.import_checkpoint(hf, wd, tu.micro_config())
+      importing.import_checkpoint(hf, wd, tu.micro_config())
     self.assertEmpty(os.listdir(wd))
     # The same for a training config.
     train_cfg = tu.micro_config(**{"data.tokenizer": "hf", "data.tokenizer_file": self.tok_path})
@@ -189,7 +189,7 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
       f.write("{}")
     with self.assertRaisesRegex(errors.ConfigError, r"config\.data\.tokenizer_file: the hf "
                                 "tokenizer cannot be loaded: .*not a tokenizer.json"):
-      import_hf.import_checkpoint(hf, self.create_tempdir().full_path, tu.micro_config())
+      importing.import_checkpoint(hf, self.create_tempdir().full_path, tu.micro_config())
     train_cfg.data.eos_token = "</s>"
     with self.assertRaisesRegex(errors.ConfigError, r"'</s>' is not in its vocabulary"):
       trainer_lib.Trainer(train_cfg)
@@ -213,7 +213,7 @@ class HFTokenizerTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(ids, self._ids(self.tok))
     self.assertEqual(tok.decode(ids), SAMPLE)
     self.assertEqual((tok.eos_token_id, tok.bos_token_id, tok.pad_token_id), (2, 1, 0))
-    ck = inference.load_checkpoint(self.relufied, 2)
+    ck = loading.load_checkpoint(self.relufied, 2)
     tokens = np.asarray([ids], np.int32)
     ours = np.asarray(ck.trainer.lm.apply(ck.params, tokens)[0])
     model = transformers.AutoModelForCausalLM.from_pretrained(self.export)

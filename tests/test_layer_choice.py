@@ -13,17 +13,19 @@ import numpy as np
 
 import train_test_util as tu
 from twell_jax import features
-from train.training import layer_choice
+from train.models import implementations
+from train.models import layer_choice
+from train.models import transformer as model_lib
 from train.training import loop as train_lib
-from train.training import metrics
-from train.training import trainer as trainer_lib
+from train.runtime import metrics
+from train.state import trainer as trainer_lib
 from train.training import choice_steps
 
 
 class LayerChoiceTest(absltest.TestCase):
 
   def test_hysteresis(self):
-    c = layer_choice.LayerChoice(3, 1000, sparse="xla", sparse_below=0.8, dense_above=0.95)
+    c = layer_choice.LayerChoice(3, 1000, sparse_implementation="xla", sparse_below=0.8, dense_above=0.95)
     self.assertEqual(c.describe(), "D D D")            # dense from the start
     self.assertTrue(c.update([0.79, 0.8, 1.2]))
     self.assertEqual(c.implementations, ("xla", "dense", "dense"))
@@ -66,9 +68,9 @@ class LayerChoiceTest(absltest.TestCase):
     # d_ff 5632, no hot features: inference is predicted below 0.9 up to 32 active per token,
     # training up to 43.
     active = [10.0, 30.0, 40.0, 50.0]
-    infer = layer_choice.LayerChoice.for_inference(active, 5632, sparse="xla")
+    infer = layer_choice.LayerChoice.for_inference(active, 5632, sparse_implementation="xla")
     self.assertEqual(infer.describe(), "S S D D")
-    train = layer_choice.LayerChoice(4, 5632, sparse="xla")
+    train = layer_choice.LayerChoice(4, 5632, sparse_implementation="xla")
     train.update(train.cost.ratio(5632, 0, active))
     self.assertEqual(train.describe(), "S S S D")
 
@@ -79,7 +81,7 @@ class LayerChoiceTest(absltest.TestCase):
     tokens, h = 10_000, 5632
     counts = np.zeros((1, h), np.int64)
     counts[0, :5120] = 300
-    c = layer_choice.LayerChoice(1, h, sparse="xla")
+    c = layer_choice.LayerChoice(1, h, sparse_implementation="xla")
     c.update_from_counts(counts, tokens)
     self.assertEqual(c.hot, [5120])
     self.assertGreater(c.predicted[0], 1.0)
@@ -98,7 +100,7 @@ class LayerChoiceTest(absltest.TestCase):
     skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
     skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
     counts = np.stack([skewed, np.full(h, 30 * tokens // h), np.full(h, 200 * tokens // h)])
-    c = layer_choice.LayerChoice(3, h, sparse="xla")
+    c = layer_choice.LayerChoice(3, h, sparse_implementation="xla")
     changed, order = c.update_from_counts(counts, tokens)
     self.assertTrue(changed)
     self.assertEqual(c.key, (("xla", "xla", "dense"), (512, 0, 0)))
@@ -328,7 +330,7 @@ class StepBuildsTest(absltest.TestCase):
 
     def asked(sparse="mosaic_gpu", running_sparse=False, pending=None, interpret=False,
               background=True, start=0, ready_step=None):
-      choice = layer_choice.LayerChoice(3, 1024, sparse=sparse)
+      choice = layer_choice.LayerChoice(3, 1024, sparse_implementation=sparse)
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       requested = []
       steps.choice, steps.pending, steps.lag, steps.ahead = choice, pending, 7, None
@@ -386,12 +388,12 @@ class StepBuildsTest(absltest.TestCase):
       steps.running, steps.ahead = choice.key, None
       return steps
 
-    before = layer_choice.LayerChoice(3, 1024, sparse="xla")
+    before = layer_choice.LayerChoice(3, 1024, sparse_implementation="xla")
     before.update([0.5, 0.5, 0.5])
     before.update([1.2, 0.5, 1.2])
     self.assertEqual(before.over, [True, False, True])
     meta = json.loads(json.dumps(steps_of(before).meta()))
-    after = steps_of(layer_choice.LayerChoice(3, 1024, sparse="xla"))
+    after = steps_of(layer_choice.LayerChoice(3, 1024, sparse_implementation="xla"))
     after._restore(meta)  # pylint: disable=protected-access
     self.assertEqual(after.choice.over, [True, False, True])
     self.assertTrue(after.choice.update([1.2, 0.5, 1.2]))
@@ -530,7 +532,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=2,
                           keep_checkpoints=9, l1_coeff=3e-2, learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 7,
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 5,
                              "layer_choice.bridge": True})
     unsaved = cfg.copy_and_resolve_references()
     unsaved.checkpoint_every = 0    # checkpoints only for the resume below
@@ -539,7 +541,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     ((decided, running), bridged), second = runs
     self.assertEqual((decided, running), second[0])
     step, choice, land = decided[0]
-    self.assertGreaterEqual(step, 1 + 7)          # the step compiled ahead counts as built
+    self.assertGreaterEqual(step, 1 + 5)          # the step compiled ahead counts as built
     self.assertLen(bridged, 1)
     self.assertIn(f"step {step + 1}: now running FFN per layer D S256", bridged[0])
     self.assertEqual([running[s] for s in range(1, step + 1)], ["D D"] * step)
@@ -547,7 +549,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(running[land], choice)
     # Killed while the bridge runs (checkpoints after it lost), resumed: the same state.
     lost = tuple(s for s in range(2, 19, 2) if s > step + 2)
-    logs = self._resume_after_losing(cfg, lost, 18)
+    logs, _ = self._resume_after_losing(cfg, lost, 18)
     self.assertTrue(any(f"Resumed from checkpoint step {step + 2}" in l for l in logs))
     self.assertEqual(self._decisions(logs)[1][step + 3], "D S256")
   def test_a_failed_build_of_the_step_compiled_ahead_leaves_training_going(self):
@@ -628,7 +630,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     import shutil  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    from train.training import checkpointing  # pylint: disable=g-import-not-at-top
+    from train.state import checkpointing  # pylint: disable=g-import-not-at-top
     ref, run = self.create_tempdir().full_path, self.create_tempdir().full_path
     train_lib.train_and_evaluate(cfg, ref)
     train_lib.train_and_evaluate(cfg, run)
@@ -722,13 +724,40 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     for a, b in zip(jax.tree.leaves(restored["params"]), jax.tree.leaves(ref_state["params"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
 
+  def test_replay_is_the_trainers_decision_then_the_prefills(self):
+    """`implementations.replay` (what the benchmarks report): one decision of the training
+    choice on the counts, then the inference choice with the hot features it picked."""
+    tokens, h = 16384, 5632
+    counts = np.zeros((2, h), np.int64)
+    counts[0, :2000] = tokens // 100        # layer 0: ~20 active per token, sparse
+    counts[1, :] = tokens // 2              # layer 1: half of H per token, dense
+    mc = model_lib.ModelConfig(vocab_size=256, d_model=2048, n_layers=2, n_heads=16,
+                               n_kv_heads=16, d_ff=h)
+    choice, order, infer = implementations.replay(mc, counts, tokens, sparse="xla")
+    direct = layer_choice.LayerChoice(2, h, sparse_implementation="xla")
+    _, direct_order = direct.update_from_counts(counts, tokens)
+    self.assertEqual(choice.key, direct.key)
+    self.assertEqual(choice.implementations, ("xla", "dense"))
+    np.testing.assert_array_equal(order, direct_order)
+    expected = layer_choice.LayerChoice.for_inference(direct.tail, h, direct.hot,
+                                                      sparse_implementation="xla")
+    self.assertEqual(infer.implementations, expected.implementations)
+    strict, _, _ = implementations.replay(mc, counts, tokens, sparse="xla", sparse_below=0.0)
+    self.assertEqual(strict.implementations, ("dense", "dense"))
+
   def test_no_choice_for_an_explicit_implementation_or_a_dense_auto(self):
-    cfg = tu.micro_config(**{"model.ffn_implementation": "xla"})
-    self.assertIsNone(trainer_lib.Trainer(cfg).layer_choice())
-    cfg = tu.micro_config(**{"layer_choice.enabled": False})
-    self.assertIsNone(trainer_lib.Trainer(cfg).layer_choice())
-    cfg = tu.micro_config()   # auto resolves to dense on the CPU: nothing to choose
-    self.assertIsNone(trainer_lib.Trainer(cfg).layer_choice())
+    def choice(**overrides):
+      cfg = tu.micro_config(**overrides)
+      mc = model_lib.ModelConfig.from_config(cfg.model)
+      return implementations.layer_choice(cfg, mc, n_devices=1)
+
+    self.assertIsNone(choice(**{"model.ffn_implementation": "xla"}))
+    self.assertIsNone(choice(**{"layer_choice.enabled": False}))
+    self.assertIsNone(choice())   # auto resolves to dense on the CPU: nothing to choose
+    self.assertIsNone(choice(**{"model.ffn_activation": "silu", "layer_choice.sparse": "xla"}))
+    picked = choice(**{"layer_choice.sparse": "xla"})
+    self.assertEqual(picked.sparse_implementation, "xla")
+    self.assertEqual(picked.implementations, ("dense",) * picked.n_layers)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import train_test_util as tu
+from train.models import implementations
 from train.models import transformer as model_lib
 
 def _cfg(**kw):
@@ -127,8 +128,8 @@ class AttentionChoiceTest(absltest.TestCase):
   def _pick(self, xla_flags: str, **kw):
     cfg = _cfg(dtype="bfloat16", **kw)
     with absltest.mock.patch.dict("os.environ", {"XLA_FLAGS": xla_flags}), \
-         absltest.mock.patch.object(model_lib.jax, "default_backend", lambda: "gpu"):
-      return model_lib.attention_implementation(cfg)
+         absltest.mock.patch.object(implementations.jax, "default_backend", lambda: "gpu"):
+      return implementations.attention(cfg)
 
   def test_deterministic_ops_take_xla_attention_in_the_loop_layout(self):
     det = "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"

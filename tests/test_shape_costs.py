@@ -7,7 +7,10 @@ import os
 import jax.numpy as jnp
 from absl.testing import absltest
 
-from train.training import layer_choice
+import train_test_util as tu
+from train.models import implementations
+from train.models import layer_choice
+from train.models import transformer as model_lib
 from twell_jax import registry
 from twell_jax import shape_costs
 
@@ -58,25 +61,39 @@ class AutoImplementationTest(absltest.TestCase):
     self.assertEqual(registry.pick(_call(64, 256, interpret=True)).name, "mosaic_gpu")
 
 
+def _model(d_model, d_ff, **kw):
+  return model_lib.ModelConfig(vocab_size=256, d_model=d_model, n_layers=2, n_heads=8,
+                               n_kv_heads=8, d_ff=d_ff, **kw)
+
+
 class LayerChoiceShapeTest(absltest.TestCase):
+  """The decider (`train.models.implementations`) scales the per-layer cost model by the shape
+  table and keeps every layer dense where the kernels lose."""
+
+  def _training(self, mc, tokens, sparse="mosaic_gpu"):
+    cfg = tu.micro_config(**{"layer_choice.sparse": sparse})
+    cfg.batch_size, cfg.grad_accum_steps, cfg.data.seq_len = tokens // 512, 1, 512
+    return implementations.layer_choice(cfg, mc, n_devices=1)
 
   def test_no_layer_goes_sparse_where_the_kernels_lose(self):
-    c = layer_choice.LayerChoice(2, 2816, d_model=768, tokens=8192)
+    mc = _model(768, 2816)
+    c = self._training(mc, 8192)
     self.assertTrue(c.shape_loses)
     c.update(c.predict([0, 512], [0.1, 1.0]))   # as sparse as a layer gets
     self.assertEqual(c.implementations, ("dense", "dense"))
-    infer = layer_choice.LayerChoice.for_inference([0.5, 30.0], 2816, d_model=768, tokens=8192)
+    infer = implementations.inference_choice(mc, [0.5, 30.0], sparse="mosaic_gpu", tokens=8192)
     self.assertEqual(infer.implementations, ("dense", "dense"))
 
   def test_prediction_scales_with_the_shape(self):
-    paper = layer_choice.LayerChoice(1, 5632, d_model=2048, tokens=16384)
-    wide = layer_choice.LayerChoice(1, 8960, d_model=1536, tokens=16384)
+    paper = self._training(_model(2048, 5632), 16384)
+    wide = self._training(_model(1536, 8960), 16384)
     base = layer_choice.LayerChoice(1, 5632)
     self.assertEqual(float(paper.predict(0, 30.0)), float(base.predict(0, 30.0)))
     self.assertAlmostEqual(wide.shape_scale, 0.640 / 0.749, places=6)
-    # Implementations without a measured table (xla) and the paper-shape default: unscaled.
-    self.assertEqual(layer_choice.LayerChoice(1, 2816, sparse="xla", d_model=768).shape_scale,
-                     1.0)
+    # Implementations without a measured table (xla) and the interpreter: unscaled.
+    self.assertEqual(self._training(_model(768, 2816), 8192, sparse="xla").shape_scale, 1.0)
+    interpreted = self._training(_model(768, 2816, interpret=True), 8192)
+    self.assertEqual((interpreted.shape_scale, interpreted.shape_loses), (1.0, False))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Training on a device mesh (train/sharding.py, twell_jax/sharded.py) with host CPU devices.
+"""Training on a device mesh (train/runtime/mesh.py, twell_jax/sharded.py) with host CPU devices.
 
 * `MeshRulesTest` (in process): mesh sizes from the config, the FSDP rule, the HLO parser.
 * `MeshesTest`: a subprocess with 8 host devices (the device count is fixed when the
@@ -25,18 +25,18 @@ import numpy as np
 import pytest
 
 import train_test_util as tu
-from train.runtime import mesh as sharding
-from train.runtime import hlo as hlo_lib
+from train.runtime import mesh as mesh_lib
+from benchmarks.common import hlo as hlo_lib
 
 _MESHES = textwrap.dedent("""
     import json, tempfile
     import jax, numpy as np
     jax.config.update("jax_disable_most_optimizations", True)
     import train_test_util as tu
-    from train.runtime import hlo as hlo_lib
-    from train.runtime import mesh as sharding
-    from train.training import checkpointing
-    from train.training import trainer as trainer_lib
+    from benchmarks.common import hlo as hlo_lib
+    from train.runtime import mesh as mesh_lib
+    from train.state import checkpointing
+    from train.state import trainer as trainer_lib
 
     # 8 x 24 tokens: no activation axis has the length of a parameter's (32, 16, 256, 259).
     cfg = tu.micro_config(batch_size=8, **{"data.seq_len": 24})
@@ -46,7 +46,7 @@ _MESHES = textwrap.dedent("""
     def trainer(data, fsdp, shard_optimizer=False, reduction="auto"):
       cfg.mesh.update(data=data, fsdp=fsdp, shard_optimizer=shard_optimizer,
                       gradient_reduction=reduction)
-      return trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
+      return trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:data * fsdp]))
 
     def steps(tr, state, batches):
       put = lambda t: tr.put_batch(t, tr.batch_sharding)
@@ -100,8 +100,8 @@ _MESHES = textwrap.dedent("""
       out[f"restored_{data}x{fsdp}"] = {"equal": same, "laid_out": laid_out, "losses": losses}
       if (data, fsdp) == (2, 2):
         # Inference (train.generate, train.report) gathers a split model onto one device.
-        from train.inference import loading as inference
-        inf = inference.inference_params(state["params"], tr.model_cfg)
+        from train.inference import loading
+        inf = loading.inference_params(state["params"], tr.model_cfg)
         inference_devices = sorted({len(a.sharding.device_set) for a in jax.tree.leaves(inf)})
     # Two micro-batches a step (4 rows each): data parallel sums each device's micro-batches
     # and reduces once per step, outside the micro-batch loop.
@@ -159,16 +159,16 @@ def _run(script: str, devices: int, timeout: int = 300) -> dict:
 class MeshRulesTest(absltest.TestCase):
 
   def test_mesh_shape_fills_minus_one_and_rejects_bad_sizes(self):
-    self.assertEqual(sharding.mesh_shape({"data": -1, "fsdp": 1}, 8), {"data": 8, "fsdp": 1})
-    self.assertEqual(sharding.mesh_shape({"data": 2, "fsdp": -1}, 8), {"data": 2, "fsdp": 4})
-    self.assertEqual(sharding.mesh_shape(None, 4), {"data": 4, "fsdp": 1})
+    self.assertEqual(mesh_lib.mesh_shape({"data": -1, "fsdp": 1}, 8), {"data": 8, "fsdp": 1})
+    self.assertEqual(mesh_lib.mesh_shape({"data": 2, "fsdp": -1}, 8), {"data": 2, "fsdp": 4})
+    self.assertEqual(mesh_lib.mesh_shape(None, 4), {"data": 4, "fsdp": 1})
     for bad in ({"data": -1, "fsdp": -1}, {"data": 3, "fsdp": -1}, {"data": 2, "fsdp": 2},
                 {"data": 0, "fsdp": 8}):
-      with self.assertRaises(sharding.MeshError, msg=str(bad)):
-        sharding.mesh_shape(bad, 8)
+      with self.assertRaises(mesh_lib.MeshError, msg=str(bad)):
+        mesh_lib.mesh_shape(bad, 8)
 
   def test_fsdp_rule(self):
-    spec = lambda shape, **kw: tuple(sharding.param_spec(shape, 4, **kw))
+    spec = lambda shape, **kw: tuple(mesh_lib.param_spec(shape, 4, **kw))
     self.assertEqual(spec((2048, 5632)), (None, "fsdp"))        # the largest axis
     self.assertEqual(spec((5632, 2048)), ("fsdp", None))
     self.assertEqual(spec((2048, 2048)), ("fsdp", None))        # ties: the earlier one
@@ -177,7 +177,7 @@ class MeshRulesTest(absltest.TestCase):
     self.assertEqual(spec((30, 2)), ())                         # nothing divides
     self.assertEqual(spec((8, 2048, 5632), stacked=True), (None, None, "fsdp"))
     self.assertEqual(spec((8, 2048), stacked=True), ())         # stacked norm scales
-    self.assertEqual(tuple(sharding.param_spec((2048, 5632), 1)), ())
+    self.assertEqual(tuple(mesh_lib.param_spec((2048, 5632), 1)), ())
 
   def test_when_processes_are_joined(self):
     from train.runtime import distributed  # pylint: disable=g-import-not-at-top
@@ -186,8 +186,12 @@ class MeshRulesTest(absltest.TestCase):
     self.assertIsNone(args("h:1234", 1, 0, False))               # one process, said so
     self.assertEqual(args("h:1234", 2, 1, False),
                      {"coordinator_address": "h:1234", "num_processes": 2, "process_id": 1})
-    self.assertEqual(args(None, None, None, True),                # the cluster fills in
+    self.assertEqual(args(None, None, None, True, env={}),        # the cluster fills in
                      {"coordinator_address": None, "num_processes": None, "process_id": None})
+    k8s = {"JOB_COMPLETION_INDEX": "3"}                            # a Kubernetes indexed Job
+    self.assertEqual(args("twell-0.twell:8476", 4, None, True, env=k8s)["process_id"], 3)
+    self.assertEqual(args("h:1", 4, 1, True, env=k8s)["process_id"], 1)   # the flag first
+    self.assertIsNone(args(None, None, None, False, env=k8s))      # only with --distributed
 
   def test_collectives_parser(self):
     hlo = textwrap.dedent("""
@@ -261,7 +265,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
   @pytest.mark.gpu
   def test_gradient_reductions_overlap_the_backward(self):
     import jax  # pylint: disable=import-outside-toplevel
-    from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+    from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
     from configs import tiny  # pylint: disable=import-outside-toplevel
@@ -273,7 +277,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     # XLA reducing the gradients inside the backward (the default reduces them per device
     # after it).
     cfg.mesh.update(data=2, fsdp=1, gradient_reduction="gspmd")
-    tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
+    tr = trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2]))
     state = tr.abstract_state()
     batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
                                  sharding=tr.batch_sharding)
@@ -293,7 +297,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     early; XLA's reassociation used to fold it into the lookup's, reducing one f32 [V, D]
     sum after the whole backward (losses._reduced_apart)."""
     import jax  # pylint: disable=import-outside-toplevel
-    from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+    from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
     if jax.default_backend() != "gpu" or jax.device_count() < 2:
       self.skipTest("needs two GPUs")
     from configs import tiny  # pylint: disable=import-outside-toplevel
@@ -305,7 +309,7 @@ class TwoGpuOverlapTest(absltest.TestCase):
     cfg.model.update(d_model=1024, n_heads=8, n_kv_heads=4, d_ff=1024, n_layers=2,
                      vocab_size=32768, ffn_implementation="dense", dtype="bfloat16")
     cfg.mesh.update(data=2, fsdp=1, gradient_reduction="gspmd")
-    tr = trainer_lib.Trainer(cfg, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:2]))
+    tr = trainer_lib.Trainer(cfg, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2]))
     batch = jax.ShapeDtypeStruct((1, 8, cfg.data.seq_len + 1), np.int32,
                                  sharding=tr.batch_sharding)
     hlo = tr.jit_train_step().lower(tr.abstract_state(), batch).compile().as_text()

@@ -10,7 +10,7 @@ from absl.testing import parameterized
 
 from configs import paper_0p5b, paper_1b, paper_1p5b, paper_2b, small, tiny
 from train.models import transformer as model_lib
-from train.training import trainer as trainer_lib
+from train.config import checks as config_checks
 from train import errors
 from train.runtime import compilation
 import train_test_util as tu
@@ -36,9 +36,9 @@ class ConfigsTest(parameterized.TestCase):
   def test_size(self, cfg, lo, hi):
     if cfg.data.tokenizer == "sentencepiece":  # the paper configs name it on the command line
       with self.assertRaisesRegex(errors.ConfigError, "config.data.spm_model=None"):
-        trainer_lib.check_config(cfg, n_devices=1, n_processes=1)
+        config_checks.check(cfg, n_devices=1, n_processes=1)
       cfg.data.spm_model = __file__   # any existing file passes the check
-    trainer_lib.check_config(cfg, n_devices=1, n_processes=1)
+    config_checks.check(cfg, n_devices=1, n_processes=1)
     n = _n_params(cfg)
     self.assertBetween(n, lo, hi)
 
@@ -52,16 +52,16 @@ class ConfigsTest(parameterized.TestCase):
 
   def test_large_paper_configs_split_their_state_over_fsdp(self):
     """On 8 devices each holds about 1/8 of the 1.5B / 2B params and AdamW moments."""
-    from train.runtime import mesh as sharding  # pylint: disable=g-import-not-at-top
+    from train.runtime import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     for mod in (paper_1p5b, paper_2b):
       cfg = mod.get_config()
-      self.assertEqual(sharding.mesh_shape(cfg.mesh, 8), {"data": 1, "fsdp": 8})
+      self.assertEqual(mesh_lib.mesh_shape(cfg.mesh, 8), {"data": 1, "fsdp": 8})
       lm = model_lib.LanguageModel(model_lib.ModelConfig.from_config(cfg.model))
       shapes = jax.eval_shape(lm.init_params, jax.random.key(0))
       total = per_device = 0
       for path, p in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         stacked = path[0].key == "blocks"
-        split = any(sharding.param_spec(p.shape, 8, stacked=stacked))
+        split = any(mesh_lib.param_spec(p.shape, 8, stacked=stacked))
         total += p.size
         per_device += p.size // 8 if split else p.size
       self.assertLess(per_device, total / 7.9)
@@ -77,10 +77,10 @@ class ConfigsTest(parameterized.TestCase):
     c = tiny.get_config()
     c.grad_accum_steps = 3
     with self.assertRaisesRegex(ValueError, "grad_accum_steps"):
-      trainer_lib.check_config(c, 1, 1)
+      config_checks.check(c, 1, 1)
     c.grad_accum_steps = 1
     with self.assertRaisesRegex(ValueError, "devices"):
-      trainer_lib.check_config(c, 3, 1)
+      config_checks.check(c, 3, 1)
 
 
 def _with(**overrides):
@@ -147,7 +147,7 @@ class ConfigCheckTest(parameterized.TestCase):
   )
   def test_bad_value_names_the_field(self, overrides, match):
     with self.assertRaisesRegex(errors.ConfigError, match):
-      trainer_lib.check_config(_with(**overrides), n_devices=1, n_processes=1)
+      config_checks.check(_with(**overrides), n_devices=1, n_processes=1)
 
   def test_implementation_against_the_backend(self):
     if jax.default_backend() == "gpu":
@@ -155,24 +155,24 @@ class ConfigCheckTest(parameterized.TestCase):
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"config\.model\.ffn_implementation='mosaic_gpu' cannot run "
                                 r"here: no GPU backend .*--config\.model\.interpret=True"):
-      trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu"), 1, 1)
+      config_checks.check(_with(model__ffn_implementation="mosaic_gpu"), 1, 1)
     with self.assertRaisesRegex(errors.ConfigError,
                                 r"config\.layer_choice\.sparse='mosaic_gpu' cannot run here"):
-      trainer_lib.check_config(_with(layer_choice__sparse="mosaic_gpu"), 1, 1)
+      config_checks.check(_with(layer_choice__sparse="mosaic_gpu"), 1, 1)
     # In the interpreter the kernels need bfloat16 (tiny computes in float32).
     with self.assertRaisesRegex(errors.ConfigError, r"x must be bfloat16, got float32"):
-      trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
+      config_checks.check(_with(model__ffn_implementation="mosaic_gpu",
                                    model__interpret=True), 1, 1)
     with self.assertRaisesRegex(errors.ConfigError, r"config\.model\.remat=True: JAX "
                                 r"refuses jax\.checkpoint"):
-      trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu",
+      config_checks.check(_with(model__ffn_implementation="mosaic_gpu",
                                    model__interpret=True, model__dtype="bfloat16",
                                    model__remat=True), 1, 1)
-    trainer_lib.check_config(_with(model__ffn_implementation="mosaic_gpu", model__interpret=True,
+    config_checks.check(_with(model__ffn_implementation="mosaic_gpu", model__interpret=True,
                                  model__dtype="bfloat16"), 1, 1)
     with self.assertRaisesRegex(errors.ConfigError, r"config\.model\.attention='cudnn' "
                                 r"needs a GPU"):
-      trainer_lib.check_config(_with(model__attention="cudnn"), 1, 1)
+      config_checks.check(_with(model__attention="cudnn"), 1, 1)
 
 
 class CommandLineTest(absltest.TestCase):

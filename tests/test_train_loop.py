@@ -12,9 +12,9 @@ import numpy as np
 from absl.testing import absltest
 
 import train_test_util as tu
-from train.training import steps as steps_lib
+from train.state import steps as steps_lib
 from train.training import loop as train_lib
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 from train import errors
 
 class TrainLoopTest(tu.FastCompile, absltest.TestCase):
@@ -86,7 +86,7 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
         jax.config.update("jax_disable_most_optimizations", True)
         import train_test_util as tu
         from train.training import loop as train_lib
-        from train.training import trainer as trainer_lib
+        from train.state import trainer as trainer_lib
         from train import errors
         assert jax.device_count() == 4, jax.devices()
         cfg = tu.micro_config(batch_size=8)

@@ -8,15 +8,26 @@ per device and reduces the gradients across processes), restoring the
 sharded checkpoint onto another mesh. Each process reads its own share of the
 documents; the checkpoint must hold both data positions and the rerun must
 resume each process from its own.
+
+The cluster's acceptance run (`benchmarks.acceptance.multiprocess --smoke`: 2 processes of 2 host
+devices) loses a process, the coordinator, and every process, each mid-run: the survivors of a
+lost process end by themselves within 60 s, naming it; the reruns resume from the last
+committed checkpoint and end with the uninterrupted run's train state; evaluate, generate and
+export run on that checkpoint in one process; and the throughput of one process and of two is
+read.
 """
 
 import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
+import time
+import types
 
 from absl.testing import absltest
+import pytest
 
 import train_test_util as tu
 
@@ -72,6 +83,67 @@ class MultiProcessTest(absltest.TestCase):
       steps = [json.loads(line)["step"] for line in f]
     self.assertEqual(steps[-1], 4)
     self.assertNotIn(1, steps[steps.index(3) + 1:])  # no restart from 0
+
+  def test_lost_processes_killed_jobs_and_reruns_as_a_cluster_runs_them(self):
+    out = os.path.join(tempfile.mkdtemp(prefix="twell_mp_smoke_"), "mp.json")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.acceptance.multiprocess", "--smoke",
+                        f"--out={out}", f"--workdir={os.path.dirname(out)}"],
+                       cwd=tu.REPO, env=tu.run_env(), capture_output=True, text=True,
+                       timeout=900)
+    self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
+    with open(out) as f:
+      result = json.load(f)
+    (cell,) = result["cells"]
+    self.assertEqual((cell["processes"], cell["devices"], cell["mesh"]), (2, 4, "fsdp=4"))
+    self.assertEqual(cell["errors"], [])
+    self.assertTrue(cell["passed"])
+    self.assertEqual(sorted(k for k, v in cell["checks"].items() if v), sorted([
+        "trained", "lost_mid_run", "coordinator_mid_run", "killed_mid_run",
+        "lost_process_named", "lost_process_ends_the_others",
+        "lost_coordinator_ends_the_others", "lost_resumed", "killed_resumed",
+        "lost_same_state", "killed_same_state", "evaluate", "generate", "export_hf"]))
+    # The watch's timeout is 10 s here: the survivor ends a little after it, well within 60.
+    self.assertBetween(cell["lost_process_exit_s"], 10.0, 40.0)
+    self.assertLess(cell["lost_coordinator_exit_s"], 60.0)
+    self.assertLess(max(cell["killed_at"].values()), cell["steps"])
+    log = os.path.join(os.path.dirname(out), "p2_fsdp=4", "logs", "lost", "process_0.log")
+    with open(log) as f:
+      lines = [l for l in f.read().splitlines() if l.startswith("error:")]
+    self.assertLen(lines, 1)
+    self.assertRegex(lines[0], r"^error: lost process 1 of 2 silent for 1\d s: killed, crashed "
+                     r"or its host is gone; process 0 stops too \(exit 75\)\. Rerun the job: it "
+                     r"resumes from its last committed checkpoint\.$")
+    tp = cell["throughput"]
+    self.assertGreater(tp["one_process_tokens_per_s"], 0)
+    self.assertGreater(tp["processes_tokens_per_s"], 0)
+    self.assertAlmostEqual(result["throughput_ratio"], tp["ratio"])
+
+
+@pytest.mark.gpu
+def test_a_lost_process_on_gpus_ends_the_other():
+  """Two processes, one GPU each (NCCL between them): the survivor of a SIGKILLed process,
+  blocked in a collective that cannot finish, stops by itself within 60 s with the line naming
+  the lost process."""
+  from benchmarks.acceptance import multiprocess  # pylint: disable=g-import-not-at-top
+  from train.runtime import launcher  # pylint: disable=g-import-not-at-top
+  if len(launcher.host_gpus()) < 2:
+    pytest.skip("needs two GPUs")
+  wd = tempfile.mkdtemp(prefix="twell_mp_gpu_")
+  s = multiprocess.settings(types.SimpleNamespace(
+      processes=2, mesh="fsdp", smoke=False, host_devices=1, isolate="local_device_ids",
+      timeout=600, config="configs/tiny.py", steps=2000, every=10, throughput_steps=0,
+      log_every=10, peer_timeout_s=None), launcher.host_gpus())
+  env = multiprocess.environment(s, deterministic=True)
+  job = multiprocess.start(s, multiprocess.train_flags(s, os.path.join(wd, "run")), env,
+                           os.path.join(wd, "logs"))
+  kills = multiprocess.kill_at_first_commit({"run": job}, {"run": os.path.join(wd, "run")},
+                                            {"run": [1]}, time.monotonic() + 600)
+  step, at = kills["run"]
+  assert step is not None and step < 2000, kills
+  ended = job.wait(timeout_s=at + 120, grace_s=90)
+  assert ended[0].returncode == 75, job.output(0)[-3000:]
+  assert ended[0].seconds - at < 60
+  assert "error: lost process 1 of 2 silent for" in job.output(0)
 
 
 if __name__ == "__main__":

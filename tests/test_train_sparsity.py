@@ -8,10 +8,10 @@ from absl.testing import parameterized
 
 import train_test_util as tu
 from train.models import transformer as model_lib
-from train.training import optim
-from train.training import sparsity
-from train.training import steps as steps_lib
-from train.training import trainer as trainer_lib
+from train.state import optim
+from train.state import sparsity
+from train.state import steps as steps_lib
+from train.state import trainer as trainer_lib
 
 class L1AndCountersTest(absltest.TestCase):
 

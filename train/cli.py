@@ -6,21 +6,40 @@ runs its `main()`; a `ConfigError`, `CheckpointError` or `DataError` (`train.err
 line, `error: ...` (exit status 1), and a stop on SIGTERM (`preemption.Preempted`, after the
 current step's checkpoint) with `stopped: ...` and exit status 143. Anything else is a bug
 and keeps its traceback.
+
+Several processes (`train.runtime.distributed`): each tells the others how it ends
+(`train.runtime.peer_watch`). An unexpected error first gives the watch time to name a lost
+process, the usual cause of a failed collective (its line and exit status 75 replace the
+traceback). A process that fails leaves at once, skipping JAX's shutdown barrier, which would
+wait for peers that are stopping too.
 """
 
+import os
 import sys
+import traceback
 
 from absl import app
 from absl import logging
 import jax
 
 from train import errors
+from train.runtime import peer_watch
+
+
+def _leave(line: str, code: int, *, failed: bool) -> None:
+  """Ends the command with `line` on stderr and exit status `code`."""
+  several = peer_watch.end(failed=failed)
+  print(line, file=sys.stderr, flush=True)
+  if several and failed:
+    sys.stdout.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  sys.exit(code)
 
 
 def run(main, define_flags=None) -> None:
   """Defines the command's flags (`define_flags`, if the module does not at import), then
   runs `main()` under `absl.app` (module docstring)."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   from train.training import preemption  # pylint: disable=import-outside-toplevel
 
   def wrapped(argv):
@@ -31,11 +50,19 @@ def run(main, define_flags=None) -> None:
       main()
     except (errors.ConfigError, errors.CheckpointError, errors.DataError) as e:
       logging.error("%s", e)
-      sys.exit(f"error: {e}")
+      _leave(f"error: {e}", 1, failed=True)
     except preemption.Preempted as e:
       logging.warning("%s", e)
-      print(f"stopped: {e}", file=sys.stderr)
-      sys.exit(preemption.EXIT_CODE)
+      _leave(f"stopped: {e}", preemption.EXIT_CODE, failed=False)
+    except Exception:  # pylint: disable=broad-except
+      peer_watch.await_lost_process()
+      if peer_watch.end(failed=True):
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # pylint: disable=protected-access
+      raise
+    finally:
+      peer_watch.end(failed=False)   # after a success (or SystemExit); else already ended
 
   if define_flags is not None:
     define_flags()

@@ -16,7 +16,7 @@ a half-written model behind.
 import json
 
 from train import cli
-from train.inference import hf_export
+from train.hf import exporting
 from train.models import transformer
 
 
@@ -33,7 +33,7 @@ def _define_flags():
 def main():
   from absl import flags  # pylint: disable=import-outside-toplevel
   f = flags.FLAGS
-  summary = hf_export.export(f.workdir, f.out, step=f.step, dtype=f.dtype, overwrite=f.overwrite)
+  summary = exporting.export(f.workdir, f.out, step=f.step, dtype=f.dtype, overwrite=f.overwrite)
   print(json.dumps(summary, indent=1))
 
 

@@ -13,7 +13,7 @@ import json
 
 from train import cli
 from train.inference import generator
-from train.inference import plan
+from train.models import implementations
 
 
 def _define_flags():
@@ -34,10 +34,10 @@ def _define_flags():
                     "timing).")
   flags.DEFINE_bool("prefix_eos", True, "Start each prompt with EOS (a document start).")
   flags.DEFINE_string("prefill_ffn", "auto", "auto, or one FFN implementation for all layers.")
-  flags.DEFINE_enum("decode_ffn", "auto", plan.DECODE_FFN, "FFN at decode: auto (sparse kernels "
+  flags.DEFINE_enum("decode_ffn", "auto", implementations.DECODE_FFN, "FFN at decode: auto (sparse kernels "
                     "per layer where few features fire in the batch), dense, sparse (every "
                     "layer) or same (the prefill's per-layer choice).")
-  flags.DEFINE_enum("decode_attention", "auto", plan.DECODE_ATTENTION, "Attention at decode: auto "
+  flags.DEFINE_enum("decode_attention", "auto", implementations.DECODE_ATTENTION, "Attention at decode: auto "
                     "(the one-kernel decode attention where it runs), kernel, or xla.")
   flags.DEFINE_string("out", None, "Also write the completions and stats as JSON here.")
   flags.mark_flag_as_required("workdir")

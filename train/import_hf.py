@@ -32,7 +32,7 @@ hold, a workdir that already holds checkpoints) stops with a `CheckpointError` o
 import json
 
 from train import cli
-from train.training import hf_import
+from train.hf import importing
 
 
 def _define_flags():
@@ -53,7 +53,7 @@ def main():
   if cfg is None:
     from configs import default  # pylint: disable=import-outside-toplevel
     cfg = default.get_config()
-  print(json.dumps(hf_import.import_checkpoint(f.hf_dir, f.workdir, cfg), indent=1))
+  print(json.dumps(importing.import_checkpoint(f.hf_dir, f.workdir, cfg), indent=1))
 
 
 if __name__ == "__main__":

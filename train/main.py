@@ -2,9 +2,10 @@
 
 Override config values with --config.<field>=<value>. Rerunning the same
 command on the same workdir resumes from its latest checkpoint; SIGTERM stops
-after the current step with a checkpoint (exit status 143). Several hosts: the same
-command on each, with --coordinator_address, --num_processes and --process_id
-(train/runtime/distributed.py).
+after the current step with a checkpoint (exit status 143). Several processes (one per
+host or per GPU): the same command in each, with --coordinator_address, --num_processes and
+--process_id (train/runtime/distributed.py; on one machine `python -m train.launch` starts
+them; docs/cluster.md).
 """
 
 from absl import flags

@@ -24,13 +24,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import decode_ffn_triton as kernels
+from pallas_kernels import decode_ffn_triton
 from pallas_kernels import reference
 from twell_jax import stats as stats_lib
 
 __all__ = ["DecodeWeights", "decode_ffn", "decode_ffn_weights", "MAX_ROWS"]
 
-MAX_ROWS = kernels.MAX_ROWS
+MAX_ROWS = decode_ffn_triton.MAX_ROWS
 
 
 @jax.tree_util.register_dataclass
@@ -52,12 +52,12 @@ class DecodeWeights:
 
 
 def decode_ffn_weights(x, weights: DecodeWeights, *, interpret: bool = False,
-                       config: kernels.DecodeConfig = kernels.DecodeConfig(),
+                       config: decode_ffn_triton.DecodeConfig = decode_ffn_triton.DecodeConfig(),
                        ell_width: int = stats_lib.DEFAULT_ELL_WIDTH):
   """(y [M, D] x.dtype, FFNStats) of the ReLU FFN on x [M, D], M <= MAX_ROWS (`ell_width`:
   the width `FFNStats.heavy_rows_by_hot` counts against)."""
-  y, p, hid = kernels.decode_ffn(x, weights.w_pre_t, weights.w_up_t, weights.w_down,
-                                 config=config, interpret=interpret)
+  y, p, hid = decode_ffn_triton.decode_ffn(x, weights.w_pre_t, weights.w_up_t,
+                                           weights.w_down, config=config, interpret=interpret)
   l1 = jnp.sum(jnp.abs(hid.astype(jnp.float32))) / x.shape[0]
   return y, stats_lib.stats_from_mask(p > 0, l1, ell_width=ell_width)
 
@@ -68,11 +68,6 @@ def _ffn(x, w_gate, w_up, w_down, interpret, ell_width):
                             ell_width=ell_width)
 
 
-def _dense(x, w_gate, w_up, w_down):
-  y, hid, _ = reference.dense_ffn(x, w_gate, w_up, w_down, "relu")
-  return y, jnp.sum(jnp.abs(hid.astype(jnp.float32))) / x.shape[0]
-
-
 def _ffn_fwd(x, w_gate, w_up, w_down, interpret, ell_width):
   return _ffn(x, w_gate, w_up, w_down, interpret, ell_width), (x, w_gate, w_up, w_down)
 
@@ -80,8 +75,7 @@ def _ffn_fwd(x, w_gate, w_up, w_down, interpret, ell_width):
 def _ffn_bwd(interpret, ell_width, res, cts):
   del interpret, ell_width
   dy, dstats = cts
-  _, vjp = jax.vjp(_dense, *res)
-  return vjp((dy, dstats.l1))
+  return reference.dense_ffn_l1_vjp(*res, dy, dstats.l1)
 
 
 _ffn.defvjp(_ffn_fwd, _ffn_bwd)

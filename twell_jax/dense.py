@@ -21,16 +21,11 @@ ACTIVATIONS = reference.ACTIVATIONS
 
 def dense_ffn(x, w_gate: Optional[jax.Array], w_up, w_down, activation: str = "relu",
               ell_width: int = stats_lib.DEFAULT_ELL_WIDTH):
-  """Dense FFN on x [M, D]: h = act(x Wg) * (x Wu) (or act(x Wu)); y = h Wd.
-
-  Plain x.dtype products (f32 accumulation inside each GEMM), as a bf16 model
-  is written, so the backward's GEMMs are x.dtype GEMMs too. (Asking for f32
-  outputs and casting makes the cotangents f32 and the backward GEMMs f32 x
-  bf16: 2.2x slower forward + backward on an H100 at the paper's shape.)
+  """Dense FFN on x [M, D]: h = act(x Wg) * (x Wu) (or act(x Wu)); y = h Wd, in plain x.dtype
+  products as a bf16 model is written (`pallas_kernels.reference.dense_ffn_l1`).
   Returns (y, FFNStats); `ell_width` is the ELL width its `heavy_rows_by_hot` counts against.
   """
-  y, h, active = reference.dense_ffn(x, w_gate, w_up, w_down, activation)
-  l1 = jnp.sum(jnp.abs(h.astype(jnp.float32))) / x.shape[0]
+  y, l1, active = reference.dense_ffn_l1(x, w_gate, w_up, w_down, activation)
   return y, stats_lib.stats_from_mask(active, l1, ell_width=ell_width)
 
 
@@ -38,7 +33,7 @@ def activity_mask(x, w_gate: Optional[jax.Array], w_up, activation: str = "relu"
   """The activity pattern [M, H] bool of the FFN on x [M, D] (what `FFNStats` counts): relu's
   gate pre-activation > 0, h != 0 for the other activations; the dense path's own numerics."""
   w_down = jnp.zeros((w_up.shape[1], x.shape[1]), x.dtype)  # y is not needed: XLA drops it
-  return reference.dense_ffn(x, w_gate, w_up, w_down, activation)[2]
+  return reference.dense_ffn_hidden(x, w_gate, w_up, w_down, activation)[2]
 
 
 def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
@@ -47,6 +42,6 @@ def reference_ffn(x, w_gate, w_up, w_down, activation: str = "relu"):
   x [..., D]; y has x's leading shape and dtype float32. Differentiable with
   plain jax.grad; the tests compare every implementation against it.
   """
-  y, h = reference.reference_ffn(x, w_gate, w_up, w_down, activation)
+  y, h = reference.reference_ffn_hidden(x, w_gate, w_up, w_down, activation)
   tokens = max(1, h.size // h.shape[-1])
   return y, jnp.sum(jnp.abs(h)) / tokens

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ffn_mgpu
+from pallas_kernels._common import TILE_N
 from twell_jax import validation
-from twell_jax.stats import TILE_N
 
 __all__ = ["BREAK_EVEN_RATE", "PARALLEL_COLUMNS", "popularity_order", "permute_features", "sort_features",
            "hot_feature_count", "column_floor", "sparse_work", "tail_work", "calibrate",
@@ -70,7 +70,7 @@ def sparse_work(feature_counts, tokens: int, hot_features: int, *,
                 break_even: float = BREAK_EVEN_RATE) -> float:
   """The sparse kernels' work per token, in features gathered per token, with the
   `hot_features` most popular features dense (each costs `break_even`): what decides between
-  the sparse and the dense FFN (`train.training.layer_choice`). Without hot features it is the mean
+  the sparse and the dense FFN (`train.models.layer_choice`). Without hot features it is the mean
   active features per token."""
   rates = _sorted_rates(feature_counts, tokens)
   return float(hot_features * break_even + np.sum(rates[hot_features:]))
@@ -83,7 +83,7 @@ def _suffix_sums(rates) -> np.ndarray:
 def tail_work(feature_counts, tokens: int) -> np.ndarray:
   """[H + 1]: entry k is the active features per token outside the k most popular ones
   (`sparse_work` at K = k without the hot features' cost; k past H: 0), from one sort: a
-  caller trying many K (`train.training.layer_choice`) sorts once, not once per K."""
+  caller trying many K (`train.models.layer_choice`) sorts once, not once per K."""
   return _suffix_sums(_sorted_rates(feature_counts, tokens))
 
 

@@ -32,6 +32,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common as common
 from twell_jax import validation
 
 __all__ = ["TwELL", "Hybrid", "to_twell", "to_hybrid", "to_dense", "default_capacity"]
@@ -65,13 +66,6 @@ def _first_k_nonzero(mask: jax.Array, k: int) -> jax.Array:
   score = jnp.where(mask, 2 * length - pos, length - pos)
   _, idx = jax.lax.top_k(score, k)
   return idx.astype(jnp.int32)
-
-
-def _take_rows(h: jax.Array, index: jax.Array) -> jax.Array:
-  """h[index] with rows of out-of-range indices (the padding value M) set to zero."""
-  m = h.shape[0]
-  rows = jnp.take(h, jnp.clip(index, 0, m - 1), axis=0)
-  return jnp.where((index < m)[:, None], rows, jnp.zeros((), h.dtype))
 
 
 def _check_matrix(h, name: str = "h") -> jax.Array:
@@ -219,7 +213,7 @@ def to_twell(h, *, tile_n: int = 256, compression: int = 8,
   overflow_index = overflow_index.astype(jnp.int32)
   return TwELL(values=values, columns=columns, counts=counts,
                overflow_index=overflow_index,
-               overflow_values=_take_rows(h, overflow_index),
+               overflow_values=common.take_rows(h, overflow_index),
                overflow_rows=overflow_rows,
                fallback=h if r < m else None,
                tile_n=tile_n, compression=compression)
@@ -251,7 +245,7 @@ def to_hybrid(h, *, ell_width: int = 128, tail_rows: Optional[int] = None) -> Hy
   (tail_index,) = jnp.nonzero(heavy, size=r, fill_value=m)
   tail_index = tail_index.astype(jnp.int32)
   return Hybrid(ell_values=ell_values, ell_columns=ell_columns, row_nnz=row_nnz,
-                tail_index=tail_index, tail_values=_take_rows(h, tail_index),
+                tail_index=tail_index, tail_values=common.take_rows(h, tail_index),
                 heavy_rows=heavy_rows, fallback=h if r < m else None,
                 num_columns=n)
 

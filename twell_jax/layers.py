@@ -48,7 +48,7 @@ class FeedForward(nnx.Module):
     validation.activation_choice(activation, implementation, ffn_lib.SPARSE_IMPLEMENTATIONS)
     validation.static_int(ell_width, "ell_width", minimum=1)
     validation.static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
-    validation.hot_feature_count(hot_features)
+    validation.hot_features_value(hot_features)
     validation.flag(interpret, "interpret")
     init = jax.nn.initializers.normal(init_std)
     self.d_model, self.d_ff = d_model, d_ff

@@ -7,8 +7,7 @@ measured slower than dense at its shape (`slower(call)`): "mosaic_gpu" (the kern
 with bf16, or the interpreter; on a GPU only at shapes where `twell_jax.shape_costs` measured
 them faster than dense, forward and forward + backward) and else "dense". "xla",
 the sparse algorithm in plain JAX, computes the same function but is slower than dense
-everywhere it was measured (4-5x on the CPU, about 20x on an H200 at the paper's shape), so
-it runs only when named; so does "decode", the few-row FFN of decoding (kernels that want
+everywhere it was measured (docs/performance.md), so it runs only when named; so does "decode", the few-row FFN of decoding (kernels that want
 W_up transposed, which a call through `ffn` does each time).
 """
 

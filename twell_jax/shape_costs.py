@@ -5,7 +5,7 @@ D-long weight row are little work per launch, and the kernels' fixed costs (the 
 conversion, the row gathers' latency) do not shrink with the GEMMs they replace. `MEASURED`
 holds, per FFN shape (D, H) and token count M, the time of `twell_jax.ffn(implementation=
 "mosaic_gpu")` over `implementation="dense"`, forward and forward + backward, on an H100 at 30
-active features per token spread uniformly (`benchmarks.shapes`; the rows of
+active features per token spread uniformly (`benchmarks.sweeps.shapes`; the rows of
 `benchmarks/results/h100/matrix.json`, which a test keeps equal to this table).
 
 * `kernel_ratio(d, h, m, mode)`: the measured ratio of the nearest measured shape (distance
@@ -13,7 +13,7 @@ active features per token spread uniformly (`benchmarks.shapes`; the rows of
 * `sparse_loses(d, h, m)`: the kernels are slower than dense there, forward or forward +
   backward: `implementation=None` and the trainer's per-layer choice then run the dense FFN.
 * `shape_factor(d, h, m, mode)`: the ratio over the paper shape's (D=2048, H=5632), which
-  scales the per-layer cost model fitted at the paper shape (`train.training.layer_choice`).
+  scales the per-layer cost model fitted at the paper shape (`train.models.layer_choice`).
 """
 
 from __future__ import annotations

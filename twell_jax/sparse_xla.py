@@ -41,7 +41,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import _common as common
 from pallas_kernels import reference
-from twell_jax import dense as dense_lib
 from twell_jax import formats
 from twell_jax import stats as stats_lib
 
@@ -113,11 +112,6 @@ def _spmm_t(coef, vec, cols, num_out, chunk):
   return acc
 
 
-def _rows(a, index):
-  """a[index] with padding indices (== M) giving zero rows."""
-  return formats._take_rows(a, index)  # pylint: disable=protected-access
-
-
 # ----------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------
@@ -142,8 +136,8 @@ def _sparse_branch(x, w_gate, w_up, w_down, g, keep, cols, tail_index, cfg):
   m, dt = x.shape[0], x.dtype
   gated = w_gate is not None
   p = jnp.where(keep, jnp.take_along_axis(g, cols, axis=-1), 0).astype(dt)      # [M, W]
-  pt = jnp.maximum(_rows(g, tail_index), 0).astype(dt)                           # [R, H]
-  xt = _rows(x, tail_index)
+  pt = jnp.maximum(common.take_rows(g, tail_index), 0).astype(dt)                           # [R, H]
+  xt = common.take_rows(x, tail_index)
   if gated:
     u = jnp.where(keep, _sddmm(x, w_up.T, cols, cfg.row_chunk), 0).astype(dt)
     ut = jnp.dot(xt, w_up, preferred_element_type=_F32).astype(dt)
@@ -159,8 +153,8 @@ def _sparse_branch(x, w_gate, w_up, w_down, g, keep, cols, tail_index, cfg):
 
 
 def _dense_branch(x, w_gate, w_up, w_down):
-  y, st = dense_lib.dense_ffn(x, w_gate, w_up, w_down, "relu")
-  return y.astype(_F32), st.l1
+  y, l1, _ = reference.dense_ffn_l1(x, w_gate, w_up, w_down)
+  return y.astype(_F32), l1
 
 
 def _forward(cfg, x, w_gate, w_up, w_down):
@@ -216,7 +210,7 @@ def _sparse_backward(cfg, residuals, dy, dl1):
     dw_up_t = _spmm_t(du, x, cols, n_hidden, chunk)
 
   # Dense tail rows (heavy rows, at most R of them).
-  xt, dyt = _rows(x, tail_index), _rows(dy, tail_index)
+  xt, dyt = common.take_rows(x, tail_index), common.take_rows(dy, tail_index)
   ptf = pt.astype(_F32)
   h_tail = (ptf * ut.astype(_F32)).astype(dt) if gated else pt
   dht = jnp.dot(dyt, w_down.T, preferred_element_type=_F32)
@@ -237,18 +231,12 @@ def _sparse_backward(cfg, residuals, dy, dl1):
   return dx.astype(x.dtype), None, dw_in.astype(w_up.dtype), dw_down.astype(w_down.dtype)
 
 
-def _dense_backward(residuals, dy, dl1):
-  x, w_gate, w_up, w_down = residuals[:4]
-  _, vjp = jax.vjp(_dense_branch, x, w_gate, w_up, w_down)
-  return vjp((dy.astype(_F32), dl1.astype(_F32)))
-
-
 def _backward(cfg, residuals, cotangents):
   dy, dl1 = cotangents[0], cotangents[1]   # statistics other than l1 have no gradient
   # Non-finite dy or L1 cotangent: the dense VJP spreads it through the zeros of h.
   exceeded = residuals[-1] | reference.any_nonfinite(dy, dl1)
   return jax.lax.cond(exceeded,
-                      lambda: _dense_backward(residuals, dy, dl1),
+                      lambda: reference.dense_ffn_l1_vjp(*residuals[:4], dy, dl1),
                       lambda: _sparse_backward(cfg, residuals, dy, dl1))
 
 

@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common as common
+from pallas_kernels._common import TILE_N   # the TwELL tile: `max_tile_nnz` counts per tile
 
-__all__ = ["FFNStats", "TILE_N", "tile_stats", "stats_from_mask", "empty_stats", "stack"]
+__all__ = ["FFNStats", "tile_stats", "stats_from_mask", "empty_stats", "stack"]
 
-# Tile width used for the `max_tile_nnz` statistic (the TwELL tile of the paper).
-TILE_N = 256
 # `twell_jax.ffn`'s default ELL width (`heavy_rows_by_hot` counts rows over it).
 DEFAULT_ELL_WIDTH = 128
 
@@ -44,7 +43,7 @@ class FFNStats:
       call's `ell_width` active features past the first 256 t (or more than 32 in one
       256-column tile there): with the features in their current order, the rows that the
       sparse training kernels would compute on their dense tail with K = 256 t hot features
-      (what the trainer's per-layer choice weighs; `train.training.layer_choice`).
+      (what the trainer's per-layer choice weighs; `train.models.layer_choice`).
     implementation: str, static (pytree metadata, not an array): the implementation that
       ran ("dense", "xla", "mosaic_gpu", "decode"; what `implementation=None` resolved to).
       Stats combined by `stack` from calls of different implementations hold their names

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from twell_jax import dense as dense_lib
-from twell_jax.stats import TILE_N
+from pallas_kernels._common import TILE_N
 
 __all__ = ["FLOAT_DTYPES", "static_int", "flag", "implementation_choice", "activation_choice",
-           "array", "floating", "hot_feature_count", "ffn_shapes", "ffn_arguments"]
+           "array", "floating", "hot_features_value", "ffn_shapes", "ffn_arguments"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -82,7 +82,7 @@ def floating(a, name: str):
                      "go through an embedding first).")
 
 
-def hot_feature_count(value, name: str = "hot_features") -> int:
+def hot_features_value(value, name: str = "hot_features") -> int:
   """`value` as a non-negative multiple of the 256-column TwELL tile; ValueError otherwise."""
   k = static_int(value, name, minimum=0)
   if k % TILE_N:
@@ -151,7 +151,7 @@ def ffn_arguments(x, w_gate, w_up, w_down, *, activation: str, implementation,
   flag(interpret, "interpret")
   static_int(ell_width, "ell_width", minimum=1)
   static_int(tail_rows, "tail_rows", minimum=0, allow_none=True, none_means="M/8")
-  hot_feature_count(hot_features)
+  hot_features_value(hot_features)
   d, h = ffn_shapes(x, w_gate, w_up, w_down)
   for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
     if w is not None and w.dtype != x.dtype:

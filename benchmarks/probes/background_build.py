@@ -5,7 +5,7 @@ r"""Probe: how long a train step takes to build, alone and on a thread beside tr
 
 The per-layer FFN choice (`train.choice_steps.StepBuilds`) compiles a new train step on a
 worker thread while the current one keeps training. At the paper 0.5B shape
-(`benchmarks.trained.config_for`, `--batch` rows a step over a data-parallel mesh of every
+(`benchmarks.common.trained.config_for`, `--batch` rows a step over a data-parallel mesh of every
 device) this measures:
 
 * the dense step and a mixed-K sparse step (`--mixed`), each built in the foreground tuned
@@ -27,8 +27,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from benchmarks import trained
-from train.training import trainer as trainer_lib
+from benchmarks.common import trained
+from train.state import trainer as trainer_lib
 from train.runtime import compilation
 from train.training import choice_steps
 

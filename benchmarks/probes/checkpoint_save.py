@@ -11,7 +11,7 @@ copies every state array to host memory before `save` returns; on a GPU into pin
 memory (`jax.device_put` to memory kind "pinned_host"). Each mode runs in a fresh process
 (the host allocator's state is per process) on the paper 0.5B train state (f32 parameters and
 AdamW moments, ~5.7 GB) and times `--saves` rounds: `save` the seconds
-`train.training.checkpointing.save` took to return (its background write waited for before
+`train.state.checkpointing.save` took to return (its background write waited for before
 the next round); `pinned` and `unpinned` the host copy alone. One JSON line per round.
 Measured on an H200: the first pinned copy blocks 4.6 s, later ones 0.1 s; unpinned ones
 2.8-3.9 s each; the trainer's first save 3.2 s, later ones 0.13 s.
@@ -32,9 +32,9 @@ from absl import flags
 import jax
 import numpy as np
 
-from benchmarks import trained
-from train.training import checkpointing
-from train.training import trainer as trainer_lib
+from benchmarks.common import trained
+from train.state import checkpointing
+from train.state import trainer as trainer_lib
 
 flags.DEFINE_enum("mode", "save", ["save", "pinned", "unpinned", "warm"], "what is timed")
 flags.DEFINE_integer("saves", 3, "rounds")

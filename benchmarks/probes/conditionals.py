@@ -26,14 +26,13 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from benchmarks import kernels
-from benchmarks import specs as specs_lib
-from benchmarks import timing
+from benchmarks.common import specs as specs_lib
+from benchmarks.common import timing
 from pallas_kernels import ffn_mgpu
 from pallas_kernels import ffn_train_mgpu
 from pallas_kernels import reference
 
-_SPEC = flags.DEFINE_list("spec", ["paper_16k"], "benchmarks.specs names.")
+_SPEC = flags.DEFINE_list("spec", ["paper_16k"], "benchmarks.common.specs names.")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "print every kernel's device time")
 _MODE = flags.DEFINE_enum("mode", "fwd_bwd", ["fwd", "fwd_bwd"],
                           "fwd: the inference forward")
@@ -96,7 +95,7 @@ def _forward_variants(k: int) -> dict:
   """y-only forward programs: XLA dense and the shipped forward (which has no conditional: its
   dense path for overflowing rows reads the row count on the device)."""
   cfg = ffn_mgpu.ForwardConfig(hot_features=k)
-  return {"dense": jax.jit(lambda *a: reference.dense_ffn(*a)[0]),
+  return {"dense": jax.jit(lambda *a: reference.dense_ffn_hidden(*a)[0]),
           "shipped": jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a, config=cfg)[0])}
 
 
@@ -125,17 +124,17 @@ def main(argv):
   for name in _SPEC.value:
     spec = specs_lib.get(name)
     if _MODE.value == "fwd":
-      args, k = kernels.calibrated_inputs(spec)
+      args, k = specs_lib.calibrated_inputs(spec)
       print(f"{name} forward, hot_features={k}", flush=True)
       for variant, f in _forward_variants(k).items():
         _report(variant, f, args)
       continue
-    (x, wg, wu, wd), k = kernels.calibrated_inputs(spec)
+    (x, wg, wu, wd), k = specs_lib.calibrated_inputs(spec)
     ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
     print(f"{name} forward + backward, hot_features={k}", flush=True)
     for variant, impl, pick in (("dense", "dense", None), ("mosaic_gpu", "mosaic_gpu", None),
                                 ("smallest_tail", "mosaic_gpu", lambda n: 0)):
-      loss = kernels.loss_fn(impl, spec, False, k)
+      loss = specs_lib.loss_fn(impl, spec, False, k)
 
       def traced(*args, loss=loss, pick=pick):
         saved = ffn_train_mgpu.lax

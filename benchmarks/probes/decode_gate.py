@@ -21,7 +21,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import timing
+from benchmarks.common import timing
 
 _D = flags.DEFINE_integer("d", 2048, "model width")
 _H = flags.DEFINE_integer("h", 5632, "hidden width")
@@ -49,7 +49,7 @@ def _breakdown(label, f, *args, layers: int):
 
 def main(argv):
   del argv
-  from pallas_kernels import decode_ffn_triton as kernels  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import decode_ffn_triton  # pylint: disable=import-outside-toplevel
   from twell_jax import decode  # pylint: disable=import-outside-toplevel
   from twell_jax import dense  # pylint: disable=import-outside-toplevel
   from twell_jax import testing  # pylint: disable=import-outside-toplevel
@@ -76,15 +76,15 @@ def main(argv):
     want = dense_f(x, ws)
     base = _breakdown("dense FFN", dense_f, x, ws, layers=layers)
     runs.append(base)
-    configs = [("tiled kernels", kernels.DecodeConfig(rows_max=0))]
+    configs = [("tiled kernels", decode_ffn_triton.DecodeConfig(rows_max=0))]
     if m <= _ROWS_MAX.value:
       rows = dict(rows_max=_ROWS_MAX.value, rows_features=8, rows_warps=4)
-      configs.append(("rows kernel, XLA sum", kernels.DecodeConfig(**rows, rows_sum="xla")))
+      configs.append(("rows kernel, XLA sum", decode_ffn_triton.DecodeConfig(**rows, rows_sum="xla")))
       for cols in (8, 32):
-        configs.append((f"rows kernel, sum kernel of {cols} columns", kernels.DecodeConfig(
+        configs.append((f"rows kernel, sum kernel of {cols} columns", decode_ffn_triton.DecodeConfig(
             **rows, rows_sum="kernel", rows_sum_cols=cols)))
       for bf in (4, 16):
-        configs.append((f"rows kernel, {bf} features, sum kernel of 8", kernels.DecodeConfig(
+        configs.append((f"rows kernel, {bf} features, sum kernel of 8", decode_ffn_triton.DecodeConfig(
             **{**rows, "rows_features": bf}, rows_sum="kernel", rows_sum_cols=8)))
       # The gate GEMV alone (XLA, W_gate^T [H, D]): where a gate computed by XLA would start.
       gemv = jax.jit(lambda x, dws: sum(jnp.sum(jnp.maximum(jax.lax.dot_general(

@@ -17,12 +17,12 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import specs as specs_lib
-from benchmarks import timing
+from benchmarks.common import specs as specs_lib
+from benchmarks.common import timing
 from pallas_kernels import dense_rows_mgpu
 from pallas_kernels import reference
 
-_SPEC = flags.DEFINE_string("spec", "paper_16k", "benchmarks.specs name (shapes).")
+_SPEC = flags.DEFINE_string("spec", "paper_16k", "benchmarks.common.specs name (shapes).")
 _ROWS = flags.DEFINE_list("rows", ["0", "1", "164", "1024", "4096", "16384"], "row counts")
 _OUT = flags.DEFINE_string("out", None, "JSON output path")
 
@@ -32,7 +32,7 @@ def main(argv):
   spec = specs_lib.get(_SPEC.value)
   m, d, h = spec.m, spec.d, spec.h
   x, wg, wu, wd = spec.inputs()
-  dense = jax.jit(lambda *a: reference.dense_ffn(*a)[0])
+  dense = jax.jit(lambda *a: reference.dense_ffn_hidden(*a)[0])
   rows_fn = jax.jit(lambda n, *a: dense_rows_mgpu.dense_ffn_rows(
       a[0], jnp.arange(m, dtype=jnp.int32)[::-1], n, *a[1:]))
   args = (x, wg, wu, wd)

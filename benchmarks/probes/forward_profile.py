@@ -3,7 +3,7 @@ sparse FFN forward, kernel by kernel (CUPTI), plus each layer's feature populari
 
     python -m benchmarks.probes.forward_profile --out=forward_profile.json   # Hopper GPU
 
-1. The paper 0.5B shape trained to the paper-like level (`benchmarks.trained`, cached).
+1. The paper 0.5B shape trained to the paper-like level (`benchmarks.common.trained`, cached).
 2. Prefill (backbone) of the sparse model (per-layer inference choice) and the dense SiLU
    model at --rows x 2048 tokens: wall ms and device time by kind of kernel, top kernels.
 3. Per layer, on its captured FFN input: how many features fire on more than 0.5 / 1 / 2 / 5 /
@@ -24,10 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import captured
-from benchmarks import e2e
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.sweeps import captured
+from benchmarks.common import timing
+from benchmarks.common import trained
 from pallas_kernels import ffn_mgpu
 from twell_jax import features as tj_features
 
@@ -42,18 +41,11 @@ def _define_flags():
   flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def _by_kind(table) -> dict:
-  kinds: dict[str, float] = {}
-  for name, t in table or ():
-    kinds[e2e.kernel_kind(name)] = kinds.get(e2e.kernel_kind(name), 0.0) + t
-  return kinds
-
-
 def _profile(label: str, fn, *args, iters: int) -> dict:
   out = {"wall_ms": timing.wall_ms(fn, *args, iters=iters)}
   table = timing.kernel_breakdown(fn, *args, iterations=3)
   out.update(timing.summarize_breakdown(label, table, top=15))
-  out["by_kind_ms"] = _by_kind(table)
+  out["by_kind_ms"] = timing.by_kind(table)
   out.pop("kernels", None)
   print(f"  {label}: wall {out['wall_ms']:.2f} ms; " + ", ".join(
       f"{k} {v:.2f}" for k, v in out["by_kind_ms"].items()), flush=True)
@@ -77,7 +69,7 @@ def popularity(x, w_gate) -> dict:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import implementations  # pylint: disable=import-outside-toplevel
   from train.models import transformer as model_lib  # pylint: disable=import-outside-toplevel
   res = {"device": jax.devices()[0].device_kind}
   cfg, params = trained.trained_params("paper_0p5b", "paper", steps=fl.steps, extreme_steps=0,
@@ -98,16 +90,14 @@ def main(argv):
   res["layers"] = layers
 
   mc = model_lib.ModelConfig.from_config(cfg.model)
-  toks = jnp.concatenate([b[:, :-1] for b in e2e.batches(cfg, fl.rows, 1)])
+  toks = jnp.concatenate([b[:, :-1] for b in trained.batches(cfg, fl.rows, 1)])
   probe = model_lib.LanguageModel(dataclasses.replace(mc, ffn_implementation="dense"))
   stats = jax.jit(probe.hidden)(params, toks)[1]
-  counts = jax.device_get(stats.feature_counts)
-  choice = layer_choice.LayerChoice(mc.n_layers, mc.d_ff)     # the trainer's decision (benchmarks.e2e)
-  _, order = choice.update_from_counts(counts, toks.size)
+  # The trainer's decision and the prefill's from this activity (as `benchmarks.e2e` replays it).
+  choice, order, infer = implementations.replay(mc, jax.device_get(stats.feature_counts),
+                                                toks.size, sparse="mosaic_gpu")
   params = model_lib.permute_ffn_features(params, jnp.asarray(order))
-  hot = choice.hot
-  tail = choice.tail
-  infer = layer_choice.LayerChoice.for_inference(tail, mc.d_ff, hot)
+  hot, tail = choice.hot, choice.tail
   models = {"sparse": dataclasses.replace(mc, ffn_layer_implementations=infer.implementations,
                                           ffn_layer_hot_features=tuple(hot)),
             "dense": dataclasses.replace(mc, ffn_activation="silu", ffn_implementation="dense")}

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from benchmarks import timing
+from benchmarks.common import timing
 from pallas_kernels import _target as target
 from pallas_kernels import _row_loops as row_loops
 

@@ -6,8 +6,7 @@ that the plugin's ptxas report (registers, shared memory, spills) can be read fr
 
 import jax
 
-from benchmarks import kernels
-from benchmarks import specs as specs_lib
+from benchmarks.common import specs as specs_lib
 from pallas_kernels import ffn_mgpu
 
 
@@ -16,8 +15,8 @@ def main():
   x, wg, wu, wd = spec.inputs()
   jax.block_until_ready(jax.jit(lambda *a: ffn_mgpu.ffn_forward(*a)[0])(x, wg, wu, wd))
   ct = jax.numpy.ones(x.shape, jax.numpy.float32)
-  grad = jax.jit(jax.grad(kernels.loss_fn("mosaic_gpu", spec, ct), argnums=(0, 1, 2, 3)))
-  jax.block_until_ready(grad(x, wg, wu, wd))
+  grad = jax.jit(jax.grad(specs_lib.loss_fn("mosaic_gpu", spec), argnums=(0, 1, 2, 3)))
+  jax.block_until_ready(grad(x, wg, wu, wd, ct))
 
 
 if __name__ == "__main__":

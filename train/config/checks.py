@@ -11,12 +11,10 @@ changes to it: `train.config.workdir`.
 import math
 import os
 
-import jax
-
 from train import errors
 from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
-from train.models import ffn_choice
+from train.models import implementations
 from train.models import transformer as model_lib
 
 
@@ -73,19 +71,18 @@ _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
 
 
 def _choices() -> dict[str, tuple]:
-  from twell_jax import api  # pylint: disable=g-import-not-at-top
   from twell_jax import dense  # pylint: disable=g-import-not-at-top
   from train.runtime import mesh  # pylint: disable=g-import-not-at-top
   return {
       "l1_normalization": ("per_token_sum", "per_element_mean"),
       "model.ffn_activation": tuple(dense.ACTIVATIONS),
-      "model.ffn_implementation": (None, "", "auto", *api.IMPLEMENTATIONS),
+      "model.ffn_implementation": (*implementations.AUTO, *implementations.FFN),
       "model.dtype": tuple(model_lib.DTYPES),
       "model.param_dtype": tuple(model_lib.DTYPES),
-      "model.attention": model_lib.ATTENTION_IMPLEMENTATIONS,
+      "model.attention": implementations.ATTENTION,
       "data.tokenizer": tokenizer_lib.TOKENIZERS,
       "data.text_unit": files_lib.TEXT_UNITS,
-      "layer_choice.sparse": ("auto", *api.IMPLEMENTATIONS),
+      "layer_choice.sparse": ("auto", *implementations.FFN),
       "mesh.gradient_reduction": mesh.GRADIENT_REDUCTIONS,
   }
 
@@ -146,38 +143,29 @@ def _check_consistency(cfg, n_devices: int, n_processes: int):
                       "tokenizer='hf' needs the path of a tokenizer.json")
 
 
-def _sparse_implementation(cfg, model_cfg, tokens: int) -> tuple[str, str]:
-  """(config field, implementation) of the FFN the run uses where it is not dense."""
-  lc = cfg.get("layer_choice")
-  if (model_cfg.ffn_implementation is None and lc is not None and lc.enabled
-      and lc.sparse != "auto" and model_cfg.ffn_activation == "relu"):
-    return "layer_choice.sparse", lc.sparse
-  return "model.ffn_implementation", ffn_choice.implementation(model_cfg, tokens)
-
-
 def _check_backend(cfg, n_devices: int):
-  """The FFN implementation and the attention kernel against this backend."""
-  from twell_jax import registry  # pylint: disable=g-import-not-at-top
+  """The FFN implementation and the attention against this backend
+  (`train.models.implementations`)."""
   mc = cfg.model
   interpret = bool(mc.get("interpret", False))
   model_cfg = model_lib.ModelConfig.from_config(mc)
-  tokens = ffn_choice.tokens_per_call(cfg, n_devices)
-  field, name = _sparse_implementation(cfg, model_cfg, tokens)
-  call = ffn_choice.call(model_cfg, tokens)
-  reason = registry.get(name).unsupported(call)
+  run = implementations.training(cfg, model_cfg, n_devices)
+  name = run.implementation
+  reason = implementations.ffn_problem(model_cfg, name, run.tokens)
   if reason is not None:
     if name == "mosaic_gpu" and not interpret:
       reason += (" (here: --config.model.interpret=True; slow, and the kernels need "
                  "model.dtype='bfloat16')")
-    raise ConfigError(f"config.{field}={name!r} cannot run here: {reason}; 'dense' and "
+    raise ConfigError(f"config.{run.field}={name!r} cannot run here: {reason}; 'dense' and "
                       "'xla' run on every backend")
   if name == "mosaic_gpu" and interpret and mc.remat:
     raise ConfigError("config.model.remat=True: JAX refuses jax.checkpoint under "
                       "differentiation around the interpreter's kernels "
                       "(model.interpret=True); set model.remat=False")
-  if mc.attention == "cudnn" and jax.default_backend() != "gpu":
-    raise ConfigError(f"config.model.attention='cudnn' needs a GPU (default backend is "
-                      f"{jax.default_backend()!r}); use 'auto' or 'xla'")
+  problem = implementations.attention_problem(model_cfg)
+  if problem is not None:
+    raise ConfigError(f"config.model.attention={mc.attention!r} {problem}; use 'auto' or "
+                      "'xla'")
 
 
 def check(cfg, n_devices: int, n_processes: int):

@@ -26,8 +26,9 @@ class TwellStdlibText(tfds.core.GeneratorBasedBuilder):
   """Docstrings of the local Python standard library, one per example."""
 
   name = text_corpus.NAME
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release.",
+                   "1.1.0": "Held out by content; each text once per split."}
 
   # tfds 4.9.10's default `code_path` lazily imports the `importlib_resources`
   # backport (only declared for Python < 3.9) for builders that live in a

@@ -105,7 +105,7 @@ def configure(cfg, workdir: str):
 
 def initial_state(trainer, state: dict, hf_dir: str) -> dict:
   """A fresh train state whose params are the checkpoint's (optimizer state re-initialised);
-  `trainer` a `train.training.trainer.Trainer`."""
+  `trainer` a `train.state.trainer.Trainer`."""
   with hf_format.open_tensors(hf_dir) as (get, names):
     params = hf_format.from_hf_tensors(get, names, trainer.model_cfg, where=hf_dir)
   if jax.tree.structure(params) != jax.tree.structure(state["params"]):

@@ -21,19 +21,17 @@ position's log-probability of a given next token (lm-evaluation-harness's loglik
 Sampling: temperature (0: greedy), top-k (0: off) and top-p (nucleus; 1: off), from one
 seed (step i samples with `fold_in(key(seed), i)`).
 
-Which FFN runs where. Prefill calls each FFN on B x T tokens, where the sparse kernels beat
-the dense FFN for layers that fire few enough features: `prefill_ffn="auto"` takes the
-per-layer choice for inference (`LayerChoice.for_inference`, the sparse implementation below
-its threshold of active features per token) from the checkpoint's logged activity, where the
-sparse implementation runs here (a Hopper GPU); elsewhere every layer runs dense. Decode calls
-each FFN on B tokens (one per row), where the dense FFN streams W_gate, W_up and W_down for a
-few rows: `decode_ffn="auto"` (the default) runs a layer on the few-row sparse kernels
-(`twell_jax.decode`: W_gate, then only the W_up and W_down rows of the features that fire in
-some row) when the features expected to fire in some row of the batch, from the layer's
-activity (logged, else measured by the prefill), are at most `plan.DECODE_UNION_LIMIT` of H at
-batches up to `plan.DECODE_MAX_BATCH` (measured: beyond, the kernels lose to dense), and the
-kernels run here (a GPU, or `model.interpret`); "sparse" runs them in every layer,
-"dense" none, "same" the prefill's per-layer choice.
+Which FFN and attention run where is the plan of `train.models.implementations` (`Plan`).
+Prefill calls each FFN on B x T tokens, where the sparse kernels beat the dense FFN for layers
+that fire few enough features: `prefill_ffn="auto"` takes the per-layer choice for inference
+from the checkpoint's logged activity where the sparse implementation runs here (a Hopper
+GPU); elsewhere every layer runs dense. Decode calls each FFN on B tokens (one per row), where
+the dense FFN streams W_gate, W_up and W_down for a few rows: `decode_ffn="auto"` (the
+default) runs a layer on the few-row sparse kernels (`twell_jax.decode`: W_gate, then only the
+W_up and W_down rows of the features that fire in some row) where few enough features are
+expected to fire in some row of the batch, from the layer's activity (logged, else measured by
+the prefill), and the kernels run here (a GPU, or `model.interpret`); "sparse" runs them in
+every layer, "dense" none, "same" the prefill's per-layer choice.
 
 Prompts start with the tokenizer's EOS id (`prefix_eos`): in the packed training stream a
 document follows the EOS of the one before, so this is how the model saw a document begin.
@@ -54,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.data import tokenizer as tokenizer_lib
-from train.inference import loading as inference
-from train.inference import plan as plan_lib
+from train.inference import loading
+from train.models import implementations
 from train.models import transformer as model_lib
 from train import errors
 
@@ -110,6 +108,16 @@ class Generation:
   top2_gaps: list[list[float]] | None = None
 
 
+def _split_at_eos(out: np.ndarray, eos: int) -> tuple[list[list[int]], list[bool]]:
+  """Each row of `out` [B, steps] up to (without) its first EOS, and whether it has one."""
+  new_tokens, finished = [], []
+  for row in out:
+    hit = np.flatnonzero(row == eos)
+    finished.append(bool(hit.size))
+    new_tokens.append([int(t) for t in (row[:hit[0]] if hit.size else row)])
+  return new_tokens, finished
+
+
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
@@ -128,7 +136,7 @@ class Generator:
       own prefill, which then runs dense.
     decode_ffn: "auto", "dense", "sparse" (every layer) or "same" (the prefill's choice);
       see the module docstring.
-    decode_attention: "auto", "kernel" or "xla" (`train.inference.plan.DECODE_ATTENTION`).
+    decode_attention: "auto", "kernel" or "xla" (`train.models.implementations.DECODE_ATTENTION`).
     dtype: compute in this dtype instead of the config's `model.dtype`.
   """
 
@@ -149,10 +157,10 @@ class Generator:
       raise errors.ConfigError(
           f"the tokenizer has {self.tokenizer.vocab_size} ids, more than the model's "
           f"vocab_size {mc.vocab_size}: not the tokenizer this model was trained with")
-    self.params = inference.inference_params(params, mc)
+    self.params = loading.inference_params(params, mc)
     self._lm = model_lib.LanguageModel(dataclasses.replace(
         self.model_cfg, scan_layers=True, ffn_layer_implementations=None))
-    self.plan = plan_lib.Plan(self.model_cfg, prefill_ffn=prefill_ffn,
+    self.plan = implementations.Plan(self.model_cfg, prefill_ffn=prefill_ffn,
                               active_per_token=active_per_token, decode_ffn=decode_ffn,
                               decode_attention=decode_attention)
     self._compiled: dict[tuple, Any] = {}
@@ -191,7 +199,7 @@ class Generator:
     without `keep_cache`), active [L]): the model on `tokens` [B, T], the FFN of layer l
     running `names[l]`, causal attention as in training."""
     lm = self._lm
-    attention = model_lib.attention_implementation(self.model_cfg)
+    attention = implementations.attention(self.model_cfg)
 
     def layer(x, block_params, name, hot):
       block = lm.block_module(block_params)
@@ -250,10 +258,7 @@ class Generator:
     one array per layer in the loop: each step reads every weight where it lies (XLA copies
     a layer's slice of the stacked arrays inside the token loop every step: three times
     the bytes a step must read)."""
-    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
-    from twell_jax import decode  # pylint: disable=import-outside-toplevel
-    lm = self._lm
-    outer = lm.outer_module(params)
+    outer = self._lm.outer_module(params)
     # One row runs as two equal ones: XLA rewrites a [1, D] x [D, F] product whose operands
     # hold under 10M elements as a broadcast multiply writing [D, F] and a reduction, three
     # passes over the weight; with two rows every projection stays one GEMM.
@@ -266,38 +271,11 @@ class Generator:
                  for _ in range(start, stop)]
     ck, cv = tuple(ck[l] for l in range(len(layers))), tuple(cv[l] for l in range(len(layers)))
 
-    cfg = self.model_cfg
-
     def forward(tok, pos, ck, cv):
       x, ck, cv = outer.embed_tokens(tok[:, None]), list(ck), list(cv)
       for l, (block_params, (name, hot)) in enumerate(zip(layers, per_layer)):
-        sparse = name == "decode"
-        if sparse:   # the FFN in the kernels' layout; the block module never calls its own
-          # FFN, whose weights are only placeholders here
-          w = block_params["ffn"]
-          block_params = {**block_params, "ffn": {k: w.w_down for k in self._ffn_param_names}}
-        block = lm.block_module(block_params)
-        block.ffn.implementation, block.ffn.hot_features = name, hot
-        q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
-        if self.plan.decode_attention == "kernel":
-          o, ck[l], cv[l] = decode_attention_triton.decode_attention(
-              q[:, 0], k[:, 0], v[:, 0], ck[l], cv[l], pos, interpret=bool(cfg.interpret))
-          o = o[:, None]
-        else:
-          ck[l] = ck[l].at[rows, pos].set(k[:, 0])
-          cv[l] = cv[l].at[rows, pos].set(v[:, 0])
-          o = jax.nn.dot_product_attention(q, ck[l], cv[l], key_value_seq_lengths=pos + 1,
-                                           implementation="xla")
-        x = x + block.attn.out(o)
-        if sparse:
-          xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
-          # One row's two equal copies: the decode FFN runs on one (its one-row kernel).
-          y = decode.decode_ffn_weights(xn[:1] if single else xn, w,
-                                        interpret=bool(cfg.interpret))[0]
-          y = jnp.broadcast_to(y, xn.shape)[:, None]
-        else:
-          y = block.ffn(block.ffn_norm(x))
-        x = x + y.astype(x.dtype)
+        x, ck[l], cv[l] = self._decode_layer(x, block_params, name, hot, pos, ck[l], cv[l],
+                                             rows, single)
       return outer.logits(x)[:, 0], tuple(ck), tuple(cv)
 
     def draw(logits, i):
@@ -333,6 +311,40 @@ class Generator:
     one = lambda a: a[:1] if single and a is not None else a
     return one(state[4]), state[0] - 1, one(state[5])
 
+  def _decode_layer(self, x, block_params, name, hot, pos, k_cache, v_cache, rows, single):
+    """One layer of a decode step on x [B, 1, D] at positions `pos` [B]: (x, k_cache,
+    v_cache) after it. A layer that decodes sparse ("decode") holds its FFN in the kernels'
+    layout (`_layer_params`); the block module never calls its own FFN there, whose weights
+    are only placeholders."""
+    from pallas_kernels import decode_attention_triton  # pylint: disable=import-outside-toplevel
+    from twell_jax import decode  # pylint: disable=import-outside-toplevel
+    cfg, sparse = self.model_cfg, name == "decode"
+    if sparse:
+      w = block_params["ffn"]
+      block_params = {**block_params, "ffn": {k: w.w_down for k in self._ffn_param_names}}
+    block = self._lm.block_module(block_params)
+    block.ffn.implementation, block.ffn.hot_features = name, hot
+    q, k, v = block.attn.qkv(block.attn_norm(x), pos[:, None])
+    if self.plan.decode_attention == "kernel":
+      o, k_cache, v_cache = decode_attention_triton.decode_attention(
+          q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, pos, interpret=bool(cfg.interpret))
+      o = o[:, None]
+    else:
+      k_cache = k_cache.at[rows, pos].set(k[:, 0])
+      v_cache = v_cache.at[rows, pos].set(v[:, 0])
+      o = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=pos + 1,
+                                       implementation="xla")
+    x = x + block.attn.out(o)
+    if sparse:
+      xn = block.ffn_norm(x)[:, 0].astype(model_lib.DTYPES[cfg.dtype])
+      # One row's two equal copies: the decode FFN runs on one (its one-row kernel).
+      y = decode.decode_ffn_weights(xn[:1] if single else xn, w,
+                                    interpret=bool(cfg.interpret))[0]
+      y = jnp.broadcast_to(y, xn.shape)[:, None]
+    else:
+      y = block.ffn(block.ffn_norm(x))
+    return x + y.astype(x.dtype), k_cache, v_cache
+
   def _compile(self, kind: str, fn, args, **static):
     key = (kind, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:])),
            tuple(sorted(static.items())))
@@ -344,21 +356,15 @@ class Generator:
 
   # ---- calls ----
 
-  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
-                   sampling: Sampling = Sampling(), seed: int = 0,
-                   stop_at_eos: bool = True, record_gaps: bool = False) -> Generation:
-    """Completes token-id prompts (each non-empty); see the module docstring.
-
-    max_new_tokens: None fills the context after the longest prompt, at most
-    `DEFAULT_MAX_NEW_TOKENS`. record_gaps: also return each new token's top-2 logit gap
-    (`Generation.top2_gaps`; the decode loop then does a top-k per step, so time it without).
-    """
+  def _checked_lengths(self, prompts, max_new_tokens):
+    """(the prompts' lengths [B] int32, max_new_tokens filled in): ConfigError for no prompt,
+    an empty one, or a prompt plus max_new_tokens past the trained context."""
     if not prompts:
       raise errors.ConfigError("no prompts")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
       raise errors.ConfigError("every prompt needs at least one token (an empty text "
-                                  "prompt with prefix_eos=True has one)")
+                               "prompt with prefix_eos=True has one)")
     longest = int(lengths.max())
     if longest >= self.context:
       raise errors.ConfigError(
@@ -373,6 +379,19 @@ class Generator:
           f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
           f"context of {self.context} tokens this model was trained on (data.seq_len); "
           "shorten the prompt or lower max_new_tokens")
+    return lengths, max_new_tokens
+
+  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
+                   sampling: Sampling = Sampling(), seed: int = 0,
+                   stop_at_eos: bool = True, record_gaps: bool = False) -> Generation:
+    """Completes token-id prompts (each non-empty); see the module docstring.
+
+    max_new_tokens: None fills the context after the longest prompt, at most
+    `DEFAULT_MAX_NEW_TOKENS`. record_gaps: also return each new token's top-2 logit gap
+    (`Generation.top2_gaps`; the decode loop then does a top-k per step, so time it without).
+    """
+    lengths, max_new_tokens = self._checked_lengths(prompts, max_new_tokens)
+    longest = int(lengths.max())
     t_pad = min(_round_up(longest, PROMPT_BUCKET), self.context)
     batch = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
@@ -407,12 +426,7 @@ class Generator:
     decode_s = time.perf_counter() - t0
     out, steps = np.asarray(out), int(steps)
 
-    eos = int(self.tokenizer.eos_id)
-    new_tokens, finished = [], []
-    for row in out:
-      hit = np.flatnonzero(row == eos)
-      finished.append(bool(hit.size))
-      new_tokens.append([int(t) for t in (row[:hit[0]] if hit.size else row)])
+    new_tokens, finished = _split_at_eos(out, int(self.tokenizer.eos_id))
     b = len(prompts)
     describe = lambda ns: "".join("D" if n == "dense" else "S" for n in ns)
     stats = {
@@ -493,7 +507,7 @@ def generate(params: dict, config: Any, prompts: Sequence[str], *,
              stop_at_eos=stop_at_eos)
 
 
-def from_checkpoint(ck: inference.Checkpoint, workdir: str, **generator_kwargs) -> Generator:
+def from_checkpoint(ck: loading.Checkpoint, workdir: str, **generator_kwargs) -> Generator:
   """A `Generator` (`generator_kwargs`: its arguments) for the restored checkpoint `ck` of
   `workdir`, with the activity training logged for prefill_ffn="auto"."""
   active = logged_activity(workdir, ck.step, ck.model_cfg.n_layers)
@@ -503,14 +517,14 @@ def from_checkpoint(ck: inference.Checkpoint, workdir: str, **generator_kwargs) 
 
 def from_workdir(workdir: str, step: int | None = None, **kwargs) -> tuple[Generator, int]:
   """(`from_checkpoint` of checkpoint `step` (default: the latest) of `workdir`, its step)."""
-  ck = inference.load_checkpoint(workdir, step)
+  ck = loading.load_checkpoint(workdir, step)
   return from_checkpoint(ck, workdir, **kwargs), ck.step
 
 
 def logged_activity(workdir: str, step: int, n_layers: int) -> list[float] | None:
   """The activity per layer logged by training at or before `step`: the held-out eval's if
   one was logged, else the last training interval's; None if the run logged none."""
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   rows = [r for r in metrics.read_jsonl(workdir) if r.get("step", 0) <= step]
   for prefix in ("eval/active_per_token", "active_per_token"):
     keys = [f"{prefix}/layer_{l}" for l in range(n_layers)]

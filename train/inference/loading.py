@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from train.training import checkpointing
+from train.state import checkpointing
 from train.models import transformer as model_lib
-from train.runtime import mesh as sharding
-from train.training import trainer as trainer_lib
+from train.runtime import mesh as mesh_lib
+from train.state import trainer as trainer_lib
 
 
 @dataclasses.dataclass
@@ -92,8 +92,8 @@ def load_checkpoint(workdir: str, step: int | None = None, *,
   if data_dir:
     cfg.data.data_dir = data_dir
   try:
-    sharding.mesh_shape(cfg.get("mesh"), jax.device_count())
-  except sharding.MeshError:  # the run's mesh does not fit the devices here: all of them
+    mesh_lib.mesh_shape(cfg.get("mesh"), jax.device_count())
+  except mesh_lib.MeshError:  # the run's mesh does not fit the devices here: all of them
     cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
   trainer = trainer_lib.Trainer(cfg)  # ConfigError names a tokenizer file it cannot load
   abstract = trainer.abstract_state()["params"]

@@ -10,8 +10,8 @@ import os
 import jax
 import numpy as np
 
-from train.inference import loading as inference
-from train.training import metrics
+from train.inference import loading
+from train.runtime import metrics
 from train.models import transformer as model_lib
 
 
@@ -19,7 +19,7 @@ _PLOT_ROWS = {"active_per_token": "active features per token",
               "dead_fraction": "dead-feature fraction"}
 
 
-def eval_activity(ck: inference.Checkpoint, max_tokens: int = 16384):
+def eval_activity(ck: loading.Checkpoint, max_tokens: int = 16384):
   """(fire counts per feature [L, H], active features per token [L, M], each layer's
   `activity_stats`, M tokens) of the first eval batch, cut to at most `max_tokens` tokens."""
   from twell_jax import dense as dense_lib  # pylint: disable=import-outside-toplevel
@@ -30,7 +30,7 @@ def eval_activity(ck: inference.Checkpoint, max_tokens: int = 16384):
   rows = max(1, min(batch.shape[0], max_tokens // cfg.data.seq_len))
   tokens = jax.numpy.asarray(batch[:rows, :-1])
   lm = model_lib.LanguageModel(dataclasses.replace(mc, scan_layers=True, remat=False))
-  params = inference.inference_params(ck.params, mc)
+  params = loading.inference_params(ck.params, mc)
   inputs = jax.jit(lm.ffn_inputs)(params, tokens)                  # [L, B, T, D]
   ffn = params["blocks"]["ffn"]
   mask_fn = jax.jit(lambda x, wg, wu: dense_lib.activity_mask(
@@ -158,7 +158,7 @@ def make_report(workdir: str, out_dir: str | None = None, *, step: int | None = 
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  ck = inference.load_checkpoint(workdir, step, data_dir=data_dir)
+  ck = loading.load_checkpoint(workdir, step, data_dir=data_dir)
   mc = ck.model_cfg
   out_dir = out_dir or os.path.join(workdir, "report")
   os.makedirs(out_dir, exist_ok=True)

@@ -29,7 +29,6 @@ the module inside the traced function.
 """
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -40,44 +39,10 @@ import twell_jax
 from twell_jax import sharded
 
 from train.models import embedding
+from train.models import implementations
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-
-
-def deterministic_ops() -> bool:
-  """Whether XLA's deterministic GPU reductions are asked for (`XLA_FLAGS`)."""
-  on = False
-  for flag in os.environ.get("XLA_FLAGS", "").split():
-    name, _, value = flag.partition("=")
-    if name == "--xla_gpu_deterministic_ops":   # the last one counts, as in XLA
-      on = value.lower() in ("", "true", "1")
-  return on
-
-
-def attention_implementation(cfg: "ModelConfig") -> str:
-  """The attention kernel a config runs: cuDNN flash attention on a GPU for bf16 / f16 with
-  head dims it supports (7.6x faster than XLA's at the paper shape on an H200), else XLA's.
-
-  Not under XLA's deterministic ops (`--xla_gpu_deterministic_ops`) where a train step can
-  hold several cuDNN attention calls: the loop layout, the scan unrolled, or per-layer FFNs
-  (`ffn_layer_implementations`: a scan body per group of layers, `layer_groups`; the per-layer
-  choice's steps, all of a run's alike). XLA keys a cuDNN attention backward's compiled graph
-  before marking it deterministic, so the second call finds none and the step stops at its
-  first run with `IndexError: raw_hash_map<>::at` (H100 and H200, jax 0.11.2; one call per
-  program, the scan's, runs): "auto" takes XLA's attention there."""
-  if cfg.attention != "auto":
-    return cfg.attention
-  several = (not cfg.scan_layers or cfg.scan_unroll
-             or cfg.ffn_layer_implementations is not None)
-  if deterministic_ops() and several and cfg.n_layers > 1:
-    return "xla"
-  e = cfg.d_model // cfg.n_heads
-  if (jax.default_backend() == "gpu" and cfg.dtype in ("bfloat16", "float16")
-      and e % 8 == 0 and e <= 128):
-    return "cudnn"
-  return "xla"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,17 +66,16 @@ class ModelConfig:
   scan_layers: bool = False
   # Scan layout: the scan fully unrolled (straight-line layers over the stacked weights).
   # Its loop's stacked residual buffers are then not written with zeros first (XLA copies one
-  # zero broadcast into each: 4.6 ms a step for the dense model at the paper shape, 4 layers,
-  # no remat, one H100).
+  # zero broadcast into each, every step).
   scan_unroll: bool = False
   attention: str = "auto"   # "xla", "cudnn" (flash attention), "auto": cudnn where it runs
   interpret: bool = False   # FFN kernels in the Mosaic GPU interpreter (CPU; slow)
   # Per-layer FFN implementations (a tuple of L names, None: ffn_implementation for all):
-  # set by the trainer's per-layer choice (`train.training.layer_choice`), not by config files.
+  # set by the trainer's per-layer choice (`train.models.layer_choice`), not by config files.
   ffn_layer_implementations: tuple | None = None
   # Per-layer numbers of hot features (`twell_jax.ffn`'s hot_features: the first K hidden
   # features, the hottest once the features are sorted, run as dense GEMMs in the sparse
-  # kernels); None: 0 everywhere. Set with the features' order (`train.training.layer_choice`).
+  # kernels); None: 0 everywhere. Set with the features' order (`train.models.layer_choice`).
   ffn_layer_hot_features: tuple | None = None
 
   def __post_init__(self):
@@ -126,8 +90,8 @@ class ModelConfig:
       per_layer = getattr(self, name)
       if per_layer is not None and len(per_layer) != self.n_layers:
         raise ValueError(f"{name} has {len(per_layer)} entries for {self.n_layers} layers")
-    if self.attention not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f"attention={self.attention!r} not in {ATTENTION_IMPLEMENTATIONS}")
+    if self.attention not in implementations.ATTENTION:
+      raise ValueError(f"attention={self.attention!r} not in {implementations.ATTENTION}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(
@@ -136,7 +100,7 @@ class ModelConfig:
   @classmethod
   def from_config(cls, cfg: Any) -> "ModelConfig":
     d = dict(cfg)
-    if d.get("ffn_implementation") in ("", "auto"):
+    if d.get("ffn_implementation") in implementations.AUTO:
       d["ffn_implementation"] = None
     return cls(**d)
 
@@ -231,7 +195,7 @@ class Attention(nnx.Module):
     # jax.nn.dot_product_attention handles K < N (GQA) and the causal mask;
     # softmax runs in f32 internally.
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation(self.cfg))
+                                     implementation=implementations.attention(self.cfg))
     return self.out(o)
 
 

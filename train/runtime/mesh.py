@@ -42,7 +42,7 @@ from twell_jax import sharded
 MESH_AXES = ("data", "fsdp")
 
 # config `mesh.gradient_reduction`: "per_device" (and "auto" without fsdp) reduces the gradients
-# once after the backward, "gspmd" lets XLA reduce them inside it (`train.training.steps`).
+# once after the backward, "gspmd" lets XLA reduce them inside it (`train.state.steps`).
 GRADIENT_REDUCTIONS = ("auto", "per_device", "gspmd")
 
 

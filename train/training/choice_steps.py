@@ -16,7 +16,8 @@ mostly the XLA program around them; a choice equal to that step lands at once, a
 running one until a choice lands (`_bridge`). What runs when follows from the decisions, the
 predictions and step numbers alone: the same seed gives the same decisions and switches on the
 same steps on any machine, and a checkpoint keeps the choice in use, the one pending and the
-step from which the step compiled ahead counts as built (`meta`, `_restore`).
+step from which the step compiled ahead counts as built (`meta`, `_restore`). Several
+processes take the branches that hang on time (a build done or not) together (`agreed`).
 """
 
 import concurrent.futures
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twell_jax import features as features_lib
-from train.training import layer_choice as layer_choice_lib
+from train.models import layer_choice as layer_choice_lib
 
 
 def _child_processes() -> str:
@@ -59,10 +60,22 @@ class BuildTimeout(Exception):
   """A build not done within the wait its caller allows (`StepBuilds.get`)."""
 
 
+def agreed(flag: bool, *, every: bool) -> bool:
+  """`flag` as all processes together see it: true on every one (`every`), else on any one.
+  Where a branch depends on time (a build's end), several processes must still take the same
+  one: each runs every step, and a step some would switch and others not would never meet in
+  its collectives. Called by every process at the same step."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  flags = multihost_utils.process_allgather(np.int32(flag))
+  return bool(flags.all() if every else flags.any())
+
+
 class StepBuilds:
   """Compiled train steps per `LayerChoice.key`, built on a worker thread.
 
-  `request(key)` starts building the step of `key` (tens of seconds at the paper's shape) while
+  `request(key)` starts building the step of `key` (tens of seconds at large shapes) while
   the current one keeps training; `get(key)` returns it, waiting for its build if it is not
   done (or building it in this thread if it was never requested). Which step runs from which
   step on is the caller's decision, from step numbers alone (`train.training.loop`: a choice made
@@ -74,11 +87,9 @@ class StepBuilds:
   Tracing and lowering are Python work that holds the GIL, and the training loop must not wait
   behind it to dispatch its steps (the device would idle). While a build runs, the
   interpreter's switch interval is shortened and the cyclic garbage collector is off: its
-  full collections over the objects a build creates stop every thread for 100-200 ms each,
-  three or four per build at the paper's shape.
+  full collections over the many objects a build creates stop every thread.
 
-  A build can fail to come back: on four H200s (paper 0.5B shape, data=4) one stayed inside
-  XLA's compile for the last 7 minutes of its run after 13-20 s builds before it. `get` waits
+  A build can fail to come back (XLA's compile has been seen never to return). `get` waits
   at most `timeout` seconds, then raises `BuildTimeout` with every thread's stack in the log;
   `busy()` stays true until that build ends. The worker is a daemon thread, so a build that
   never ends does not keep the process from exiting.
@@ -213,9 +224,8 @@ def landing_lag(choice, running, counts, heavy, tokens: int, dense_steps: int,
   """Steps from a decision to the step its choice runs from: `dense_steps` dense steps' time
   at the running choice's predicted speed (its FFN's predicted time over the dense FFN's,
   `LayerChoice.costs`, the FFN being `ffn_share` of a dense step), so that a build has about
-  the same seconds to finish whatever runs meanwhile (a sparse step of the paper shape takes
-  0.7 of a dense one's time: 100 dense steps' time is 143 of its steps). From predictions,
-  not clocks: the same counts give the same lag on any machine."""
+  the same seconds to finish whatever runs meanwhile (sparse steps are shorter, so more of them
+  fit). From predictions, not clocks: the same counts give the same lag on any machine."""
   if dense_steps <= 0:
     return 0
   costs = np.minimum(choice.costs(running, counts, tokens, heavy), 1.5)
@@ -264,11 +274,12 @@ class ChoiceSteps:
         mc.n_kv_heads, mc.ffn_gated)
     self.tokens_per_step = cfg.batch_size * cfg.data.seq_len
     logging.info("Per-layer FFN choice: dense until a layer's sparse FFN is predicted at "
-                 "below %g of the dense one's time (train.training.layer_choice), then %s "
+                 "below %g of the dense one's time (train.models.layer_choice), then %s "
                  "(back above %g); decided every %d steps (features sorted by popularity), "
                  "each choice running %d dense steps' time after its decision",
                  choice.sparse_below,
-                 choice.sparse, choice.dense_above, cfg.layer_choice.every, self.lag)
+                 choice.sparse_implementation, choice.dense_above, cfg.layer_choice.every,
+                 self.lag)
 
   # Sparse implementations whose kernels a step compiled ahead compiles for every later one.
   AHEAD_FOR = ("mosaic_gpu",)
@@ -280,32 +291,27 @@ class ChoiceSteps:
 
     The kernels are the same in every choice's step (the hot features reach them at run
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
-    after this build a choice's step builds without them: 10-16 s instead of 14-23 s (paper
-    shape, H100; more groups of layers with one K, more time), which `landing_steps` is set
-    for. A choice equal to the step lands at once once it counts as built, `landing_steps`
-    dense steps after the run's start (the same step in a resumed run), so runs of a seed use
-    it alike. The first layer stays dense in it: in every run of the paper shape from
-    initialisation measured, layers 1-7 fell to 10-60 active features per token by step
-    300-400 and the first one only by step 850-1,000.
+    after this build a choice's step builds faster, the time `landing_steps` is set for. A
+    choice equal to the step lands at once once it counts as built, `landing_steps` dense
+    steps after the run's start (the same step in a resumed run), so runs of a seed use it
+    alike. The first layer stays dense in it: from initialisation the first layer's activity
+    falls last, long after the others'.
 
-    It runs in place of a choice still building only with `layer_choice.bridge` (`_bridge`):
-    two runs on 4x H200 that did so (steps 301-463, 361-544) ran it at 0.93-1.01 of dense
-    SiLU's speed, where the choices' own steps (K = 512-2,560) ran at 1.08-1.22 at the same
-    activity, with one CTA per column in the backward's column kernels; cut in pieces since,
-    the captured step-300 layers at K = 256-768 measured 0.54-0.73 of the dense FFN where
-    they had measured 0.80-1.67."""
+    It runs in place of a choice still building only with `layer_choice.bridge` (`_bridge`;
+    how it has measured: docs/performance.md)."""
     choice = self.choice
-    if (choice.sparse not in self.AHEAD_FOR or not self.builds.background
+    if (choice.sparse_implementation not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
       return
     keys = [self.running] + ([self.pending[0]] if self.pending is not None else [])
-    if ready_step is None and any(name == choice.sparse for key in keys for name in key[0]):
+    sparse = choice.sparse_implementation
+    if ready_step is None and any(name == sparse for key in keys for name in key[0]):
       return
     k = features_lib.TILE_N if choice.d_ff > features_lib.TILE_N else 0
-    names = (choice.sparse,) * choice.n_layers
+    names = (choice.sparse_implementation,) * choice.n_layers
     hot = (k,) * choice.n_layers
     if choice.n_layers > 1:
-      names, hot = (choice.dense,) + names[1:], (0,) + hot[1:]
+      names, hot = (layer_choice_lib.DENSE,) + names[1:], (0,) + hot[1:]
     ready = start + self.lag if ready_step is None else int(ready_step)
     self.ahead = ((names, hot), ready)
     logging.info("compiling the sparse kernels ahead: building the step of %s (usable from "
@@ -329,11 +335,9 @@ class ChoiceSteps:
     is predicted `BRIDGE_GAIN` faster than the running step's, over the dense FFN's, mean over
     the layers, on this decision's counts). Else None.
 
-    Asked at every decision, a choice pending or not (`_run_bridge`): runs of the paper shape
-    from initialisation made their first choice at 100-250 active features per token (K =
-    2048-2560, 0.77-0.93 of dense predicted) at step 140-180, and their layers 1-7 were at
-    60-100 by step 200 and 20-50 by step 300; the first choice landed at step ~290-330 and the
-    next at ~470-500."""
+    Asked at every decision, a choice pending or not (`_run_bridge`): from initialisation the
+    first choice is made at a high activity (a large K), and the layers' activity keeps
+    falling while it builds, so the step compiled ahead can be the faster one meanwhile."""
     key, choice = self._ahead_built(done), self.choice
     if not self.bridge or key is None or key in (self.running, choice.key):
       return None
@@ -356,12 +360,12 @@ class ChoiceSteps:
       self.ahead = None
 
   @property
-  def eval_ffn(self):
+  def eval_key(self):
     """The FFNs of the held-out evaluations during the run: dense in every layer. The same
     function as the sparse kernels' (exact up to rounding), compiled once in a second or two,
     where the sparse FFN would compile its kernels again (seconds, beside a build) for 16
     batches."""
-    return (self.choice.dense,) * self.choice.n_layers, (0,) * self.choice.n_layers
+    return (layer_choice_lib.DENSE,) * self.choice.n_layers, (0,) * self.choice.n_layers
 
   def _restore(self, meta: dict) -> None:
     """The choice in use and the one pending of a checkpoint's metadata (`meta`)."""
@@ -421,7 +425,14 @@ class ChoiceSteps:
     not done."""
     t0 = time.perf_counter()
     ready = self.builds.done(key)
-    self.train_step = self.builds.get(key, timeout=self.build_timeout_s)
+    try:
+      step_fn, error = self.builds.get(key, timeout=self.build_timeout_s), None
+    except Exception as e:  # pylint: disable=broad-except  # raised below, once all know
+      step_fn, error = None, e
+    if not agreed(error is None, every=True):
+      raise error or BuildTimeout("built here but not on every process; the processes go on "
+                                  "with the step they run")
+    self.train_step = step_fn
     self.running = key
     # The device idles while the loop waits: a build slower than the landing lag (a busy
     # host) shows here.
@@ -437,10 +448,9 @@ class ChoiceSteps:
     layer's features sorted by the counts of the steps since the last decision, the choice
     pending if it changed.
 
-    The counts are summed on the device over those steps (one batch's vary a lot: the last
-    layer of the paper shape measured 50 to 250 active features per token from one batch to
-    the next, and decisions on one batch flipped its K and sent it dense and back); the sum
-    so far is in each checkpoint (`meta`), so a resumed run decides on the same counts."""
+    The counts are summed on the device over those steps (one batch's vary a lot, and
+    decisions on one batch would flip a layer's K and send it dense and back); the sum so far
+    is in each checkpoint (`meta`), so a resumed run decides on the same counts."""
     cfg, choice = self.cfg, self.choice
     counted = (metrics["feature_counts"], metrics["heavy_rows_by_hot"])
     if self.counted_steps:
@@ -448,7 +458,7 @@ class ChoiceSteps:
     self.counted, self.counted_steps = counted, self.counted_steps + 1
     if done % cfg.layer_choice.every and done != 1:
       return state
-    if self.builds.busy():
+    if agreed(self.builds.busy(), every=False):
       # A build outlasted its landing (`StepBuilds.get`): it holds the only worker, so no
       # choice is decided until it ends; training goes on with the running step.
       self.counted, self.counted_steps = None, 0

@@ -6,7 +6,7 @@ optimizer state, step, RNG, dead-feature counters, data position and the per-lay
 FFN choice), so rerunning the same command after a crash continues the same run: on one
 machine the resumed run ends with bit-identical parameters, because every
 step is a pure function of (state, batch) and the batch stream is restored
-exactly. Each process reads its own share of the documents (`train.training.trainer`
+exactly. Each process reads its own share of the documents (`train.state.trainer`
 lays out the devices).
 """
 
@@ -23,14 +23,15 @@ from train.config import workdir as workdir_config
 from train.data import pipeline as data_lib
 from train.data import workers as workers_lib
 from train.hf import init_state as hf_init
+from train.models import implementations
 from train.models import transformer as model_lib
 from train.runtime import compilation
-from train.runtime import mesh as sharding_lib
-from train.training import checkpointing
-from train.training import metrics as metrics_lib
+from train.runtime import mesh as mesh_lib
+from train.state import checkpointing
+from train.runtime import metrics as metrics_lib
 from train.training import preemption
 from train.training import choice_steps
-from train.training import trainer as trainer_lib
+from train.state import trainer as trainer_lib
 
 
 def _all_process_states(data_state: dict) -> list[dict]:
@@ -108,13 +109,13 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
 
   Before anything is built the config is checked (`train.config.checks.check`) and, on a
   workdir with checkpoints, compared with the one it was trained with
-  (`train.training.checkpointing.check_workdir`; `accept_config_change` accepts changes of the
+  (`train.state.checkpointing.check_workdir`; `accept_config_change` accepts changes of the
   optimisation). `allow_fresh_start` lets a workdir whose checkpoints were all
   quarantined start over. A SIGTERM from here on stops training after the current
   step: the checkpoint of that step is written, then `preemption.Preempted` raised.
-  `hooks`: callables hook(trainer, step, state, layer_ffn) run after every step (`step` steps
-  done; `layer_ffn` the per-layer choice's key that step ran, or None), for measurements inside
-  a run (`benchmarks.activity_sweep`); they must not change the state.
+  `hooks`: callables hook(trainer, step, state, layer_key) run after every step (`step` steps
+  done; `layer_key` the per-layer choice's key that step ran, or None), for measurements inside
+  a run (`benchmarks.sweeps.activity_sweep`); they must not change the state.
   """
   watch = preemption.Watch().install()
   try:
@@ -143,7 +144,7 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
   changed = checkpointing.check_workdir(workdir, cfg.to_dict(), accept=accept_config_change)
   for path, old, new in changed["free"] + changed["acceptable"]:
     logging.warning("Config change on resume: %s: %r -> %r", path, old, new)
-  logging.info("%s", sharding_lib.describe(tr.mesh, tr.state_sharding["params"],
+  logging.info("%s", mesh_lib.describe(tr.mesh, tr.state_sharding["params"],
                                            tr.grad_sharding))
   mngr, restored = checkpointing.restore_latest(
       workdir, tr.abstract_state(), every_steps=cfg.checkpoint_every,
@@ -181,6 +182,37 @@ def _step_metrics(m, n_params: int, ran) -> dict:
   return m
 
 
+class _Window:
+  """The tokens trained and the time spent waiting for data since the last logged step.
+
+  The step logged is the step done, not dispatched (the host runs steps ahead of the device):
+  the clock reads once its metrics are on the host (read after block_until_ready, a window
+  that ended without a layer-choice decision, which syncs, measured short and the next one as
+  much long). Evaluations are taken out (`start` moves on by their time)."""
+
+  def __init__(self):
+    self.start, self.tokens, self.data_wait = time.time(), 0, 0.0
+
+  def read(self) -> dict:
+    """tokens/s and the data-wait fraction of the window; starts the next one."""
+    now = time.time()
+    span = max(now - self.start, 1e-9)
+    out = {"tokens_per_s": self.tokens / span, "data_wait_fraction": self.data_wait / span}
+    self.start, self.tokens, self.data_wait = now, 0, 0.0
+    return out
+
+
+def _evaluate(tr, writer, done: int, params, eval_data, eval_key) -> float:
+  """A held-out evaluation after `done` steps, logged and recorded; returns its seconds."""
+  t_eval = time.time()
+  ev = tr.evaluate(params, eval_data, eval_key)
+  writer.write_event(done, "eval_batch_losses", losses=ev.pop("batch_losses"))
+  logging.info("eval step %d: %s", done, json.dumps(ev))
+  writer.write_scalars(done, metrics_lib.flatten_metrics(
+      {f"eval/{k}": v for k, v in ev.items()}))
+  return time.time() - t_eval
+
+
 def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                         accept_config_change: bool, allow_fresh_start: bool, hooks) -> dict:
   cfg, tr, mngr, restored, packer, start, state, eval_data = _prepare(
@@ -189,7 +221,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   is_main = jax.process_index() == 0
   n_params = model_lib.count_params(state["params"])
   logging.info("Parameters: %s; FFN implementation: %s", f"{n_params:,}",
-               tr.ffn_implementation())
+               implementations.training(cfg, tr.model_cfg, tr.mesh.size).describe())
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
   if start == 0 and is_main:
     writer.write_text(0, "config", "```\n" + str(cfg) + "\n```")
@@ -197,12 +229,11 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   progress = metrics_lib.Progress(cfg.num_train_steps, start)
   shape = (cfg.grad_accum_steps, cfg.batch_size // jax.process_count() // cfg.grad_accum_steps,
            cfg.data.seq_len + 1)
-  choice = tr.layer_choice()
+  choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   steps = None if choice is None else choice_steps.ChoiceSteps(
       tr, choice, state, (restored or {}).get("meta") or {}, events=writer.write_event)
   train_step = tr.jit_train_step() if steps is None else None
-  last, preempted = {}, None
-  t_last, tokens_since, data_wait = time.time(), 0, 0.0
+  last, preempted, window = {}, None, _Window()
   tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
     for step in range(start, cfg.num_train_steps):
@@ -211,30 +242,21 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       ran = None if steps is None else steps.running
       t_wait = time.perf_counter()
       batch, data_state = next(prefetch)
-      data_wait += time.perf_counter() - t_wait
+      window.data_wait += time.perf_counter() - t_wait
       tracer.before(step)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
                                                   tr.batch_sharding))
       done = step + 1
       tracer.after(done, m)
-      tokens_since += cfg.batch_size * cfg.data.seq_len
+      window.tokens += cfg.batch_size * cfg.data.seq_len
       if steps is not None:
         state = steps.after_step(done, m, state)
       for hook in hooks:
         hook(tr, done, state, ran)
       if done % cfg.log_every == 0 or done == cfg.num_train_steps or done == start + 1:
-        # The step done, not dispatched: the host runs steps ahead of the device. The clock
-        # reads once the metrics are on the host; read after block_until_ready, a window that
-        # ended without a layer-choice decision (which syncs) still measured 0.85 s short and
-        # the next one as much long (paper shape, H100: 171k and 127k tokens/s against 145k
-        # from the log's timestamps). The first step shows the starting point.
         m = _step_metrics(m, n_params, ran)
-        now = time.time()
-        m["tokens_per_s"] = tokens_since / max(now - t_last, 1e-9)
-        m["data_wait_fraction"] = data_wait / max(now - t_last, 1e-9)
-        m["data_passes"] = packer.passes(data_state)   # over this process's documents
-        t_last, tokens_since, data_wait = now, 0, 0.0
+        m.update(window.read(), data_passes=packer.passes(data_state))   # this process's docs
         if not np.isfinite(m["loss"]):
           raise FloatingPointError(f"non-finite loss {m['loss']} at step {done}")
         logging.info("%s", _log_line(done, m, tr.model_cfg.d_ff, m["tokens_per_s"], progress)
@@ -244,17 +266,11 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if done == start + 1 and eval_data:
         # Beside the next steps, not beside the first one's compile.
         tr.compile_eval_ahead(state["params"], eval_data[0],
-                              None if steps is None else steps.eval_ffn)
+                              None if steps is None else steps.eval_key)
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
-        t_eval = time.time()
-        ev = tr.evaluate(state["params"], eval_data,
-                         None if steps is None else steps.eval_ffn)
-        writer.write_event(done, "eval_batch_losses", losses=ev.pop("batch_losses"))
-        logging.info("eval step %d: %s", done, json.dumps(ev))
-        writer.write_scalars(done, metrics_lib.flatten_metrics(
-            {f"eval/{k}": v for k, v in ev.items()}))
-        t_last += time.time() - t_eval  # Exclude eval time from tokens/s.
+        window.start += _evaluate(tr, writer, done, state["params"], eval_data,
+                                  None if steps is None else steps.eval_key)
       final, stop = done == cfg.num_train_steps, watch.stop_after(done)
       # checkpoint_every <= 0 disables saving (benchmarks).
       if cfg.checkpoint_every > 0 and (final or stop or mngr.should_save(done)):

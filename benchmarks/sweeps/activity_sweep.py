@@ -1,7 +1,7 @@
 r"""The sparse FFN at moderate activity, on the activity of a run from random initialisation.
 
-    python -m benchmarks.activity_sweep --out=activity_sweep.json   # on a Hopper GPU
-    python -m benchmarks.activity_sweep --smoke --out=/tmp/a.json   # CPU smoke mode
+    python -m benchmarks.sweeps.activity_sweep --out=activity_sweep.json   # on a Hopper GPU
+    python -m benchmarks.sweeps.activity_sweep --smoke --out=/tmp/a.json   # CPU smoke mode
 
 1. Trains the paper 0.5B shape from random initialisation through the trainer
    (`train.training.loop.train_and_evaluate`, the per-layer FFN choice on; the setting of
@@ -9,16 +9,16 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
    3e-5) and, at each of `--capture_steps` (decision steps of the per-layer choice), captures
    every layer's FFN input on a held-out batch and its weights (a trainer hook).
 2. Per captured layer: its activity statistics (`twell_jax.testing.activity_stats`), the
-   per-layer choice on this batch (`train.training.layer_choice.LayerChoice`: the layer's K, its
+   per-layer choice on this batch (`train.models.layer_choice.LayerChoice`: the layer's K, its
    predicted ratio) and the layer's forward + backward on the kernels at that K against the
    dense FFN, on the captured input: with the features in the state's order (as trained) and
    sorted by this batch's counts (`sorted`, the prediction's assumption), each with the work
    left to the backward's column kernels (`tail_columns`: the longest column in fair shares);
    `--profile_captures` lists chosen layers kernel by kernel.
 3. The sweep: the skew of an early layer (`--early`: step and layer) and of the last layer at
-   the last capture, fitted by `benchmarks.captured.fit_generator` and generated at each of
+   the last capture, fitted by `benchmarks.sweeps.captured.fit_generator` and generated at each of
    `--actives` active features per token; per point the K the per-layer choice picks
-   (`train.training.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward
+   (`train.models.layer_choice.LayerChoice`), the rows over the ELL width, forward + backward
    against dense.
 4. With `--skews_from`, steps 1-2 are skipped: the sweep runs on the fitted skews of an
    earlier result. `--scan_hot` times more K at every last-layer point, each beside its
@@ -27,8 +27,8 @@ r"""The sparse FFN at moderate activity, on the activity of a run from random in
 5. Every sweep point's floors over dense's nine GEMMs (`best_floors`): the kernels' method at
    its best K and dense rows, any method on non-zero 128 x 128 tiles, and the FLOPs of the
    active entries alone. `--floors` computes them without timing anything (a CPU will do):
-   `python -m benchmarks.activity_sweep --floors --skews_from=benchmarks/results/h200/activity_sweep.json`.
-Times: medians of synchronized calls (`benchmarks.timing.wall_ms`), the loss
+   `python -m benchmarks.sweeps.activity_sweep --floors --skews_from=benchmarks/results/h200/activity_sweep.json`.
+Times: medians of synchronized calls (`benchmarks.common.timing.wall_ms`), the loss
 sum(y * ct) + 2e-5 * l1 of `benchmarks.kernels`. JSON (`--out`): {"device", "captures":
 [{"step", "layers": [...]}], "sweep": [{"skew", "active", "hot_features", "ratio", ...}]}.
 """
@@ -46,11 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import captured
-from benchmarks import kernels
-from benchmarks import specs
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.sweeps import captured
+from benchmarks.common import specs
+from benchmarks.common import timing
+from benchmarks.common import trained
 import twell_jax as tj
 from twell_jax import features as tj_features
 from twell_jax import testing
@@ -69,7 +68,7 @@ def _define_flags():
   flags.DEFINE_list("actives", ["50", "100", "200", "400", "800"],
                     "active features per token of the sweep")
   flags.DEFINE_string("early", "300:4", "step:layer whose skew is the early steps'")
-  flags.DEFINE_string("tokenizer", "python32k", "python32k or byte (benchmarks.trained)")
+  flags.DEFINE_string("tokenizer", "python32k", "python32k or byte (benchmarks.common.trained)")
   flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the run")
   flags.DEFINE_integer("iters", 10, "timed calls per measurement")
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation")
@@ -155,11 +154,11 @@ _GRADS: dict = {}
 
 
 def _grad(impl: str, hot: int, shape):
-  """The jitted forward + backward of `benchmarks.kernels.loss_fn` per implementation and K
+  """The jitted forward + backward of `benchmarks.common.specs.loss_fn` per implementation and K
   (one compile each, shared by the layers)."""
   if (impl, hot) not in _GRADS:
     spec = specs.Spec(*shape)
-    _GRADS[impl, hot] = jax.jit(jax.grad(kernels.loss_fn(impl, spec, hot_features=hot),
+    _GRADS[impl, hot] = jax.jit(jax.grad(specs.loss_fn(impl, spec, hot_features=hot),
                                          argnums=(0, 1, 2, 3)))
   return _GRADS[impl, hot]
 
@@ -214,7 +213,7 @@ def tail_columns(active: np.ndarray, hot: int) -> dict:
 def _choice(active: np.ndarray):
   """The per-layer choice for one layer of this activity [M, H] (its features sorted): (its
   implementation, K, predicted ratio, active features per token outside the K hot ones)."""
-  from train.training import layer_choice  # pylint: disable=import-outside-toplevel
+  from train.models import layer_choice  # pylint: disable=import-outside-toplevel
   m, h = active.shape
   choice = layer_choice.LayerChoice(1, h)
   choice.update_from_counts(active.sum(axis=0)[None], m, _heavy_by_hot(active)[None])
@@ -234,7 +233,7 @@ class Capture:
     self.profile = set(profile)   # (step, layer) listed kernel by kernel
     self.results, self.fits = [], {}
 
-  def __call__(self, tr, step: int, state, layer_ffn) -> None:
+  def __call__(self, tr, step: int, state, layer_key) -> None:
     self.last_step = step
     if step not in self.steps:
       return
@@ -251,7 +250,7 @@ class Capture:
       name, k, predicted, tail = _choice(active)
       row = {"layer": l, "captured": st, "rows_over_width": _rows_over(active, k),
              "choice": name, "predicted": predicted, "tail_per_token": tail,
-             "trainer_ran": None if layer_ffn is None else [layer_ffn[0][l], layer_ffn[1][l]],
+             "trainer_ran": None if layer_key is None else [layer_key[0][l], layer_key[1][l]],
              # As trained: the features in the state's order (sorted at the last decision by
              # the training batches' counts), K the choice's on this batch's sorted counts.
              "as_ordered": tail_columns(active, k),

@@ -1,6 +1,6 @@
 r"""Configuration sweeps on the GPU: every variant against the default, same inputs, one process.
 
-    python -m benchmarks.sweep --what=gate,forward,train --specs=paper_16k,paper_16k_skew
+    python -m benchmarks.sweeps.sweep --what=gate,forward,train --specs=paper_16k,paper_16k_skew
 
 * ``gate``: the gate kernel (``gate_pack``) per ``GateConfig`` (device time, CUPTI); every
   variant's words / counts must equal the default's bit for bit. XLA's relu(x @ w_gate)
@@ -26,9 +26,8 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchmarks import kernels
-from benchmarks import specs as specs_lib
-from benchmarks import timing
+from benchmarks.common import specs as specs_lib
+from benchmarks.common import timing
 from pallas_kernels import _row_loops as row_loops
 from pallas_kernels import ell_up_down_mgpu
 from pallas_kernels import ffn_mgpu
@@ -38,7 +37,7 @@ from pallas_kernels import twell_to_ell_triton
 from twell_jax import mosaic
 
 _WHAT = flags.DEFINE_list("what", ["train"], "gate, forward, up_down and / or train")
-_SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_skew"], "benchmarks.specs names")
+_SPECS = flags.DEFINE_list("specs", ["paper_16k", "paper_16k_skew"], "benchmarks.common.specs names")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 
 _G = row_loops.GatherConfig
@@ -125,7 +124,7 @@ def sweep_gate(spec, x, wg, wu, wd) -> dict:
 def sweep_forward(spec, x, wg, wu, wd, k: int) -> dict:
   """The inference forward (y only) per variant at the input's calibrated K: synchronized
   wall, pipelined and device ms, each over the dense FFN's."""
-  dense = jax.jit(lambda *a: reference.dense_ffn(*a)[0])
+  dense = jax.jit(lambda *a: reference.dense_ffn_hidden(*a)[0])
   args = (x, wg, wu, wd)
 
   def times(f):
@@ -170,7 +169,7 @@ def sweep_train(spec, x, wg, wu, wd) -> dict:
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
   def dense(*w):
-    y, h, _ = reference.dense_ffn(*w)
+    y, h, _ = reference.dense_ffn_hidden(*w)
     return y, jnp.sum(jnp.abs(h.astype(jnp.float32))) / x.shape[0]
 
   out = {"dense_ms": timing.wall_ms(grad_fn(dense), x, wg, wu, wd, iters=20)}
@@ -252,7 +251,7 @@ def main(argv):
   for spec_name in _SPECS.value:
     spec = specs_lib.get(spec_name)
     # Features sorted by activity, so that the hot-feature variants take the hottest ones.
-    arrays, k = kernels.calibrated_inputs(spec)
+    arrays, k = specs_lib.calibrated_inputs(spec)
     for what in _WHAT.value:
       extra = (k,) if what in ("up_down", "forward") else ()
       r = {"spec": spec_name, "sweep": what, **SWEEPS[what](spec, *arrays, *extra)}

@@ -10,9 +10,9 @@ import tempfile
 
 import numpy as np
 
-from train.training import checkpointing
+from train.state import checkpointing
 from train.hf import format as hf_format
-from train.inference import loading as inference
+from train.inference import loading
 from train.models import transformer as model_lib
 from train import errors
 
@@ -65,7 +65,7 @@ def write_hf_dir(out_dir: str, params: dict, config, tokenizer, *, dtype: str | 
 def export(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | None = None,
            overwrite: bool = False) -> dict:
   """Exports `step` (default: the latest) of `workdir` to `out_dir` (`write_hf_dir`)."""
-  ck = inference.load_checkpoint(workdir, step)
+  ck = loading.load_checkpoint(workdir, step)
   summary = write_hf_dir(out_dir, ck.params, ck.config, ck.tokenizer, dtype=dtype,
                          overwrite=overwrite,
                          extra={"source_workdir": os.path.abspath(workdir),

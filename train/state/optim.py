@@ -8,7 +8,7 @@
   l1(s)  = l1_coeff * min(1, s / l1_warmup_steps)  (constant if no warm-up).
 
 Gradient accumulation is done inside the train step (a scan over
-micro-batches, see train.training.steps), so one optax update is one training step.
+micro-batches, see train.state.steps), so one optax update is one training step.
 """
 
 import jax

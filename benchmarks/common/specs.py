@@ -7,9 +7,9 @@ rate, the shares of the most popular features and the row-length spread. `paper_
 the paper's shape (D=2048, H=5632) at 16384 tokens (8 x 2048).
 
 The `paper_16k_skew_l<i>` / `paper_16k_extreme_l<i>` specs reproduce layer i of the paper-shape
-model trained with L1 to the paper-like and the extreme activity level (`benchmarks/captured.py`
+model trained with L1 to the paper-like and the extreme activity level (`benchmarks/sweeps/captured.py`
 captures it and prints captured and generated statistics side by side): their arguments are
-`benchmarks.captured.fit_generator` of the captured statistics, and the tests check that the
+`benchmarks.sweeps.captured.fit_generator` of the captured statistics, and the tests check that the
 generated batches land on them. `paper_16k_skew` / `paper_16k_extreme` are the layers in the
 middle of their level by activity. Uniform specs (`paper_16k`) are one case among several, not
 the target. `paper_16k_block<K>` put all activity on K features with K forced (no tail).
@@ -20,8 +20,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
+import twell_jax as tj
+from twell_jax import features as tj_features
 from twell_jax.testing import ffn_inputs
+
+# The L1 coefficient of the benchmarked loss (`loss_fn`), the paper's default.
+LAMBDA = 2e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Spec:
 
 _PAPER_M = 16384
 # Per layer of the captured model (benchmarks/results/h100/captured.json), fitted by
-# benchmarks.captured.fit_generator for 16384 tokens: mean active features per ordinary row,
+# benchmarks.sweeps.captured.fit_generator for 16384 tokens: mean active features per ordinary row,
 # dead fraction, the hottest feature's rate, the top-1% and top-10% shares, the row spread and
 # the fill of the one heavy row per batch (the captured longest row).
 _LAYERS = {
@@ -104,7 +110,7 @@ SPECS = {
     **{f"paper_16k_{level}_l{i}": _captured_layer(*row)
        for level, layers in _LAYERS.items() for i, row in enumerate(layers)},
     # All activity on K features, each on a quarter of the tokens, none outside: what hot
-    # features alone cost (the per-layer choice's cost model, train/layer_choice.py).
+    # features alone cost (the per-layer choice's cost model, train/models/layer_choice.py).
     **{f"paper_16k_block{k}": Spec(_PAPER_M, active=k / 4, dead_fraction=1 - k / 5632,
                                    hot_block=k) for k in (1024, 2048, 3328)},
     "tiny_skew": Spec(256, 128, 512, active=10.0, heavy=0.02, ell_width=16,
@@ -116,3 +122,28 @@ def get(name: str) -> Spec:
   if name not in SPECS:
     raise KeyError(f"unknown spec {name!r}; known: {', '.join(SPECS)}")
   return SPECS[name]
+
+
+def calibrated_inputs(spec: Spec):
+  """The spec's inputs with the features sorted by their activity on x, and the number of hot
+  features to compute densely (`twell_jax.features.calibrate`): what a model whose features
+  are kept sorted runs. Uniform activity gives K = 0; a spec's `hot_block` is taken as K."""
+  x, wg, wu, wd = spec.inputs()
+  if spec.hot_block is not None:
+    gate = jnp.dot(x, wg if spec.gated else wu, preferred_element_type=jnp.float32)
+    counts = jnp.sum(gate > 0, axis=0, dtype=jnp.int32)
+    wg, wu, wd, _ = tj_features.sort_features(wg, wu, wd, counts)
+    return (x, wg, wu, wd), spec.hot_block
+  wg, wu, wd, k = tj_features.calibrate(x, wg, wu, wd)
+  return (x, wg, wu, wd), k
+
+
+def loss_fn(impl: str, spec: Spec, interpret: bool = False, hot_features: int = 0):
+  """loss(x, wg, wu, wd, ct) = sum(y * ct) + LAMBDA * l1 of `twell_jax.ffn(implementation=impl)`
+  (the cotangent ct an argument, not a constant of the program)."""
+  def loss(x, wg, wu, wd, ct):
+    y, st = tj.ffn(x, wg, wu, wd, implementation=impl, return_stats=True, interpret=interpret,
+                   ell_width=spec.ell_width, tail_rows=spec.tail_rows,
+                   hot_features=hot_features)
+    return jnp.sum(y.astype(jnp.float32) * ct) + LAMBDA * st.l1
+  return loss

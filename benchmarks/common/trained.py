@@ -107,7 +107,7 @@ def _load(path: str, like):
 def train(cfg, steps: int, *, params=None, log_every: int = 100):
   """Trains `steps` steps from `params` (None: a fresh init); returns (params, last metrics)."""
   from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   tr = trainer_lib.Trainer(cfg)
   state = tr.new_state(jax.random.key(cfg.seed))
   if params is not None:
@@ -135,7 +135,7 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
   `tokenizer` (`config_for`), cached."""
   if level not in ("paper", "extreme"):
     raise ValueError(f"level must be 'paper' or 'extreme'; got {level!r}")
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   cfg = config_for(shape, tokenizer=tokenizer)
   cfg.l1_coeff = PAPER_L1 if level == "paper" else EXTREME_L1
   os.makedirs(cache_dir, exist_ok=True)
@@ -161,3 +161,15 @@ def trained_params(shape: str, level: str, *, steps: int, extreme_steps: int,
   print(f"  trained in {time.time() - t0:.0f}s", flush=True)
   _save(path, params)
   return cfg, params
+
+
+def batches(cfg, rows: int, n: int):
+  """`n` packed batches [rows, seq_len + 1] of the config's training data (a fixed seed off the
+  training stream's)."""
+  from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  packer = data_lib.PackedBatches(
+      data_lib.make_source(cfg.data, cfg.data.train_split),
+      tokenizer_lib.make_tokenizer(cfg.data), seq_len=cfg.data.seq_len, rows=rows,
+      seed=cfg.seed + 7)
+  return [jnp.asarray(packer.next_batch()) for _ in range(n)]

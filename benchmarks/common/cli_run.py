@@ -14,7 +14,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The repository root (benchmarks/common/ is two folders below it).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
 DEFAULT_DATASET = "twell_python_source_site"
 
@@ -45,11 +46,11 @@ def data_flags(dataset: str, tokenizer: dict | None) -> list[str]:
                 f"--config.model.vocab_size={tokenizer['options']['vocab_size']}"]
 
 
-def command(workdir: str, config: str, flags: list[str]) -> list[str]:
-  """The `train.main` command of a run in `workdir` (emptied first) whose compiled programs
-  go to an empty cache of its own: a cache shared between runs would hand the first run's
-  compiles to the others."""
-  if os.path.exists(workdir):
+def command(workdir: str, config: str, flags: list[str], fresh: bool = True) -> list[str]:
+  """The `train.main` command of a run in `workdir` (emptied first, unless not `fresh`: a run
+  to continue) whose compiled programs go to an empty cache of its own: a cache shared between
+  runs would hand the first run's compiles to the others."""
+  if fresh and os.path.exists(workdir):
     shutil.rmtree(workdir)
   return [sys.executable, "-m", "train.main", f"--config={config}", f"--workdir={workdir}",
           f"--config.compilation_cache_dir={os.path.join(workdir, 'jax_cache')}", *flags]

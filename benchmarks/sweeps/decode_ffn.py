@@ -1,9 +1,9 @@
 r"""The few-row FFN of decoding: the sparse decode kernels (`twell_jax.decode`) against the
 dense FFN, by rows and by the union of the features that fire in some row.
 
-    python -m benchmarks.decode_ffn --out=decode_ffn.json              # one GPU
-    python -m benchmarks.decode_ffn --sweep --out=decode_ffn.json      # + the tile sweep
-    python -m benchmarks.decode_ffn --smoke --out=/tmp/decode_ffn.json # CPU, interpreted
+    python -m benchmarks.sweeps.decode_ffn --out=decode_ffn.json              # one GPU
+    python -m benchmarks.sweeps.decode_ffn --sweep --out=decode_ffn.json      # + the tile sweep
+    python -m benchmarks.sweeps.decode_ffn --smoke --out=/tmp/decode_ffn.json # CPU, interpreted
 
 At a decode step the dense FFN reads W_gate, W_up and W_down for M <= 64 rows; the sparse one
 W_gate and the W_up and W_down rows of the U features that fire in some row. For each M of
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
+from benchmarks.common import timing
 
 flags.DEFINE_integer("d", 2048, "model width D (the paper's 0.5B shape)")
 flags.DEFINE_integer("h", 5632, "hidden width H")

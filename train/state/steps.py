@@ -29,8 +29,7 @@ A = 1 each matrix's gradient in the compute dtype (bf16, as XLA reduces it), wit
 device's f32 sum of its micro-batches. Under GSPMD (`gradient_reduction="gspmd"`, and every
 mesh with fsdp) the FFN's and the loss's shard_map transposes reduce each gradient inside the
 backward as it appears: with A = 1 each reduction stalls the matrix product it is scheduled
-against (2 GPUs, paper shape: per-GPU efficiency 0.932 against 0.953 per device,
-docs/performance.md); with A > 1 every micro-batch's gradients are reduced inside the loop
+against (a lower per-GPU efficiency: docs/performance.md); with A > 1 every micro-batch's gradients are reduced inside the loop
 (XLA does not move those reductions out of the nested loops: A all-reduces of the whole
 gradient a step instead of one). Meshes with fsdp gather weights and reduce-scatter
 gradients per micro-batch by design.
@@ -47,9 +46,9 @@ import optax
 from twell_jax import sharded
 from twell_jax import stats as stats_lib
 from train.models import losses
-from train.runtime import mesh as sharding_lib
-from train.training import optim
-from train.training import sparsity
+from train.runtime import mesh as mesh_lib
+from train.state import optim
+from train.state import sparsity
 
 
 # `mesh.gradient_reduction` (see the module docstring).
@@ -183,7 +182,7 @@ def make_train_step(lm, tx, cfg, grad_sharding=None):
   constrain = ((lambda g: g) if grad_sharding is None else
                (lambda g: jax.lax.with_sharding_constraint(g, grad_sharding)))
   mode = (cfg.get("mesh") or {}).get("gradient_reduction", "auto")
-  modes = sharding_lib.GRADIENT_REDUCTIONS
+  modes = mesh_lib.GRADIENT_REDUCTIONS
   if mode not in modes:
     raise ValueError(f"mesh.gradient_reduction must be one of {modes}; got {mode!r}")
 

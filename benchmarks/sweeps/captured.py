@@ -1,10 +1,10 @@
 r"""Kernels on captured real activations: per layer, the sparse FFN against XLA dense.
 
-    python -m benchmarks.captured --out=captured.json            # on a Hopper GPU
-    python -m benchmarks.captured --shape=tiny --impl=xla --steps=30 --extreme_steps=10
+    python -m benchmarks.sweeps.captured --out=captured.json            # on a Hopper GPU
+    python -m benchmarks.sweeps.captured --shape=tiny --impl=xla --steps=30 --extreme_steps=10
 
 1. Trains the paper 0.5B shape (D=2048, H=5632, 8 layers) in-process to two levels of FFN
-   activity (`benchmarks.trained`: paper-like and extreme), cached on the machine's disk.
+   activity (`benchmarks.common.trained`: paper-like and extreme), cached on the machine's disk.
 2. Captures each layer's real FFN input for one held-out batch (8 x 2048 tokens) and its
    weights.
 3. Per layer, in one process: the activity statistics (`twell_jax.testing.activity_stats`:
@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import special
 
-from benchmarks import kernels
-from benchmarks import specs as specs_lib
-from benchmarks import timing
-from benchmarks import trained
+from benchmarks.common import specs as specs_lib
+from benchmarks.common import timing
+from benchmarks.common import trained
 from pallas_kernels import reference
 import twell_jax as tj
 from twell_jax import features as tj_features
@@ -43,7 +42,7 @@ F32 = jnp.float32
 
 def _define_flags():
   flags.DEFINE_string("shape", "paper_0p5b", "model shape: paper_0p5b, or tiny (CPU)")
-  flags.DEFINE_list("levels", ["paper", "extreme"], "activity levels (benchmarks.trained)")
+  flags.DEFINE_list("levels", ["paper", "extreme"], "activity levels (benchmarks.common.trained)")
   flags.DEFINE_integer("steps", 1500, "training steps to the paper-like level")
   flags.DEFINE_integer("extreme_steps", 400, "further steps with the stronger L1")
   flags.DEFINE_string("impl", "mosaic_gpu", "sparse implementation to time")
@@ -181,10 +180,10 @@ def _jitted(kind, impl: str, hot: int = 0):
   key = (kind, impl, hot)
   if key not in _JITTED:
     if kind == "fwd":
-      fn = ((lambda *a: reference.dense_ffn(*a)[0]) if impl == "dense"
+      fn = ((lambda *a: reference.dense_ffn_hidden(*a)[0]) if impl == "dense"
             else (lambda *a: tj.ffn(*a, implementation=impl, hot_features=hot)))
     else:
-      fn = jax.grad(kernels.loss_fn(impl, specs_lib.Spec(kind[1]), hot_features=hot),
+      fn = jax.grad(specs_lib.loss_fn(impl, specs_lib.Spec(kind[1]), hot_features=hot),
                     argnums=(0, 1, 2, 3))
     _JITTED[key] = jax.jit(fn)
   return _JITTED[key]
@@ -217,7 +216,7 @@ def time_layer(x, wg, wu, wd, impl: str, iters: int, hot_variants=()) -> dict:
       ms = timing.wall_ms(_jitted(f, impl, kk if hot is None else hot), *a, iters=iters)
       out[f"{name}{label}_sparse_ms"], out[f"{name}{label}_ratio"] = ms, ms / out[base]
   y = _jitted("fwd", impl, k_fwd)(*args)
-  ref, _ = reference.reference_ffn(*args)
+  ref, _ = reference.reference_ffn_hidden(*args)
   out["rel_err"] = float(jnp.linalg.norm(y.astype(F32) - ref) / jnp.linalg.norm(ref))
   return out
 

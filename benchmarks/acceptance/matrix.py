@@ -1,7 +1,7 @@
 r"""The GPU acceptance matrix: the CLIs run as a user runs them, on every mesh the machine has.
 
-    python -m benchmarks.matrix --out=matrix.json                # every cell, then the shapes
-    python -m benchmarks.matrix --configs=tiny --impls=default --meshes=1 --shapes=   # one cell
+    python -m benchmarks.acceptance.matrix --out=matrix.json                # every cell, then the shapes
+    python -m benchmarks.acceptance.matrix --configs=tiny --impls=default --meshes=1 --shapes=   # one cell
 
 A cell is (config, FFN implementation, mesh). Meshes: "1" (one GPU), and with N > 1 devices
 "data=N", "fsdp=N" and, where N = 2k with k > 1, "data=2,fsdp=k". Each cell runs, through the
@@ -21,7 +21,7 @@ runs are short, so most of a cell is compiling, which overlaps.
 The runs are short (`STEPS` steps on the offline corpus with the byte tokenizer), long enough
 for two checkpoints and the per-layer choice's first decision.
 
-Then `benchmarks.shapes` (the kernels at public model shapes) runs, unless `--shapes=`.
+Then `benchmarks.sweeps.shapes` (the kernels at public model shapes) runs, unless `--shapes=`.
 Output: `{"device", "devices", "cells": [{"name", "ok", "error", "seconds", ...}],
 "shapes": [...]}`.
 """
@@ -41,9 +41,9 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import cli_run
-from benchmarks import kill_resume
-from train.training import checkpointing
+from benchmarks.common import cli_run
+from benchmarks.acceptance import kill_resume
+from train.state import checkpointing
 
 CONFIGS = ("tiny", "small", "paper_0p5b")
 IMPLS = ("default", "mosaic_gpu")
@@ -151,13 +151,39 @@ def _run(cmd, env, log, timeout) -> None:
     raise CellError(f"{' '.join(cmd[2:4])} exited {p.returncode}:\n{_tail(log)}")
 
 
+def run_tools(run: str, wd: str, env: dict, timeout: int) -> tuple[dict, list[str]]:
+  """`train.evaluate`, `train.generate` and `train.export_hf` on the workdir `run`, at once,
+  one process each (logs, the generation JSON and the export under `wd`): ({tool: whether it
+  exited 0}, the failures' messages)."""
+  tools = {
+      "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
+      "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
+                   "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
+                   f"--out={os.path.join(wd, 'generate.json')}"],
+      "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
+                    f"--out={os.path.join(wd, 'hf')}"],
+  }
+  done, errors = {}, []
+  with concurrent.futures.ThreadPoolExecutor(len(tools)) as pool:
+    futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
+               for k, cmd in tools.items()}
+    for k, fut in futures.items():
+      try:
+        fut.result()
+        done[k] = True
+      except (CellError, subprocess.TimeoutExpired) as e:
+        done[k] = False
+        errors.append(f"{k}: {e}")
+  return done, errors
+
+
 def compare_states(a: str, b: str) -> dict:
   """Train states of the last checkpoints of workdirs a and b, compared on the CPU (a
   subprocess: this process keeps off the GPUs)."""
   code = (
       "import json, sys, jax, numpy as np\n"
-      "from benchmarks import kill_resume\n"
-      "from train.training import checkpointing\n"
+      "from benchmarks.acceptance import kill_resume\n"
+      "from train.state import checkpointing\n"
       "a, b = sys.argv[1:3]\n"
       "step = max(checkpointing.steps_on_disk(a))\n"
       "print(json.dumps(dict(step=step, **kill_resume.compare("
@@ -171,85 +197,88 @@ def compare_states(a: str, b: str) -> dict:
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _train_and_kill(config: str, impl: str, mesh: str, wd: str, env: dict,
+                    timeout: int) -> int:
+  """Trains the cell twice side by side, an uninterrupted run (wd/ref) and one SIGKILLed after
+  its first checkpoint (wd/run); returns the step the killed run's last checkpoint holds."""
+  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
+  with open(os.path.join(wd, "ref.log"), "w") as f_ref, \
+       open(os.path.join(wd, "killed.log"), "w") as f_run:
+    p_ref = subprocess.Popen(train_cmd(config, impl, mesh, ref), env=env, stdout=f_ref,
+                             stderr=subprocess.STDOUT)
+    p_run = subprocess.Popen(train_cmd(config, impl, mesh, run), env=env, stdout=f_run,
+                             stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    while (not checkpointing.steps_on_disk(run) and p_run.poll() is None
+           and time.time() < deadline):
+      time.sleep(0.05)
+    p_run.send_signal(signal.SIGKILL)
+    p_run.wait()
+    try:
+      p_ref.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      p_ref.kill()
+      raise CellError("the uninterrupted run timed out")
+  killed_at = max(checkpointing.steps_on_disk(run), default=None)
+  if p_ref.returncode:
+    raise CellError(f"the uninterrupted run exited {p_ref.returncode}:\n"
+                    f"{_tail(os.path.join(wd, 'ref.log'))}")
+  if killed_at is None or killed_at >= STEPS:
+    raise CellError(f"the killed run was not stopped between checkpoints (checkpoints "
+                    f"{checkpointing.steps_on_disk(run)}):\n"
+                    f"{_tail(os.path.join(wd, 'killed.log'))}")
+  return killed_at
+
+
+def _check_resumed(cell: dict, wd: str, env: dict, timeout: int) -> list[str]:
+  """The resumed run's evaluate, generate and export_hf commands and its state against the
+  uninterrupted run's, into `cell`; returns the problems found."""
+  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    same = pool.submit(compare_states, ref, run)
+    done, problems = run_tools(run, wd, env, timeout)
+    cmp = same.result()
+  cell.update(done)
+  if cell.get("generate"):
+    # Which decode the CLI's defaults chose for this model (FFN per layer, attention).
+    with open(os.path.join(wd, "generate.json")) as f:
+      stats = json.load(f)["stats"]
+    cell["decode"] = {k: stats.get(k) for k in ("decode_ffn", "decode_attention",
+                                                 "decode_tokens_per_s")}
+  cell["same_state"] = bool(cmp["equal"])
+  cell["state_max_abs_diff"] = cmp["max_abs_diff"]
+  if not cell["same_state"]:
+    problems.append(f"the resumed run's state differs from the uninterrupted one's "
+                    f"(max abs diff {cmp['max_abs_diff']:.3g})")
+  return problems
+
+
 def run_cell(config: str, impl: str, mesh: str, root: str, gpus: str | None,
              timeout: int) -> dict:
+  """One cell: train, SIGKILL, resume, the same state, evaluate, generate, export."""
   name = f"{config}/{impl}/{mesh}"
   cell = {"name": name, "config": config, "impl": impl, "mesh": mesh, "ok": False,
           "error": None}
   wd = os.path.join(root, name.replace("/", "_").replace(",", "_").replace("=", ""))
   shutil.rmtree(wd, ignore_errors=True)
   os.makedirs(wd)
-  ref, run = os.path.join(wd, "ref"), os.path.join(wd, "run")
   t0 = time.time()
   try:
     env = _env(gpus)
-    with open(os.path.join(wd, "ref.log"), "w") as f_ref, \
-         open(os.path.join(wd, "killed.log"), "w") as f_run:
-      p_ref = subprocess.Popen(train_cmd(config, impl, mesh, ref), env=env, stdout=f_ref,
-                               stderr=subprocess.STDOUT)
-      p_run = subprocess.Popen(train_cmd(config, impl, mesh, run), env=env, stdout=f_run,
-                               stderr=subprocess.STDOUT)
-      deadline = time.time() + timeout
-      while not checkpointing.steps_on_disk(run) and p_run.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-      p_run.send_signal(signal.SIGKILL)
-      p_run.wait()
-      try:
-        p_ref.wait(timeout=max(1.0, deadline - time.time()))
-      except subprocess.TimeoutExpired:
-        p_ref.kill()
-        raise CellError("the uninterrupted run timed out")
-    killed_at = max(checkpointing.steps_on_disk(run), default=None)
+    killed_at = _train_and_kill(config, impl, mesh, wd, env, timeout)
     cell["killed_after_step"] = killed_at
-    if p_ref.returncode:
-      raise CellError(f"the uninterrupted run exited {p_ref.returncode}:\n"
-                      f"{_tail(os.path.join(wd, 'ref.log'))}")
-    if killed_at is None or killed_at >= STEPS:
-      raise CellError(f"the killed run was not stopped between checkpoints "
-                      f"(checkpoints {checkpointing.steps_on_disk(run)}):\n{_tail(os.path.join(wd, 'killed.log'))}")
     cell["train_s"] = round(time.time() - t0, 1)
     log = os.path.join(wd, "resume.log")
-    _run(train_cmd(config, impl, mesh, run), env, log, timeout)
+    _run(train_cmd(config, impl, mesh, os.path.join(wd, "run")), env, log, timeout)
     cell["resumed"] = f"Resumed from checkpoint step {killed_at}" in _tail(log, 10**7)
     if not cell["resumed"]:
       raise CellError(f"the rerun did not resume from step {killed_at}:\n{_tail(log)}")
-    tools = {
-        "evaluate": [sys.executable, "-m", "train.evaluate", f"--workdir={run}"],
-        "generate": [sys.executable, "-m", "train.generate", f"--workdir={run}",
-                     "--prompt=def ", "--max_new_tokens=16", "--temperature=0",
-                     f"--out={os.path.join(wd, 'generate.json')}"],
-        "export_hf": [sys.executable, "-m", "train.export_hf", f"--workdir={run}",
-                      f"--out={os.path.join(wd, 'hf')}"],
-    }
-    with concurrent.futures.ThreadPoolExecutor(len(tools) + 1) as pool:
-      futures = {k: pool.submit(_run, cmd, env, os.path.join(wd, f"{k}.log"), timeout)
-                 for k, cmd in tools.items()}
-      same = pool.submit(compare_states, ref, run)
-      errors = []
-      for k, fut in futures.items():
-        try:
-          fut.result()
-          cell[k] = True
-        except (CellError, subprocess.TimeoutExpired) as e:
-          cell[k] = False
-          errors.append(f"{k}: {e}")
-      cmp = same.result()
-    if cell.get("generate"):
-      # Which decode the CLI's defaults chose for this model (FFN per layer, attention).
-      with open(os.path.join(wd, "generate.json")) as f:
-        stats = json.load(f)["stats"]
-      cell["decode"] = {k: stats.get(k) for k in ("decode_ffn", "decode_attention",
-                                                   "decode_tokens_per_s")}
-    cell["same_state"] = bool(cmp["equal"])
-    cell["state_max_abs_diff"] = cmp["max_abs_diff"]
-    if not cell["same_state"]:
-      errors.append(f"the resumed run's state differs from the uninterrupted one's "
-                    f"(max abs diff {cmp['max_abs_diff']:.3g})")
-    if errors:
-      raise CellError("\n".join(errors))
+    problems = _check_resumed(cell, wd, env, timeout)
+    if problems:
+      raise CellError("\n".join(problems))
     cell["ok"] = True
-    for d in (ref, run, os.path.join(wd, "hf")):   # a passed cell keeps its logs only
-      shutil.rmtree(d, ignore_errors=True)
+    for d in ("ref", "run", "hf"):   # a passed cell keeps its logs only
+      shutil.rmtree(os.path.join(wd, d), ignore_errors=True)
   except (CellError, subprocess.TimeoutExpired, OSError) as e:
     cell["error"] = str(e)[-3000:]
   cell["seconds"] = round(time.time() - t0, 1)
@@ -297,7 +326,7 @@ def main(argv):
     return
   n = len(cli_run.gpu_names())
   if n == 0:
-    sys.exit("benchmarks.matrix needs NVIDIA GPUs (nvidia-smi lists none)")
+    sys.exit("benchmarks.acceptance.matrix needs NVIDIA GPUs (nvidia-smi lists none)")
   configs = [c for c in fl.configs.split(",") if c]
   impls = [i for i in fl.impls.split(",") if i]
   wanted = [m for m in fl.meshes.split(",") if m] if fl.meshes else None
@@ -333,7 +362,7 @@ def main(argv):
   if fl.shapes:
     shapes_json = os.path.join(root, "shapes.json")
     names = "" if fl.shapes == "all" else fl.shapes
-    p = subprocess.run([sys.executable, "-m", "benchmarks.shapes", f"--out={shapes_json}",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.sweeps.shapes", f"--out={shapes_json}",
                         f"--names={names}"], env=_env("0"), timeout=fl.timeout * 2)
     if p.returncode == 0:
       with open(shapes_json) as f:
@@ -348,7 +377,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("impls", ",".join(IMPLS), "FFN implementations; default: the config's")
   flags.DEFINE_string("meshes", None, "mesh kinds to run: 1, data, fsdp, data=2,fsdp=... "
                       "(default: all the machine has)")
-  flags.DEFINE_string("shapes", "all", "benchmarks.shapes names after the cells, 'all', or "
+  flags.DEFINE_string("shapes", "all", "benchmarks.sweeps.shapes names after the cells, 'all', or "
                       "empty for none")
   flags.DEFINE_string("workdir", None, "where the cells' workdirs go (default: a temp dir)")
   flags.DEFINE_integer("timeout", 900, "seconds per command")

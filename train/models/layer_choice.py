@@ -6,9 +6,7 @@ different speeds per layer. `LayerChoice` keeps each layer on the dense FFN unti
 FFN's predicted time falls below `sparse_below` of the dense one's, and sends it back only
 above `dense_above` in two decisions in a row, holding its K at the first (hysteresis: no
 flapping around one threshold, and no round trip to dense or to a near-dense K for one window
-of unusual batches: in runs of the paper shape from initialisation the last two layers' heavy
-rows spiked in the 20 steps before step 1,040 and sent them dense for 110-140 steps, at
-1.0-1.16x dense per step instead of 1.3-1.45x).
+of unusual batches, which a few batches with many heavy rows cause).
 
 The prediction (`CostModel`) is linear in what the sparse kernels do: a fixed part (the gate
 GEMM, which stays dense, and the packing), the hot features K computed as dense GEMM columns
@@ -16,33 +14,24 @@ GEMM, which stays dense, and the packing), the hot features K computed as dense 
 
     ratio = fixed + hot * K / H + tail * tail_entries_per_token / (H * BREAK_EVEN_RATE)
 
-Its coefficients are fitted to the kernel benchmark (`benchmarks.kernels`, H100, paper shape
-M=16384, D=2048, H=5632, ratio to XLA dense in one process;
-`benchmarks/results/h100/kernels_hot_block_*.json`): all activity on K = 1024, 2048
-and 3328 features with no tail (`paper_16k_block<K>`: forward + backward 0.53, 0.75, 0.98;
-forward 0.57, 0.80, 0.84) and 30.6 uniform entries per token with K = 0 (`paper_16k`: 0.73;
-0.88). The captured layers (`benchmarks.captured`: forward + backward 0.46-0.57 with K of
-256-768 and a few tail entries) land within 0.07 of it. Real L1-trained layers hold 90-99% of
-their activity in a few hundred hot features, so a layer with 60-100 active per token is
-predicted at 0.45-0.6 in training.
-
-The coefficients hold at the paper shape. At another shape (D, H, M tokens per device) the
-prediction is scaled by the kernels' measured speed there relative to the paper shape
-(`twell_jax.shape_costs.shape_factor`), and at a shape where the kernels measured slower than
-dense (`twell_jax.shape_costs.sparse_loses`: D <= 960 on an H100 today) no layer runs sparse.
+Its coefficients are fitted to the kernel benchmark at the paper shape (`benchmarks.kernels`:
+all activity on K hot features with no tail, and uniform activity with K = 0); the fit and how
+the captured layers land on it: docs/performance.md. At another shape the prediction is
+scaled by the kernels' measured speed there relative to the paper shape (`shape_scale`), and
+where the kernels measured slower than dense (`shape_loses`) no layer runs sparse; the
+decider (`train.models.implementations`) sets both from `twell_jax.shape_costs` and the
+registry.
 
 With `update_from_counts`, each decision also picks every layer's K: a multiple of 256 that
 minimizes the prediction (a hot column is worth `CostModel.break_even` of the tokens), with
 hysteresis (a new K is taken when it improves the prediction by more than `HOT_CHANGE_GAIN`,
 or when the K in use leaves long columns to the backward's column kernels:
-`twell_jax.features.column_floor`),
-and gives the popularity order of the features, which the trainer applies to the parameters
-(`train.models.transformer.permute_ffn_features`) so that the first K features are the hottest. Decisions
-run on the host, every `every` steps, from the counts summed since the last decision
-(`train.training.choice_steps`); a step is recompiled only when
-an implementation or a sparse layer's K changes (a few times per run), and no conditional
-runs on the device. The reference implementation switches at 50 active features per token
-every 20 forward calls.
+`twell_jax.features.column_floor`), and gives the popularity order of the features, which the
+trainer applies to the parameters (`train.models.transformer.permute_ffn_features`) so that
+the first K features are the hottest. Decisions run on the host, every `every` steps, from the
+counts summed since the last decision (`train.training.choice_steps`); a step is recompiled
+only when an implementation or a sparse layer's K changes (a few times per run), and no
+conditional runs on the device.
 """
 
 from __future__ import annotations
@@ -52,8 +41,6 @@ import dataclasses
 import numpy as np
 
 from twell_jax import features as features_lib
-from twell_jax import shape_costs
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +67,12 @@ INFERENCE_COST = CostModel(fixed=0.50, hot=0.64, tail=0.70)    # forward
 # Rows over the ELL width (`FFNStats.heavy_rows_by_hot`) run on the kernels' dense tail, at
 # about the dense FFN's cost for those rows; the tail holds R = M / 8 rows in buckets of R/16,
 # R/4 and R (`pallas_kernels.ffn_train_mgpu.tail_buckets`), and more heavy rows than R take
-# the dense FFN after the kernels. Batches vary: a layer of the paper shape trained from
-# initialisation measured 50 to 250 active features per token from one batch to another
-# (steps 1,500-2,500, `benchmarks.whole_run`), its heavy rows 0 to 8,400; a K is judged by
-# `HEAVY_MARGIN` times the heavy rows its decision saw.
+# the dense FFN after the kernels. A layer's heavy rows vary widely from batch to batch, so a
+# K is judged by `HEAVY_MARGIN` times the heavy rows its decision saw.
 TAIL_ROW_COST = 1.2
 TAIL_BUCKETS = (0.0, 1 / 128, 1 / 32, 1 / 8)
 HEAVY_MARGIN = 4.0
+DENSE = "dense"   # the implementation of a layer the choice keeps dense
 # Thresholds on the predicted ratio.
 DEFAULT_SPARSE_BELOW = 0.9
 DEFAULT_DENSE_ABOVE = 1.0
@@ -95,12 +81,11 @@ INFERENCE_SPARSE_BELOW = 0.9
 # this: a smaller gain is not worth a recompiled step.
 HOT_CHANGE_GAIN = 0.03
 # The predicted saving, in steps of the dense model, below which a new choice is not built.
-# A build beside training costs the loop little (paper 0.5B shape, H100, 16 CPU cores: the 100
-# steps around a 14 s build took 12.48 s against 12.34 s without one), but a choice in flight
-# holds off the next decision until it lands (`choice_steps`), and a prediction is good to
-# about 0.07 of the dense FFN's time (module docstring): a choice must save clearly more than
-# the loop's 1% of a build. In steps, not seconds, so that whether a choice is built does not
-# depend on how fast this machine is (the same decisions in every run of a seed).
+# A build beside training costs the loop little, but a choice in flight holds off the next
+# decision until it lands (`choice_steps`), and a prediction is good to a few hundredths of the
+# dense FFN's time: a choice must save clearly more than that. In steps, not seconds, so that
+# whether a choice is built does not depend on how fast this machine is (the same decisions in
+# every run of a seed).
 BUILD_COST_STEPS = 20.0
 
 
@@ -124,8 +109,7 @@ class LayerChoice:
   """Per-layer FFN implementation and hot features with hysteresis (module docstring)."""
   n_layers: int
   d_ff: int
-  sparse: str = "mosaic_gpu"
-  dense: str = "dense"
+  sparse_implementation: str = "mosaic_gpu"
   sparse_below: float = DEFAULT_SPARSE_BELOW
   dense_above: float = DEFAULT_DENSE_ABOVE
   cost: CostModel = TRAINING_COST
@@ -134,11 +118,11 @@ class LayerChoice:
   # Per layer: sparse and predicted above `dense_above` at the last decision (a second such
   # decision sends it dense).
   over: list[bool] | None = None
-  # The layers' shape: D and the tokens of one FFN call (per device), for the mosaic_gpu
-  # kernels' measured speed there. None: the paper shape, where the cost model was fitted (also
-  # what to pass for the interpreter, which runs for correctness, not speed).
-  d_model: int | None = None
-  tokens: int | None = None
+  # The layers' shape: the sparse kernels' measured speed there over the paper shape's, where
+  # the cost model was fitted, and whether they lose to dense there (then no layer runs
+  # sparse). Set by `train.models.implementations`; the defaults are the paper shape's.
+  shape_scale: float = 1.0
+  shape_loses: bool = False
   # Keep every feature with more than twice a fair share of a layer's entries among its hot
   # ones (`twell_jax.features.column_floor`); False: K from the cost model alone.
   column_floor: bool = True
@@ -150,17 +134,11 @@ class LayerChoice:
     if self.d_ff <= 0:
       raise ValueError(f"d_ff must be positive; got {self.d_ff}")
     if self.current is None:
-      self.current = [self.dense] * self.n_layers
+      self.current = [DENSE] * self.n_layers
     if self.hot is None:
       self.hot = [0] * self.n_layers
     if self.over is None:
       self.over = [False] * self.n_layers
-    mode = "fwd" if self.cost is INFERENCE_COST else "fwd_bwd"
-    if self.d_model is None or self.sparse != "mosaic_gpu":
-      self.shape_scale, self.shape_loses = 1.0, False
-    else:
-      self.shape_scale = shape_costs.shape_factor(self.d_model, self.d_ff, self.tokens, mode)
-      self.shape_loses = shape_costs.sparse_loses(self.d_model, self.d_ff, self.tokens)
     # The last update_from_counts: per layer, active features per token outside the hot
     # ones, and the predicted ratio.
     self.tail = None
@@ -188,18 +166,19 @@ class LayerChoice:
 
   @classmethod
   def for_inference(cls, tail_per_token, d_ff: int, hot_features=None,
-                    sparse: str = "mosaic_gpu", d_model: int | None = None,
-                    tokens: int | None = None) -> "LayerChoice":
+                    sparse_implementation: str = "mosaic_gpu", shape_scale: float = 1.0,
+                    shape_loses: bool = False) -> "LayerChoice":
     """The per-layer choice for a forward-only model with fixed weights: sparse where the
-    forward's predicted ratio (`INFERENCE_COST`, at the shape d_model x d_ff with `tokens`
-    per call) is below `INFERENCE_SPARSE_BELOW` (one decision, no hysteresis).
-    `tail_per_token` [L]: each layer's active features per token outside its `hot_features`
-    [L] (default none: the active features per token)."""
+    forward's predicted ratio (`INFERENCE_COST`, scaled by `shape_scale`) is below
+    `INFERENCE_SPARSE_BELOW` (one decision, no hysteresis). `tail_per_token` [L]: each
+    layer's active features per token outside its `hot_features` [L] (default none: the
+    active features per token)."""
     tail = np.asarray(tail_per_token, np.float64).reshape(-1)
     hot = np.zeros_like(tail) if hot_features is None else np.asarray(hot_features)
-    choice = cls(tail.shape[0], d_ff, sparse=sparse, sparse_below=INFERENCE_SPARSE_BELOW,
-                 dense_above=INFERENCE_SPARSE_BELOW, cost=INFERENCE_COST, d_model=d_model,
-                 tokens=tokens)
+    choice = cls(tail.shape[0], d_ff, sparse_implementation=sparse_implementation,
+                 sparse_below=INFERENCE_SPARSE_BELOW,
+                 dense_above=INFERENCE_SPARSE_BELOW, cost=INFERENCE_COST,
+                 shape_scale=shape_scale, shape_loses=shape_loses)
     choice.update(choice.predict(hot, tail))
     return choice
 
@@ -212,11 +191,11 @@ class LayerChoice:
       raise ValueError(f"got {ratios.shape[0]} layers' activity for {self.n_layers} layers")
     new, over = list(self.current), [False] * self.n_layers
     for l, r in enumerate(ratios):
-      if new[l] == self.dense and r < self.sparse_below:
-        new[l] = self.sparse
-      elif new[l] == self.sparse and r > self.dense_above:
+      if new[l] == DENSE and r < self.sparse_below:
+        new[l] = self.sparse_implementation
+      elif new[l] == self.sparse_implementation and r > self.dense_above:
         if self.over[l]:
-          new[l] = self.dense
+          new[l] = DENSE
         else:
           over[l] = True
     changed = new != self.current
@@ -253,21 +232,18 @@ class LayerChoice:
         k = min(range(k, c.shape[0], features_lib.TILE_N), key=predict, default=k)
       if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
         # A K under the long columns' floor is never kept, however the prediction compares:
-        # with one CTA per column the backward's column kernels lost what the linear model
-        # cannot see (a layer at 1.9 active per token, one feature on 22% of the tokens: 0.36
-        # predicted at K = 0, 1.19-1.89x dense measured on an H200); they cut long columns
-        # into pieces since (`sparse_backward_mgpu.column_pieces`), not measured at K = 0.
+        # a feature that fires on a large share of the tokens makes a long column for the
+        # backward's column kernels, a cost the linear model does not see.
         if (predict(hot[l]) - predict(k) > HOT_CHANGE_GAIN
             or (self.column_floor and hot[l] < features_lib.column_floor(c, tokens))):
           hot[l] = k
       # Every feature hot: the dense FFN is that computation without the sparse overhead.
       ratio = lambda k, c=c, predict=predict: np.inf if k >= c.shape[0] else predict(k)
-      if (self.current[l] == self.sparse and not self.over[l]
+      if (self.current[l] == self.sparse_implementation and not self.over[l]
           and ratio(hot[l]) > self.dense_above):
         # A first decision over dense_above holds the layer as it runs, K included: a new
-        # K for one window of unusual batches is a build whose step runs slower than both
-        # (a run from initialisation took K = 4352-5376 in three layers at a loss spike
-        # near step 260 and ran them at ~1.35x dense for 120 steps).
+        # K for one window of unusual batches (a loss spike) is a build whose step runs
+        # slower than both.
         hot[l] = self.hot[l]
       tails.append(tail_of(hot[l]))
       ratios.append(ratio(hot[l]))
@@ -283,7 +259,7 @@ class LayerChoice:
     out = []
     heavy = [None] * len(key[0]) if heavy_rows_by_hot is None else heavy_rows_by_hot
     for name, k, c, hv in zip(*key, np.asarray(feature_counts), heavy):
-      if name != self.sparse:
+      if name != self.sparse_implementation:
         out.append(1.0)
       else:
         tail = _at(features_lib.tail_work(c, tokens), k)
@@ -297,7 +273,8 @@ class LayerChoice:
   @property
   def hot_features(self) -> tuple[int, ...]:
     """Each layer's hot features (0 on dense layers, where they mean nothing)."""
-    return tuple(k if name == self.sparse else 0 for name, k in zip(self.current, self.hot))
+    return tuple(k if name == self.sparse_implementation else 0
+                 for name, k in zip(self.current, self.hot))
 
   @property
   def key(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -308,5 +285,5 @@ class LayerChoice:
     """'S' for a sparse layer (with its hot features, 'S512'), 'D' for a dense one, in layer
     order (of `key`, default the current choice), space-separated."""
     names, hot = key or self.key
-    return " ".join(("S" + (str(k) if k else "")) if name == self.sparse else "D"
+    return " ".join(("S" + (str(k) if k else "")) if name == self.sparse_implementation else "D"
                     for name, k in zip(names, hot))

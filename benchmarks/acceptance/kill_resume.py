@@ -1,7 +1,7 @@
 r"""Kill and resume on the machine's devices: does a SIGKILLed run continue the same run?
 
-    python -m benchmarks.kill_resume --out=kill_resume.json -- --config.mesh.data=2
-    python -m benchmarks.kill_resume --config=configs/tiny.py --steps=20 --every=5   # CPU
+    python -m benchmarks.acceptance.kill_resume --out=kill_resume.json -- --config.mesh.data=2
+    python -m benchmarks.acceptance.kill_resume --config=configs/tiny.py --steps=20 --every=5   # CPU
 
 Three `python -m train.main` runs of the same command (`--config`, `--steps`, checkpoints
 every `--every` steps, all kept, plus the flags after `--`):
@@ -69,8 +69,8 @@ def _committed(workdir) -> list[int]:
 def state(workdir, step):
   """The train state of checkpoint `step`, restored on this process's devices (any backend:
   the FFN implementation of the run does not change the state's layout)."""
-  from train.training import checkpointing  # pylint: disable=import-outside-toplevel
-  from train.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from train.state import checkpointing  # pylint: disable=import-outside-toplevel
+  from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
   _, meta = checkpointing.read_meta(workdir, step)
   cfg = ml_collections.ConfigDict(meta["config"])
@@ -95,7 +95,7 @@ def compare(a, b) -> dict:
 
 
 def main(argv):
-  from train.training import metrics  # pylint: disable=import-outside-toplevel
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
   metrics.quiet_library_logs()
   fl = flags.FLAGS
   extra = argv[1:]

@@ -11,8 +11,8 @@ import jax
 
 from train.data import pipeline as data_lib
 from train.hf import init_state as hf_init
-from train.training import checkpointing
-from train.training import trainer as trainer_lib
+from train.state import checkpointing
+from train.state import trainer as trainer_lib
 
 
 def import_checkpoint(hf_dir: str, workdir: str, cfg) -> dict:

@@ -136,6 +136,27 @@ def summarize_breakdown(label: str, table, top: int = 12) -> dict:
   return {"kernels": [[n, t] for n, t in table], "kernel_sum_ms": total}
 
 
+def kernel_kind(name: str) -> str:
+  """The kind of a GPU kernel by its name: the sparse FFN kernels, cuDNN attention, GEMMs or
+  the rest."""
+  n = name.lower()
+  if "twell" in n or "mosaic" in n:
+    return "sparse FFN kernels"
+  if "cudnn" in n or "flash" in n or "fmha" in n or "sdpa" in n:
+    return "attention (cuDNN)"
+  if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "sm90", "triton_gemm")):
+    return "GEMMs"
+  return "other (fusions, copies, reductions)"
+
+
+def by_kind(table) -> dict[str, float]:
+  """{kind: ms} of a `kernel_breakdown` table (`kernel_kind`); {} for None."""
+  kinds: dict[str, float] = {}
+  for name, t in table or ():
+    kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t
+  return kinds
+
+
 def _union(intervals) -> list[tuple[float, float]]:
   out = []
   for a, b in sorted(intervals):

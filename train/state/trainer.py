@@ -19,27 +19,20 @@ from train import errors
 from train.config import checks as config_checks
 from train.data import pipeline as data_lib
 from train.data import tokenizer as tokenizer_lib
-from train.models import ffn_choice
 from train.models import transformer as model_lib
 from train.runtime import compilation
-from train.runtime import mesh as sharding_lib
-from train.training import layer_choice as layer_choice_lib
-from train.training import optim
-from train.training import sparsity
-from train.training import steps as steps_lib
+from train.runtime import mesh as mesh_lib
+from train.state import optim
+from train.state import sparsity
+from train.state import steps as steps_lib
 
-def make_mesh(mesh_cfg=None) -> jax.sharding.Mesh:
+
+def _mesh_of(mesh_cfg=None) -> jax.sharding.Mesh:
   """The config's ("data", "fsdp") mesh over all devices (ConfigError if it does not fit)."""
   try:
-    return sharding_lib.make_mesh(mesh_cfg)
-  except sharding_lib.MeshError as e:
+    return mesh_lib.make_mesh(mesh_cfg)
+  except mesh_lib.MeshError as e:
     raise errors.ConfigError(f"config.mesh: {e}") from e
-
-
-# data.tokenizer -> the field that names its file.
-def check_config(cfg, n_devices: int, n_processes: int):
-  """Raises ConfigError naming the first bad field (`train.config.checks.check`)."""
-  config_checks.check(cfg, n_devices, n_processes)
 
 
 class Trainer:
@@ -47,8 +40,8 @@ class Trainer:
 
   def __init__(self, cfg, mesh=None):
     self.cfg = cfg
-    self.mesh = mesh or make_mesh(cfg.get("mesh"))
-    check_config(cfg, self.mesh.size, jax.process_count())
+    self.mesh = mesh or _mesh_of(cfg.get("mesh"))
+    config_checks.check(cfg, self.mesh.size, jax.process_count())
     self.model_cfg = model_lib.ModelConfig.from_config(cfg.model)
     self.lm = model_lib.LanguageModel(self.model_cfg)
     self.tokenizer = tokenizer_lib.make_tokenizer(cfg.data)
@@ -57,14 +50,14 @@ class Trainer:
                        f"below the tokenizer's {self.tokenizer.vocab_size}")
     self.tx = optim.make_optimizer(cfg)
     self.replicated = NamedSharding(self.mesh, P())
-    self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
-    self.eval_sharding = sharding_lib.eval_sharding(self.mesh)
+    self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
+    self.eval_sharding = mesh_lib.eval_sharding(self.mesh)
     shapes = jax.eval_shape(self.init_state, jax.random.key(0))
     # The optimizer's moments, and the gradients inside the step, share one layout.
-    self.grad_sharding = sharding_lib.moment_shardings(
+    self.grad_sharding = mesh_lib.moment_shardings(
         shapes["params"], self.mesh, scan_layers=self.model_cfg.scan_layers,
         shard_optimizer=bool((cfg.get("mesh") or {}).get("shard_optimizer", False)))
-    self.state_sharding = sharding_lib.state_shardings(
+    self.state_sharding = mesh_lib.state_shardings(
         shapes, self.tx, self.mesh, scan_layers=self.model_cfg.scan_layers,
         moments=self.grad_sharding)
     # Evaluation steps per FFN choice (jitted or compiled), and compiles started ahead.
@@ -87,57 +80,32 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_sharding)
 
-  def _model(self, layer_ffn=None):
-    """The model, its FFNs overridden by `layer_ffn` (L implementation names and L numbers of
+  def _model(self, layer_key=None):
+    """The model, its FFNs overridden by `layer_key` (L implementation names and L numbers of
     hot features) when given."""
-    if layer_ffn is None:
+    if layer_key is None:
       return self.lm
-    names, hot = layer_ffn
+    names, hot = layer_key
     return model_lib.LanguageModel(dataclasses.replace(
         self.model_cfg, ffn_layer_implementations=tuple(names),
         ffn_layer_hot_features=tuple(hot)))
 
-  def jit_train_step(self, layer_ffn=None):
-    """The jitted step; `layer_ffn` (a `LayerChoice.key`: L implementation names and L
+  def jit_train_step(self, layer_key=None):
+    """The jitted step; `layer_key` (a `LayerChoice.key`: L implementation names and L
     numbers of hot features) overrides the model's FFNs."""
-    step = steps_lib.make_train_step(self._model(layer_ffn), self.tx, self.cfg,
+    step = steps_lib.make_train_step(self._model(layer_key), self.tx, self.cfg,
                                      grad_sharding=self.grad_sharding)
-    return jax.jit(sharding_lib.traced_in(self.mesh, step),
+    return jax.jit(mesh_lib.traced_in(self.mesh, step),
                    in_shardings=(self.state_sharding, self.batch_sharding),
                    out_shardings=(self.state_sharding, self.replicated),
                    donate_argnums=0)
 
-  def compile_train_step(self, layer_ffn, state_spec, batch_spec, *, autotune: bool = True):
-    """`jit_train_step(layer_ffn)` compiled ahead of time for these argument types (and
+  def compile_train_step(self, layer_key, state_spec, batch_spec, *, autotune: bool = True):
+    """`jit_train_step(layer_key)` compiled ahead of time for these argument types (and
     shardings); `autotune=False` compiles a GPU step with `compilation.NO_AUTOTUNE`."""
-    lowered = self.jit_train_step(layer_ffn).lower(state_spec, batch_spec)
+    lowered = self.jit_train_step(layer_key).lower(state_spec, batch_spec)
     untuned = not autotune and jax.default_backend() == "gpu"
     return lowered.compile(compiler_options=compilation.NO_AUTOTUNE if untuned else None)
-
-  def tokens_per_call(self) -> int:
-    """Rows of one FFN call in a train step: a micro-batch's share of one device."""
-    return ffn_choice.tokens_per_call(self.cfg, self.mesh.size)
-
-  def ffn_implementation(self) -> str:
-    """The FFN implementation the model's layers run here (`train.models.ffn_choice`)."""
-    return ffn_choice.implementation(self.model_cfg, self.tokens_per_call())
-
-  def layer_choice(self) -> "layer_choice_lib.LayerChoice | None":
-    """The per-layer FFN choice the config asks for, or None (see configs/default.py)."""
-    lc, mc = self.cfg.get("layer_choice"), self.model_cfg
-    if (lc is None or not lc.enabled or mc.ffn_implementation is not None
-        or mc.ffn_activation != "relu"):
-      return None
-    tokens = self.tokens_per_call()
-    sparse = ffn_choice.implementation(mc, tokens, None if lc.sparse == "auto" else lc.sparse)
-    if sparse == "dense":
-      return None
-    return layer_choice_lib.LayerChoice(mc.n_layers, mc.d_ff, sparse=sparse,
-                                        sparse_below=lc.sparse_below,
-                                        dense_above=lc.dense_above,
-                                        d_model=None if mc.interpret else mc.d_model,
-                                        tokens=tokens,
-                                        column_floor=lc.column_floor)
 
   def sort_features(self, state, order):
     """`state` with each layer's hidden features in `order` [L, H] (the parameters, the
@@ -163,15 +131,15 @@ class Trainer:
         num_batches=cfg.eval_batches, shard_index=jax.process_index(),
         shard_count=jax.process_count())
 
-  def _eval_step(self, layer_ffn=None):
-    """The jitted evaluation step of the FFN choice `layer_ffn` (None: the model's own),
+  def _eval_step(self, layer_key=None):
+    """The jitted evaluation step of the FFN choice `layer_key` (None: the model's own),
     one per Trainer and choice."""
-    if layer_ffn not in self._eval_steps:
-      self._eval_steps[layer_ffn] = jax.jit(sharding_lib.traced_in(
-          self.mesh, steps_lib.make_eval_step(self._model(layer_ffn))))
-    return self._eval_steps[layer_ffn]
+    if layer_key not in self._eval_steps:
+      self._eval_steps[layer_key] = jax.jit(mesh_lib.traced_in(
+          self.mesh, steps_lib.make_eval_step(self._model(layer_key))))
+    return self._eval_steps[layer_key]
 
-  def compile_eval_ahead(self, params, batch, layer_ffn=None):
+  def compile_eval_ahead(self, params, batch, layer_key=None):
     """Compiles the evaluation step for `params` and held-out batches like `batch` on a
     worker thread, for `evaluate` to use: the first evaluation of a run then does not compile
     (a second or two, more beside a background build of the per-layer choice)."""
@@ -179,21 +147,21 @@ class Trainer:
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     specs = (jax.tree.map(like, params), like(self.put_batch(batch, self.eval_sharding)))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    self._eval_ahead[layer_ffn] = pool.submit(
-        lambda: self._eval_step(layer_ffn).lower(*specs).compile())
+    self._eval_ahead[layer_key] = pool.submit(
+        lambda: self._eval_step(layer_key).lower(*specs).compile())
     pool.shutdown(wait=False)
 
-  def evaluate(self, params, batches, layer_ffn=None) -> dict:
-    """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_ffn` (a
+  def evaluate(self, params, batches, layer_key=None) -> dict:
+    """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_key` (a
     `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`. `loss_se` is the
     loss's standard error from the spread of the batches' own losses (0 for one batch);
     `batch_losses` are those losses, in the batches' order (the held-out batches are the same
     for every run of one data config, so two runs compare batch by batch)."""
-    ahead = self._eval_ahead.pop(layer_ffn, None)
-    eval_step = self._eval_step(layer_ffn)
+    ahead = self._eval_ahead.pop(layer_key, None)
+    eval_step = self._eval_step(layer_key)
     if ahead is not None:
       try:
-        eval_step = self._eval_steps[layer_ffn] = ahead.result()
+        eval_step = self._eval_steps[layer_key] = ahead.result()
       except Exception:  # pylint: disable=broad-except  # compiled here instead, and raised
         pass
     tot, batch_losses = None, []

@@ -1,7 +1,7 @@
 r"""The kernels at public model shapes: exact against the f32 reference, and their speed.
 
-    python -m benchmarks.shapes --out=shapes.json              # every shape of SHAPES
-    python -m benchmarks.shapes --names=qwen2_0p5b,llama3_8b
+    python -m benchmarks.sweeps.shapes --out=shapes.json              # every shape of SHAPES
+    python -m benchmarks.sweeps.shapes --names=qwen2_0p5b,llama3_8b
 
 For each (D, H) of a public model's FFN and a token count (several are not multiples of the
 kernels' tiles), on inputs from `twell_jax.testing.ffn_inputs` with `--active` features per
@@ -9,7 +9,7 @@ token spread uniformly (random weights carry no popularity skew, so no hot featu
 
   * forward and forward + backward (with the L1 term) of `twell_jax.ffn(implementation=
     "mosaic_gpu")` against the same call with `implementation="dense"`: pipelined ms per call
-    (`benchmarks.timing.pipelined_ms`), one process, the same inputs; ratio = sparse / dense;
+    (`benchmarks.common.timing.pipelined_ms`), one process, the same inputs; ratio = sparse / dense;
   * `exact`: y and every gradient within bf16 tolerance of `twell_jax.reference_ffn`'s f32
     result (relative Frobenius error below `TOLERANCE`).
 
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import twell_jax
-from benchmarks import timing
+from benchmarks.common import timing
 from twell_jax.testing import ffn_inputs
 
 F32 = jnp.float32
