@@ -46,17 +46,11 @@ _WORKDIR: list[str] = []
 def workdir() -> str:
   """A micro model (context CONTEXT) trained for a few steps, once per test process."""
   if not _WORKDIR:
-    from train.training import loop  # pylint: disable=import-outside-toplevel
     wd = tempfile.mkdtemp(prefix="twell_lm_eval_")
     atexit.register(shutil.rmtree, wd, ignore_errors=True)
     cfg = tu.micro_config(**{"data.seq_len": CONTEXT, "num_train_steps": 4, "batch_size": 4,
                              "checkpoint_every": 4, "learning_rate": 3e-3})
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)   # cheap compiles
-    try:
-      loop.train_and_evaluate(cfg, wd)
-    finally:
-      jax.config.update("jax_disable_most_optimizations", before)
+    tu.train_cheaply(cfg, wd)
     _WORKDIR.append(wd)
   return _WORKDIR[0]
 

@@ -134,7 +134,6 @@ def trained_workdir(kind: str = "relu") -> str:
   if kind not in _TRAINED:
     import atexit  # pylint: disable=g-import-not-at-top
     import shutil  # pylint: disable=g-import-not-at-top
-    from train.training import loop as train_lib  # pylint: disable=g-import-not-at-top
     wd = tempfile.mkdtemp(prefix=f"twell_trained_{kind}_")
     atexit.register(shutil.rmtree, wd, ignore_errors=True)
     if kind == "relu":
@@ -147,11 +146,17 @@ def trained_workdir(kind: str = "relu") -> str:
                              "model.ffn_implementation": "dense"})
     else:
       raise ValueError(kind)
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)   # cheap compiles
-    try:
-      train_lib.train_and_evaluate(cfg, wd)
-    finally:
-      jax.config.update("jax_disable_most_optimizations", before)
+    train_cheaply(cfg, wd)
     _TRAINED[kind] = wd
   return _TRAINED[kind]
+
+
+def train_cheaply(cfg, workdir: str) -> None:
+  """Trains `cfg` in `workdir` with XLA's optimizations off (cheap compiles)."""
+  from train.training import loop as train_lib  # pylint: disable=g-import-not-at-top
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    train_lib.train_and_evaluate(cfg, workdir)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
