@@ -23,13 +23,11 @@ Runs of another checkout or with overrides get their own ratios to dense SiLU bu
 the summary's (`wall_ratios`, `same_decisions`).
 
 With `--parallel` the runs start together (or `--stagger_s` apart), one GPU each (each process
-sees only its GPU;
-the runs share the host's CPUs: a choice's build is CPU work, and builds slowed by other
-processes on the host made the loop wait at landings); otherwise one after the other on the
-first GPU. GPU training is not bitwise reproducible by default, and two runs of one seed can
+sees only its GPU; the runs share the host's CPUs, where a choice's build runs, so landings can
+wait on them); otherwise one after the other on the first GPU. GPU training is not bitwise reproducible by default, and two runs of one seed can
 decide differently near a threshold; `--deterministic` runs every command with XLA's
 deterministic GPU ops (the training kernels use no atomics; the model then takes XLA's
-attention, `train.models.transformer.attention_implementation`). Before the runs the offline
+attention, `train.models.implementations.attention`). Before the runs the offline
 corpus's held-out split is read once, untimed (`warm_corpus`): every run starts with the same
 warm file cache.
 
@@ -45,8 +43,10 @@ tokens/s, active features per token and rows that left the sparse kernels per la
 number of layers gathering features and their hot features; the per-layer decisions and the
 steps they land on. JSON (`--out`): {"device", "steps", "tokens_per_step", "gpus_per_run" (1
 with `--parallel`, else every GPU of the machine: a data-parallel mesh), "runs": [{"name",
-"wall_s", "eval_ce", "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows",
-"sparse_layers", "hot_features"}], "decisions": [[step, choice, landing step]],
+"wall_s", "eval_ce", "evals": [{"step", "seconds", "ce", "ce_se" (its standard error over the
+batches), "tokens", "batch_ce" (each held-out batch's)}], "data_passes" (over the corpus),
+"points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows", "sparse_layers",
+"hot_features"}], "decisions": [[step, choice, landing step]],
 "landing_waits_s": [[step, seconds the loop waited for that landing's build]], "build_s":
 [[step, seconds that landing's build took]], ...,
 "phases" ([label, seconds] of the wall-clock cut at the first step and the evaluations,
