@@ -8,6 +8,8 @@ host or per GPU): the same command in each, with --coordinator_address, --num_pr
 them; docs/cluster.md).
 """
 
+import signal
+
 from absl import flags
 from absl import logging
 import jax
@@ -37,6 +39,11 @@ def main():
   f = flags.FLAGS
   loop.train_and_evaluate(f.config, f.workdir, accept_config_change=f.accept_config_change,
                           allow_fresh_start=f.allow_fresh_start)
+  # Every step ran and the last checkpoint is committed: a SIGTERM during the exit (JAX's
+  # teardown takes a moment, after Python has put back the default handlers, which would end
+  # the process as killed) must not report the finished run as killed. Ignored, not handled:
+  # an ignored signal stays ignored through the interpreter's finalization.
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
