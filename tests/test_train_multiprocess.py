@@ -86,8 +86,10 @@ class MultiProcessTest(absltest.TestCase):
 
   def test_lost_processes_killed_jobs_and_reruns_as_a_cluster_runs_them(self):
     out = os.path.join(tempfile.mkdtemp(prefix="twell_mp_smoke_"), "mp.json")
+    # The checks only: the throughput part times the dense model on GPUs (its CPU smoke would
+    # add a minute of CI for no measure).
     r = subprocess.run([sys.executable, "-m", "benchmarks.acceptance.multiprocess", "--smoke",
-                        f"--out={out}", f"--workdir={os.path.dirname(out)}"],
+                        "--parts=checks", f"--out={out}", f"--workdir={os.path.dirname(out)}"],
                        cwd=tu.REPO, env=tu.run_env(), capture_output=True, text=True,
                        timeout=900)
     self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
@@ -113,10 +115,6 @@ class MultiProcessTest(absltest.TestCase):
     self.assertRegex(lines[0], r"^error: lost process 1 of 2 silent for 1\d s: killed, crashed "
                      r"or its host is gone; process 0 stops too \(exit 75\)\. Rerun the job: it "
                      r"resumes from its last committed checkpoint\.$")
-    tp = cell["throughput"]
-    self.assertGreater(tp["one_process_tokens_per_s"], 0)
-    self.assertGreater(tp["processes_tokens_per_s"], 0)
-    self.assertAlmostEqual(result["throughput_ratio"], tp["ratio"])
 
 
 @pytest.mark.gpu
