@@ -41,9 +41,6 @@
 #             decode part's cached weights, trained first if missing; or --workdir=W;
 #             $LM_EVAL_FLAGS). Needs lm-eval, datasets and their needs the image lacks as
 #             wheels in .whl
-#   quality   benchmarks.quality: held-out loss of sparse against dense at equal tokens and at
-#             equal wall-clock, on the Python-source corpus with a 32k tokenizer ($QUALITY_FLAGS;
-#             a rerun with the same $OUT skips the runs quality.json holds)
 #   generate  trains the paper's 0.5B shape for $GEN_STEPS steps (offline corpus, byte tokenizer)
 #             through train.main, then train.generate at batch $GEN_BATCHES (decode tokens/s,
 #             JSON per run) with the default FFN choice (dense decode) and with the sparse
@@ -230,10 +227,6 @@ for part in "${parts[@]}"; do
       timeout ${T_LM_EVAL:-400} python3 -m benchmarks.lm_eval_check \
         ${LM_EVAL_MODEL:---trained=paper_0p5b} --out="$OUT/lm_eval_check.json" ${LM_EVAL_FLAGS} \
         2>&1 | tee "$OUT/lm_eval.log" | grep -E "^cross-check|^loglikelihood|rror" ;;
-    quality)
-      timeout ${T_QUALITY:-3000} python3 -m benchmarks.quality --out="$OUT/quality.json" \
-        --plots="$OUT/quality_plots" ${QUALITY_FLAGS} 2>&1 | tee "$OUT/quality.log" \
-        | grep -E "^  |^best|^tokenizer" ;;
     *) echo "unknown part: $part" ;;
   esac
 done

@@ -321,45 +321,6 @@ class TraceBreakdownTest(absltest.TestCase):
     self.assertIsNone(timing.trace_breakdown(self.create_tempdir().full_path, steps=1))
 
 
-class QualitySmokeTest(absltest.TestCase):
-  """`benchmarks.quality --smoke` (tiny shape, byte tokenizer, a few steps) as a user runs it:
-  the runs through train.main, the equal-time rerun, the JSON and the plots."""
-
-  def test_smoke_mode(self):
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-    tmp = self.create_tempdir().full_path
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = os.path.join(tmp, "quality.json")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.quality", "--smoke", f"--out={out}",
-                           f"--plots={tmp}/plots", f"--workdir={tmp}/runs"], cwd=root,
-                          capture_output=True, text=True, timeout=600, check=False)
-    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    with open(out) as f:
-      r = json.load(f)
-    names = [x["name"] for x in r["runs"]]
-    self.assertEqual(names, ["tiny/dense_silu", "tiny/sparse_l1_1e-3",
-                             "tiny/sparse_l1_1e-3_equal_time"])
-    for x in r["runs"]:
-      for key in ("steps", "tokens", "wall_s", "final_ce", "tokens_per_s", "active_per_token",
-                  "dead_fraction", "ce_ratio"):
-        self.assertIn(key, x)
-      self.assertTrue(np.isfinite(x["final_ce"]))
-      self.assertLen(x["active_per_token"], 2)
-      self.assertEqual(x["curve"][-1]["step"], x["steps"])
-    self.assertEqual(r["runs"][0]["ce_ratio"], 1.0)
-    self.assertEqual(r["corpus"]["name"], "twell_stdlib_text")
-    self.assertEqual(set(r["best"]), {"shape", "l1", "reinit", "ce_ratio_equal_tokens",
-                                      "ce_ratio_equal_time"})
-    self.assertLen(os.listdir(os.path.join(tmp, "plots")), 3)
-    # A second call with the same --out keeps the runs it holds (nothing is retrained).
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.quality", "--smoke", f"--out={out}",
-                           f"--workdir={tmp}/runs"], cwd=root, capture_output=True, text=True,
-                          timeout=300, check=False)
-    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    self.assertNotIn("steps", proc.stdout.split("best:")[0])
-
-
 class DecodeFfnSmokeTest(absltest.TestCase):
   """`benchmarks.sweeps.decode_ffn --smoke --sweep`: the few-row FFN against dense by rows and union
   (interpreted), the break-even table and the sweep's entries, into the JSON."""

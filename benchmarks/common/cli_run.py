@@ -1,6 +1,6 @@
 """Training runs as a user types them: `python -m train.main` commands, timed whole.
 
-Shared by the benchmarks that measure what a user gets from a run (`benchmarks.quality`,
+Shared by the benchmarks that measure what a user gets from a run (`benchmarks.time_to_quality`,
 `benchmarks.whole_run`): the offline corpus and tokenizer flags, one command with its own
 workdir and an empty compilation cache (a first run on a machine), its wall-clock from start
 to exit, and the device's name without starting JAX in this process.
