@@ -13,6 +13,7 @@ content, its 32k tokenizer, an empty compilation cache), one after the other on 
   sparse_t  ReLU + L1 for dense's wall-clock: its step count is `--steps` plus the seconds
             dense took beyond sparse, at sparse's settled speed (the median tokens/s of
             its last five logged intervals), on its own cosine schedule over those steps
+            (or `--equal_time_steps`: a lever screened at equal time alone)
 
 Held-out cross-entropy every `--eval_every` steps and at the end, on `--eval_batches` batches
 of the held-out split (64 x 16384 tokens = 1M by default) with its standard error over the
@@ -41,8 +42,9 @@ so the same command, repeated, carries on where the last stopped; `--budget_s` s
 that the runs already timed predict would end past that many seconds. JSON (`--out`):
 {"device", "seeds", "steps", "corpus", "summary": {"wall_ratio", "ce_ratio_equal_steps",
 "ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
-"slope", "per_seed": [...], "runs": [whole_run's record + "seed", "arm"]}. The plot: held-out
-CE against wall-clock for every run.
+with the dense runs' own spread over seeds as "dense_ce" and "dense_wall_s"), "slope",
+"per_seed": [...], "runs": [whole_run's record + "seed", "arm"]}. The plot: held-out CE
+against wall-clock for every run.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def _define_flags():
                      "from the command's start (0: no limit)")
   flags.DEFINE_list("sparse_flags", [], "more train.main flags for the sparse runs only (a "
                     "lever: --sparse_flags=--config.dead_reinit=true)")
+  flags.DEFINE_integer("equal_time_steps", 0, "sparse_t's steps, instead of reading them off "
+                       "the seed's sparse run (0): a lever screened at equal time alone, with "
+                       "the step count of an earlier sparse_t")
   flags.DEFINE_string("dense_from", None, "take the dense runs of these seeds from this results "
                       "JSON (same device, steps, shape) instead of running them: levers of the "
                       "sparse model against one set of dense runs")
@@ -118,25 +123,33 @@ def paired_ratio_se(run: dict, base: dict) -> float | None:
 
 
 def summarize(results: dict) -> None:
-  """Per-seed ratios and their means with intervals (module docstring)."""
+  """Per-seed ratios and their means with intervals (module docstring). A seed's ratio is
+  there once the runs it needs are: dense and sparse for the whole run and equal steps, dense
+  and sparse_t for equal time, all three for the time to dense CE. The dense runs' own spread
+  over seeds (`dense_ce`, `dense_wall_s`) is summarized beside the ratios."""
   by = {run_key(r): r for r in results["runs"]}
   seeds = sorted({s for s, _ in by})
-  trios = {s: [by[(s, a)] for a in ARMS] for s in seeds if all((s, a) in by for a in ARMS)}
+  trios = {s: [by.get((s, a)) for a in ARMS] for s in seeds}
   slopes = [(math.log(a["eval_ce"]) - math.log(b["eval_ce"]))
             / (math.log(b["wall_s"]) - math.log(a["wall_s"]))
-            for _, a, b in trios.values() if b["wall_s"] > a["wall_s"]]
+            for d, a, b in trios.values() if d and a and b and b["wall_s"] > a["wall_s"]]
   slope = sum(slopes) / len(slopes) if slopes else None
   per_seed = []
   for s, (d, a, b) in trios.items():
-    row = {"seed": s, "wall_ratio": d["wall_s"] / a["wall_s"],
-           "ce_ratio_equal_steps": a["eval_ce"] / d["eval_ce"],
-           "ce_ratio_equal_time": b["eval_ce"] / d["eval_ce"],
-           "equal_time_wall_ratio": b["wall_s"] / d["wall_s"],
-           # Held-out evaluation noise alone (same batches, paired): against the seeds' spread.
-           "ce_ratio_equal_steps_se": paired_ratio_se(a, d),
-           "ce_ratio_equal_time_se": paired_ratio_se(b, d),
-           "steps_equal_time": b["steps"], "time_to_dense_ce_ratio": None}
-    if slope and slope > 0:
+    if not d or not (a or b):
+      continue
+    row = {"seed": s, "wall_ratio": None, "ce_ratio_equal_steps": None,
+           "ce_ratio_equal_time": None, "time_to_dense_ce_ratio": None}
+    if a:
+      # Held-out evaluation noise alone (same batches, paired): against the seeds' spread.
+      row.update(wall_ratio=d["wall_s"] / a["wall_s"],
+                 ce_ratio_equal_steps=a["eval_ce"] / d["eval_ce"],
+                 ce_ratio_equal_steps_se=paired_ratio_se(a, d))
+    if b:
+      row.update(ce_ratio_equal_time=b["eval_ce"] / d["eval_ce"],
+                 equal_time_wall_ratio=b["wall_s"] / d["wall_s"],
+                 ce_ratio_equal_time_se=paired_ratio_se(b, d), steps_equal_time=b["steps"])
+    if a and b and slope and slope > 0:
       # log t* = mean log t + (mean log CE - log CE_dense) / a, CE(t) = c t^-a through both.
       log_t = (math.log(a["wall_s"]) + math.log(b["wall_s"])) / 2
       log_ce = (math.log(a["eval_ce"]) + math.log(b["eval_ce"])) / 2
@@ -145,9 +158,12 @@ def summarize(results: dict) -> None:
       row["time_to_dense_ce_ratio"] = d["wall_s"] / t_star
     per_seed.append(row)
   keys = ("wall_ratio", "ce_ratio_equal_steps", "ce_ratio_equal_time", "time_to_dense_ce_ratio")
+  dense = [r for (_, arm), r in sorted(by.items()) if arm == "dense"]
   results["slope"] = slope
   results["per_seed"] = per_seed
   results["summary"] = {k: mean_ci([r[k] for r in per_seed if r[k] is not None]) for k in keys}
+  results["summary"]["dense_ce"] = mean_ci([r["eval_ce"] for r in dense])
+  results["summary"]["dense_wall_s"] = mean_ci([r["wall_s"] for r in dense])
 
 
 def corpus_record(dataset: str, tokens_per_step: int, runs: list[dict]) -> dict:
@@ -177,17 +193,18 @@ def plot(results: dict, path: str) -> None:
     if not r["evals"]:
       continue
     color = colors[r["seed"] % len(colors)]
-    ax.errorbar([e["seconds"] for e in r["evals"]], [e["ce"] for e in r["evals"]],
-                yerr=[1.96 * (e.get("ce_se") or 0.0) for e in r["evals"]], color=color,
-                linestyle=styles[r["arm"]], marker="o", markersize=3, capsize=2,
-                label=f"seed {r['seed']} {r['arm']}")
+    # No error bars: every run is evaluated on the same held-out batches, so the runs'
+    # differences are far tighter than one run's spread over batches (per_seed's paired SEs).
+    ax.plot([e["seconds"] for e in r["evals"]], [e["ce"] for e in r["evals"]], color=color,
+            linestyle=styles[r["arm"]], marker="o", markersize=3,
+            label=f"seed {r['seed']} {r['arm']}")
   ax.set_xlabel("wall-clock from the command's start (s)")
-  ax.set_ylabel("held-out cross-entropy (95% interval over batches)")
+  ax.set_ylabel("held-out cross-entropy (the same batches for every run)")
   summary = results.get("summary", {})
   eq = summary.get("ce_ratio_equal_time", {}).get("mean")
   ax.set_title(f"{results['device']}: dense SiLU (solid), sparse at equal steps (dashed), "
-               f"at equal time (dotted)" + (f"\nCE at equal time {eq:.3f} of dense, mean of "
-                                             f"{summary['ce_ratio_equal_time']['n']} seeds"
+               f"at equal time (dotted)" + (f"\nCE at equal time {eq:.3f} of dense, mean over "
+                                             f"seeds: {summary['ce_ratio_equal_time']['n']}"
                                              if eq else ""), fontsize=9)
   ax.legend(fontsize=7, ncol=3)
   fig.tight_layout()
@@ -264,7 +281,9 @@ def main(argv):
       if arm not in fl.arms or (seed, arm) in done:
         continue
       steps = fl.steps
-      if arm == "sparse_t":
+      if arm == "sparse_t" and fl.equal_time_steps:
+        steps = fl.equal_time_steps
+      elif arm == "sparse_t":
         if (seed, "dense") not in done or (seed, "sparse") not in done:
           print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
           continue

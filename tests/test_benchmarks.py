@@ -561,6 +561,28 @@ class TimeToQualityTest(absltest.TestCase):
     self.assertGreater(time_to_quality.paired_ratio_se(noisy, base), 0.01)
     self.assertIsNone(time_to_quality.paired_ratio_se(noisy, {"evals": [{}]}))
 
+  def test_a_seed_counts_in_the_ratios_its_runs_allow(self):
+    """Dense and sparse_t alone (a lever screened at equal time) give the equal-time ratio
+    only; a dense run alone gives no row but counts in the dense runs' spread."""
+    run = lambda seed, arm, wall, ce: {"seed": seed, "arm": arm, "wall_s": wall, "steps": 1,
+                                       "eval_ce": ce}
+    results = {"runs": [run(0, "dense", 300.0, 4.0), run(0, "sparse_t", 290.0, 3.9),
+                        run(1, "dense", 310.0, 4.2), run(1, "sparse", 240.0, 4.41),
+                        run(2, "dense", 320.0, 4.4)]}
+    time_to_quality.summarize(results)
+    rows = {r["seed"]: r for r in results["per_seed"]}
+    self.assertCountEqual(rows, [0, 1])
+    self.assertIsNone(rows[0]["wall_ratio"])
+    self.assertAlmostEqual(rows[0]["ce_ratio_equal_time"], 3.9 / 4.0)
+    self.assertAlmostEqual(rows[1]["ce_ratio_equal_steps"], 4.41 / 4.2)
+    self.assertIsNone(rows[1]["ce_ratio_equal_time"])
+    self.assertIsNone(results["slope"])
+    summary = results["summary"]
+    self.assertEqual((summary["wall_ratio"]["n"], summary["ce_ratio_equal_time"]["n"]), (1, 1))
+    self.assertEqual(summary["time_to_dense_ce_ratio"]["n"], 0)
+    self.assertAlmostEqual(summary["dense_ce"]["mean"], 4.2)
+    self.assertEqual(summary["dense_wall_s"]["n"], 3)
+
 
 class TailColumnsTest(absltest.TestCase):
 
