@@ -9,6 +9,8 @@ in the Mosaic GPU interpreter (tiny shapes), the inference forward and the train
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,16 +40,25 @@ def _poison(case):
   return x, wg, wu, wd
 
 
-def _run(impl, args):
-  ct = jax.random.normal(jax.random.key(5), (M, D), F32)
+@functools.cache
+def _compiled(impl):
+  """impl's jitted forward and gradient, traced once for every case (the interpreted
+  kernels' tracing is most of a case's time)."""
   kw = dict(implementation=impl, interpret=impl == "mosaic_gpu")
 
-  def loss(x, wg, wu, wd):
+  def loss(x, wg, wu, wd, ct):
     y, st = tj.ffn(x, wg, wu, wd, return_stats=True, **kw)
     return jnp.sum(y.astype(F32) * ct) + 1e-3 * st.l1
 
-  y = jax.jit(lambda *a: tj.ffn(*a, **kw))(*args)
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+  return (jax.jit(functools.partial(tj.ffn, **kw)),
+          jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))
+
+
+def _run(impl, args):
+  ct = jax.random.normal(jax.random.key(5), (M, D), F32)
+  forward, grad = _compiled(impl)
+  y = forward(*args)
+  grads = grad(*args, ct)
   return [np.asarray(a, np.float32) for a in (y, *grads)]
 
 
