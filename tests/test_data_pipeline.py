@@ -1,7 +1,9 @@
 """Tests for the input pipeline: tokenizer, offline corpus, packing, resume."""
 
 import collections
+import json
 import os
+from unittest import mock
 
 import ml_collections
 import numpy as np
@@ -68,6 +70,31 @@ class OfflineCorpusTest(absltest.TestCase):
     self.assertGreater(len(val), 20)
     self.assertEmpty({t for _, t in train} & {t for _, t in val})
     self.assertTrue(all(len(t) >= text_corpus.MIN_CHARS for _, t in val))
+
+  def test_parsed_once_then_read_from_the_cache_file(self):
+    cache = self.create_tempdir().full_path
+    parsed = tuple(text_corpus._parse_docstrings(text_corpus._stdlib_files()))
+    try:
+      with mock.patch.dict(os.environ, {"TWELL_JAX_CORPUS_CACHE": cache}):
+        text_corpus._docstrings.cache_clear()
+        self.assertEqual(text_corpus._docstrings(), parsed)
+        (name,) = os.listdir(cache)
+        self.assertTrue(name.startswith(text_corpus.NAME) and name.endswith(".json"), name)
+        with open(os.path.join(cache, name), "w") as f:
+          json.dump([["a.py:0", "the cached corpus is read, not parsed again"]], f)
+        text_corpus._docstrings.cache_clear()
+        self.assertEqual(text_corpus._docstrings(),
+                         (("a.py:0", "the cached corpus is read, not parsed again"),))
+        with open(os.path.join(cache, name), "w") as f:
+          f.write('[["cut short')                 # a damaged file: parsed and written again
+        text_corpus._docstrings.cache_clear()
+        self.assertEqual(text_corpus._docstrings(), parsed)
+        with open(os.path.join(cache, name)) as f:
+          self.assertLen(json.load(f), len(parsed))
+      with mock.patch.dict(os.environ, {"TWELL_JAX_CORPUS_CACHE": ""}):
+        self.assertIsNone(text_corpus._cache_path(text_corpus._stdlib_files()))
+    finally:
+      text_corpus._docstrings.cache_clear()
 
   def test_tfds_and_generator_readers_agree(self):
     tok = tokenizer_lib.ByteTokenizer()

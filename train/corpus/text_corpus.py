@@ -31,8 +31,12 @@ import ast
 import functools
 import hashlib
 import inspect
+import json
+import os
 import pathlib
+import sys
 import sysconfig
+import tempfile
 from typing import Iterator
 
 NAME = "twell_stdlib_text"
@@ -136,12 +140,33 @@ def _iter_all(name: str) -> Iterator[tuple[str, str]]:
   return iter(_docstrings())
 
 
+# Where the docstring corpus, once parsed, is kept for the next process (a file per Python
+# installation's standard library); TWELL_JAX_CORPUS_CACHE names another directory, "" none.
+CACHE_DIR = "~/.cache/twell_jax/corpora"
+_CACHE_FORMAT = 1   # bump when the extraction below changes what a document is
+
+
 @functools.cache
 def _docstrings() -> tuple[tuple[str, str], ...]:
-  """The docstring corpus, both splits (1.4 MB, parsed once per process: each split's reader
-  walks every file, since the split is by content)."""
-  out = []
-  for rel, path in _stdlib_files():
+  """The docstring corpus, both splits: parsed once per installation (about 4 s of CPU; each
+  split's reader walks every file, since the split is by content), then read from a cache
+  file keyed by the standard library's files, sizes and modification times."""
+  files = _stdlib_files()
+  path = _cache_path(files)
+  if path is not None:
+    try:
+      with open(path, encoding="utf-8") as f:
+        return tuple((key, text) for key, text in json.load(f))
+    except (OSError, ValueError, TypeError):
+      pass    # not there yet, or unreadable: parse, and write it again
+  out = tuple(_parse_docstrings(files))
+  if path is not None:
+    _write_cache(path, out)
+  return out
+
+
+def _parse_docstrings(files) -> Iterator[tuple[str, str]]:
+  for rel, path in files:
     try:
       tree = ast.parse(path.read_bytes())
     except (SyntaxError, ValueError, OSError):
@@ -153,5 +178,32 @@ def _docstrings() -> tuple[tuple[str, str], ...]:
         if doc:
           doc = inspect.cleandoc(doc)
           if len(doc) >= MIN_CHARS:
-            out.append((f"{rel}:{i}", doc))
-  return tuple(out)
+            yield f"{rel}:{i}", doc
+
+
+def _cache_path(files) -> pathlib.Path | None:
+  """The cache file of this standard library's docstring corpus, or None (caching off)."""
+  root = os.environ.get("TWELL_JAX_CORPUS_CACHE", CACHE_DIR)
+  if not root:
+    return None
+  h = hashlib.blake2b(f"{_CACHE_FORMAT} {MIN_CHARS} {sys.version}".encode(), digest_size=16)
+  for rel, path in files:
+    try:
+      st = path.stat()
+    except OSError:
+      continue
+    h.update(f"{rel} {st.st_size} {st.st_mtime_ns}\n".encode())
+  return pathlib.Path(root).expanduser() / f"{NAME}-{h.hexdigest()}.json"
+
+
+def _write_cache(path: pathlib.Path, documents) -> None:
+  """Writes the cache file whole or not at all (processes starting together may race: the
+  last rename wins, and every writer writes the same bytes)."""
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      json.dump(documents, f)
+    os.replace(tmp, path)
+  except OSError:
+    pass      # a read-only home: every process parses
