@@ -63,7 +63,8 @@ class InterpreterThreadsTest(absltest.TestCase):
                "--config.num_train_steps=1", "--config.eval_every=0",
                "--config.checkpoint_every=0", "--config.log_every=1")
     self.assertEqual(out.returncode, 0, out.stderr[-2000:])
-    self.assertIn("step 1/1", out.stderr)
+    self.assertIn("FFN implementation: mosaic_gpu", out.stderr)
+    self.assertRegex(out.stderr, r"step 1/1 .* loss \d+\.\d+")
 
 
 if __name__ == "__main__":

@@ -197,18 +197,6 @@ class CommandLineTest(absltest.TestCase):
       self.assertNotIn("Parameters:", out.stderr)       # nor any state
       self.assertFalse(os.path.exists(os.path.join(wd, "checkpoints")))
 
-  def test_kernels_in_the_interpreter_from_the_command_line(self):
-    """model.interpret=True: the Mosaic GPU kernels train on the CPU (1 layer, 1 step)."""
-    wd = self.create_tempdir().full_path
-    out = tu.run(tu.main_cmd(wd, "--config.model.ffn_implementation=mosaic_gpu",
-                             "--config.model.interpret=True", "--config.model.dtype=bfloat16",
-                             "--config.model.n_layers=1", "--config.num_train_steps=1",
-                             "--config.batch_size=2", "--config.data.seq_len=32",
-                             "--config.eval_every=0"), timeout=600)
-    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
-    self.assertIn("FFN implementation: mosaic_gpu", out.stderr)
-    self.assertRegex(out.stderr, r"step 1/1 .* loss \d+\.\d+")
-
 
 if __name__ == "__main__":
   absltest.main()

@@ -133,13 +133,13 @@ def _two_layers():
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_scan_over_layers(impl, remat):
   """lax.scan over 2 layers' stacked weights (each layer under jax.checkpoint with remat);
-  jit(grad) against the f32 reference."""
+  jit(grad) of x and the weights against the f32 reference."""
   if remat and impl == "mosaic_gpu" and INTERPRET:
     pytest.skip("the interpreter refuses remat under differentiation (next test)")
   x, stacked = _two_layers()
   grads = jax.jit(jax.grad(functools.partial(_scan_model, _ours(impl), remat),
-                           argnums=(1, 2, 3)))(x, *stacked)
-  ref = jax.grad(functools.partial(_scan_model, _reference, remat), argnums=(1, 2, 3))(
+                           argnums=(0, 1, 2, 3)))(x, *stacked)
+  ref = jax.grad(functools.partial(_scan_model, _reference, remat), argnums=(0, 1, 2, 3))(
       x.astype(F32), *(w.astype(F32) for w in stacked))
   for g, r in zip(grads, ref):
     assert g.shape == r.shape and _rel(g, r) < 2 * TOL["grad"]   # two layers of bf16 rounding
