@@ -123,7 +123,7 @@ class FaultInjectionTest(absltest.TestCase):
   def test_sigterm_at_random_moments_checkpoints_the_current_step(self):
     rng = random.Random(5)
     preempted = []
-    for trial in range(4):
+    for trial in range(3):
       wd = self._workdir(f"term{trial}")
       proc = subprocess.Popen(tu.main_cmd(wd, *TRIAL_FLAGS), cwd=tu.REPO,
                               env=tu.run_env(**ENV), stdout=subprocess.DEVNULL,
@@ -159,7 +159,7 @@ class FaultInjectionTest(absltest.TestCase):
   def test_sigkill_during_checkpoint_writes_loses_nothing(self):
     rng = random.Random(7)
     killed = []
-    for trial in range(5):
+    for trial in range(3):
       wd = self._workdir(f"kill{trial}")
       proc = subprocess.Popen(tu.main_cmd(wd, *TRIAL_FLAGS), cwd=tu.REPO,
                               env=tu.run_env(**ENV), stdout=subprocess.DEVNULL,

@@ -107,7 +107,7 @@ def settings(fl, gpus: list[str]) -> dict:
   if fl.smoke:
     # The portable sparse FFN makes the per-layer choice's decisions on the CPU.
     s.update(config="configs/tiny.py", flags=[*MICRO, "--config.layer_choice.sparse=xla"],
-             steps=30, every=5, throughput_steps=8,
+             steps=16, every=4, throughput_steps=8,
              log_every=2, throughput_config="configs/tiny.py:dense", throughput_flags=MICRO,
              peer_timeout_s=fl.peer_timeout_s or 10.0)
   return s
