@@ -148,9 +148,10 @@ _CACHE_FORMAT = 1   # bump when the extraction below changes what a document is
 
 @functools.cache
 def _docstrings() -> tuple[tuple[str, str], ...]:
-  """The docstring corpus, both splits: parsed once per installation (about 4 s of CPU; each
-  split's reader walks every file, since the split is by content), then read from a cache
-  file keyed by the standard library's files, sizes and modification times."""
+  """The docstring corpus, both splits: parsed once per installation (seconds of CPU, which
+  every process without TFDS paid; each split's reader walks every file, since the split is by
+  content), then read from a cache file keyed by the standard library's files, sizes and
+  modification times."""
   files = _stdlib_files()
   path = _cache_path(files)
   if path is not None:
@@ -199,11 +200,13 @@ def _cache_path(files) -> pathlib.Path | None:
 def _write_cache(path: pathlib.Path, documents) -> None:
   """Writes the cache file whole or not at all (processes starting together may race: the
   last rename wins, and every writer writes the same bytes)."""
+  tmp = None
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       json.dump(documents, f)
     os.replace(tmp, path)
-  except OSError:
-    pass      # a read-only home: every process parses
+  except OSError:     # a read-only or full disk: every process parses
+    if tmp is not None and os.path.exists(tmp):
+      os.unlink(tmp)
