@@ -21,7 +21,9 @@
 #             SiLU, sparse at equal steps and sparse at dense's wall-clock, one after the
 #             other on the first GPU; carries on from $TTQ_OUT (default the committed
 #             benchmarks/results/h200/time_to_quality.json) and starts no run predicted to end
-#             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in
+#             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in;
+#             every sparse run is also merged into the table of levers $TTQ_LEVERS (default
+#             benchmarks/results/h200/time_to_quality_levers.json)
 #   decode    benchmarks.decode: decode tokens/s with the dense FFN and with the exact sparse
 #             decode FFN (decode_ffn=auto), both with the default decode attention, the
 #             bandwidth ceiling, exactness ($DECODE_FLAGS)
@@ -130,11 +132,12 @@ for part in "${parts[@]}"; do
       tar czf "$OUT/whole_run_logs.tgz" -C /tmp/twell_whole_run $(cd /tmp/twell_whole_run && ls *.log) ;;
     time_to_quality)
       TTQ_OUT=${TTQ_OUT:-benchmarks/results/h200/time_to_quality.json}
+      TTQ_LEVERS=${TTQ_LEVERS:-benchmarks/results/h200/time_to_quality_levers.json}
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout ${T_TTQ:-590} \
         python3 -m benchmarks.time_to_quality --out="$TTQ_OUT" --plot="$OUT/time_to_quality.png" \
-        --budget_s=${TTQ_BUDGET:-540} ${TTQ_FLAGS} 2>&1 | tee "$OUT/time_to_quality.log" \
-        | grep -E "^  |rror"
-      cp "$TTQ_OUT" "$OUT/" ;;
+        --levers_out="$TTQ_LEVERS" --budget_s=${TTQ_BUDGET:-540} ${TTQ_FLAGS} 2>&1 \
+        | tee "$OUT/time_to_quality.log" | grep -E "^  |rror"
+      cp "$TTQ_OUT" "$TTQ_LEVERS" "$OUT/" ;;
     data)
       timeout ${T_DATA:-300} python3 -m benchmarks.data_pipeline --out="$OUT/data_pipeline.json" \
         --plot="$OUT/data_pipeline.png" \

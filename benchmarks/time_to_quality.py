@@ -10,9 +10,10 @@ content, its 32k tokenizer, an empty compilation cache), one after the other on 
 
   dense     dense SiLU FFN for `--steps` steps (the baseline)
   sparse    ReLU + L1 for the same steps
-  sparse_t  ReLU + L1 for dense's wall-clock: its step count is `--steps` plus the seconds
-            dense took beyond sparse, at sparse's settled speed (the median tokens/s of
-            its last five logged intervals), on its own cosine schedule over those steps
+  sparse_t  ReLU + L1 for dense's wall-clock: its step count is `--steps` plus what fits
+            in the seconds dense took beyond sparse, at sparse's settled speed (the median
+            tokens/s of its last five logged intervals) and counting the held-out
+            evaluations the extra steps add, on its own cosine schedule over those steps
             (or `--equal_time_steps`: a lever screened at equal time alone)
 
 Held-out cross-entropy every `--eval_every` steps and at the end, on `--eval_batches` batches
@@ -45,6 +46,12 @@ that the runs already timed predict would end past that many seconds. JSON (`--o
 with the dense runs' own spread over seeds as "dense_ce" and "dense_wall_s"), "slope",
 "per_seed": [...], "runs": [whole_run's record + "seed", "arm"]}. The plot: held-out CE
 against wall-clock for every run.
+
+The levers (`--levers_out`): every sparse run with its seed's dense run is also merged into a
+table of what was tried, one row per lever (`--l1` and `--sparse_flags`), seed, arm and steps
+(its wall-clock and CE over dense's), with each lever's and arm's mean over its rows:
+{"device", "steps", "shape", "eval_batches", "rows": [...], "levers": [{"lever", "arm", "runs",
+"seeds", "ce_over_dense", "wall_over_dense"}]}.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ def _define_flags():
   flags.DEFINE_integer("equal_time_steps", 0, "sparse_t's steps, instead of reading them off "
                        "the seed's sparse run (0): a lever screened at equal time alone, with "
                        "the step count of an earlier sparse_t")
+  flags.DEFINE_string("levers_out", None, "also merge every sparse run, keyed by its lever "
+                      "(--l1, --sparse_flags), seed, arm and steps, into this table of levers")
   flags.DEFINE_string("dense_from", None, "take the dense runs of these seeds from this results "
                       "JSON (same device, steps, shape) instead of running them: levers of the "
                       "sparse model against one set of dense runs")
@@ -85,12 +94,30 @@ def run_key(run: dict) -> tuple[int, str]:
   return run["seed"], run["arm"]
 
 
-def equal_time_steps(dense: dict, sparse: dict, steps: int, tokens_per_step: int) -> int:
-  """Steps of sparse_t: `steps` plus dense's extra seconds at sparse's settled speed (the
-  median tokens/s of its last five logged intervals)."""
+def eval_seconds(run: dict) -> float:
+  """Seconds one held-out evaluation adds to a run: the median over its evaluations of the
+  time from the step's logged point to the evaluation's record (0 where none line up)."""
+  at = {p["step"]: p["seconds"] for p in run["points"]}
+  spans = sorted(e["seconds"] - at[e["step"]] for e in run["evals"] if e["step"] in at)
+  return max(0.0, spans[len(spans) // 2]) if spans else 0.0
+
+
+def equal_time_steps(dense: dict, sparse: dict, steps: int, tokens_per_step: int,
+                     eval_every: int) -> int:
+  """Steps of sparse_t: the most steps past `steps` that fit in the seconds dense took beyond
+  sparse, at sparse's settled speed (the median tokens/s of its last five logged intervals),
+  counting the held-out evaluations the extra steps add (one every `eval_every` steps and one
+  at the end, each `eval_seconds(sparse)` long)."""
   last = sorted(p["tokens_per_s"] for p in sparse["points"][-5:])
   settled = last[len(last) // 2] / tokens_per_step   # steps per second
-  return steps + max(0, round((dense["wall_s"] - sparse["wall_s"]) * settled))
+  spare = dense["wall_s"] - sparse["wall_s"]
+  n_evals = lambda n: -(-n // eval_every) if eval_every > 0 else 0
+  cost = lambda n: ((n - steps) / settled
+                    + (n_evals(n) - n_evals(steps)) * eval_seconds(sparse))
+  n = steps + max(0, round(spare * settled))   # an upper bound: evaluations cost >= 0
+  while n > steps and cost(n) > spare:
+    n -= 1
+  return n
 
 
 def mean_ci(values: list[float]) -> dict:
@@ -164,6 +191,49 @@ def summarize(results: dict) -> None:
   results["summary"] = {k: mean_ci([r[k] for r in per_seed if r[k] is not None]) for k in keys}
   results["summary"]["dense_ce"] = mean_ci([r["eval_ce"] for r in dense])
   results["summary"]["dense_wall_s"] = mean_ci([r["wall_s"] for r in dense])
+
+
+def lever_name(l1: float, sparse_flags: list[str]) -> str:
+  return " ".join([f"l1={l1:g}", *sparse_flags])
+
+
+def lever_rows(results: dict) -> list[dict]:
+  """One row per sparse run that has its seed's dense run: the lever, the run's steps, wall and
+  CE, and both over dense's (with the CE ratio's paired standard error)."""
+  by = {run_key(r): r for r in results["runs"]}
+  rows = []
+  for (seed, arm), run in sorted(by.items()):
+    dense = by.get((seed, "dense"))
+    if arm == "dense" or not dense:
+      continue
+    rows.append({"lever": lever_name(results["l1"], results["sparse_flags"]),
+                 "l1": results["l1"], "sparse_flags": list(results["sparse_flags"]),
+                 "seed": seed, "arm": arm, "steps": run["steps"], "wall_s": run["wall_s"],
+                 "eval_ce": run["eval_ce"], "dense_wall_s": dense["wall_s"],
+                 "dense_ce": dense["eval_ce"], "wall_over_dense": run["wall_s"] / dense["wall_s"],
+                 "ce_over_dense": run["eval_ce"] / dense["eval_ce"],
+                 "ce_over_dense_se": paired_ratio_se(run, dense)})
+  return rows
+
+
+def merge_levers(table: dict | None, results: dict) -> dict:
+  """The table of levers with `results`' rows merged in (a row of the same lever, seed, arm
+  and steps replaced) and, per lever and arm, the mean of each ratio over its rows."""
+  setting = {k: results[k] for k in ("device", "steps", "shape", "eval_batches")}
+  table = table or {**setting, "rows": []}
+  key = lambda r: (r["lever"], r["seed"], r["arm"], r["steps"])
+  rows = {key(r): r for r in table["rows"]}
+  rows.update({key(r): r for r in lever_rows(results)})
+  table["rows"] = sorted(rows.values(), key=key)
+  groups = {}
+  for r in table["rows"]:
+    groups.setdefault((r["lever"], r["arm"]), []).append(r)
+  table["levers"] = [{"lever": lever, "arm": arm, "runs": len(rs),
+                      "seeds": sorted({r["seed"] for r in rs}),
+                      "ce_over_dense": mean_ci([r["ce_over_dense"] for r in rs]),
+                      "wall_over_dense": mean_ci([r["wall_over_dense"] for r in rs])}
+                     for (lever, arm), rs in sorted(groups.items())]
+  return table
 
 
 def corpus_record(dataset: str, tokens_per_step: int, runs: list[dict]) -> dict:
@@ -260,12 +330,13 @@ def main(argv):
              "eval_batches": fl.eval_batches, "sparse_flags": list(fl.sparse_flags)}
   results = _load(fl.out) or {**setting, "runs": []}
   _check_setting(results, setting, fl.out)
+  shared = {k: setting[k] for k in ("device", "steps", "shape", "eval_batches")}
+  _check_setting(_load(fl.levers_out) or {}, shared, fl.levers_out)
   if fl.dense_from:
     other = _load(fl.dense_from)
     if other is None:
       raise app.UsageError(f"--dense_from={fl.dense_from}: no such file")
-    _check_setting(other, {k: setting[k] for k in ("device", "steps", "shape", "eval_batches")},
-                   fl.dense_from)
+    _check_setting(other, shared, fl.dense_from)
     have = {run_key(r) for r in results["runs"]}
     results["runs"] += [r for r in other["runs"] if r["arm"] == "dense"
                         and r["seed"] in seeds and run_key(r) not in have]
@@ -289,7 +360,7 @@ def main(argv):
           continue
         sparse = done[(seed, "sparse")]
         steps = equal_time_steps(done[(seed, "dense")], sparse, fl.steps,
-                                 sparse["tokens_per_step"])
+                                 sparse["tokens_per_step"], fl.eval_every)
       predicted = _predicted_s(results["runs"], arm)
       if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
         print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
@@ -306,6 +377,11 @@ def main(argv):
   summarize(results)
   _save(fl, results)
   _print(results)
+  if fl.levers_out:
+    table = merge_levers(_load(fl.levers_out), results)
+    with open(fl.levers_out, "w") as f:
+      json.dump(table, f, indent=1)
+    print_levers(table)
 
 
 def _check_setting(results: dict, setting: dict, path: str) -> None:
@@ -337,6 +413,14 @@ def _print(results: dict) -> None:
     print(f"  {k}: " + ("n/a" if v["mean"] is None else f"{v['mean']:.3f}") +
           (f" (95% interval {ci[0]:.3f} to {ci[1]:.3f}, {v['n']} seeds)" if ci else
            f" ({v['n']} seeds)"))
+
+
+def print_levers(table: dict) -> None:
+  for g in table["levers"]:
+    ce, wall = g["ce_over_dense"], g["wall_over_dense"]
+    ci = f" ({ce['ci95'][0]:.3f} to {ce['ci95'][1]:.3f})" if ce["ci95"] else ""
+    print(f"  {g['lever']:<40} {g['arm']:<8} {g['runs']} run(s), seeds {g['seeds']}: "
+          f"CE {ce['mean']:.3f}{ci} and wall-clock {wall['mean']:.3f} of dense's")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def define_run_flags(**defaults) -> None:
   flags.DEFINE_bool("smoke", False, "CPU smoke mode: tiny shape, byte tokenizer, a few steps")
   flags.DEFINE_string("shape", "paper_0p5b", "config (configs/<shape>.py)")
   flags.DEFINE_integer("steps", d["steps"], "training steps of every run")
-  flags.DEFINE_float("l1", 3e-5, "L1 coefficient of the sparse runs")
+  flags.DEFINE_float("l1", 2e-5, "L1 coefficient of the sparse runs")
   flags.DEFINE_integer("warmup_steps", 100, "learning-rate warm-up")
   flags.DEFINE_integer("log_every", 50, "logging interval (each point of the curves)")
   flags.DEFINE_integer("eval_every", d["eval_every"], "held-out evaluation interval")

@@ -507,12 +507,19 @@ class TimeToQualityTest(absltest.TestCase):
     # A budget of 1 s: the first run starts (nothing predicts it), no other fits after it.
     first = _run_module(out, "benchmarks.time_to_quality", *args, "--budget_s=1")
     self.assertEqual([r["arm"] for r in first["runs"]], ["dense"])
-    r = _run_module(out, "benchmarks.time_to_quality", *args)
+    levers = os.path.join(tmp, "levers.json")
+    r = _run_module(out, "benchmarks.time_to_quality", *args, f"--levers_out={levers}")
     self.assertEqual([x["arm"] for x in r["runs"]], ["dense", "sparse", "sparse_t"])
     self.assertEqual(r["runs"][0], first["runs"][0])         # kept, not rerun
     dense, sparse, sparse_t = r["runs"]
     self.assertEqual(sparse_t["steps"], time_to_quality.equal_time_steps(
-        dense, sparse, 6, r["tokens_per_step"]))
+        dense, sparse, 6, r["tokens_per_step"], 6))
+    with open(levers) as f:
+      table = json.load(f)
+    self.assertEqual([(x["lever"], x["arm"]) for x in table["rows"]],
+                     [("l1=2e-05", "sparse"), ("l1=2e-05", "sparse_t")])
+    self.assertAlmostEqual(table["rows"][1]["ce_over_dense"],
+                           sparse_t["eval_ce"] / dense["eval_ce"])
     self.assertEqual(sparse_t["points"][-1]["step"], sparse_t["steps"])
     for run in r["runs"]:
       self.assertGreater(run["evals"][-1]["ce_se"], 0.0)
@@ -560,6 +567,39 @@ class TimeToQualityTest(absltest.TestCase):
     noisy = {"evals": [{"batch_ce": [3.1, 3.9, 5.1, 5.9]}]}
     self.assertGreater(time_to_quality.paired_ratio_se(noisy, base), 0.01)
     self.assertIsNone(time_to_quality.paired_ratio_se(noisy, {"evals": [{}]}))
+
+  def test_equal_time_counts_the_evaluations_the_extra_steps_add(self):
+    """10 steps/s and 50 s to spare: 500 more steps, but the evaluations at 2,600-3,000 take
+    2 s each, so 400 steps and 4 evaluations (48 s) are what fit."""
+    sparse = {"wall_s": 250.0, "points": [{"step": 2500, "seconds": 240.0,
+                                           "tokens_per_s": 100.0}] * 5,
+              "evals": [{"step": 2500, "seconds": 242.0}, {"step": 2400, "seconds": 0.0}]}
+    self.assertEqual(time_to_quality.eval_seconds(sparse), 2.0)
+    dense = {"wall_s": 300.0}
+    self.assertEqual(time_to_quality.equal_time_steps(dense, sparse, 2500, 10, 100), 2900)
+    self.assertEqual(time_to_quality.equal_time_steps(dense, sparse, 2500, 10, 0), 3000)
+    self.assertEqual(time_to_quality.equal_time_steps({"wall_s": 240.0}, sparse, 2500, 10,
+                                                      100), 2500)
+
+  def test_levers_merge_by_lever_seed_arm_and_steps(self):
+    run = lambda seed, arm, steps, wall, ce: {"seed": seed, "arm": arm, "steps": steps,
+                                              "wall_s": wall, "eval_ce": ce, "evals": []}
+    setting = {"device": "d", "steps": 100, "shape": "s", "eval_batches": 2}
+    first = {**setting, "l1": 3e-5, "sparse_flags": [],
+             "runs": [run(0, "dense", 100, 300.0, 4.0), run(0, "sparse_t", 150, 300.0, 4.2)]}
+    table = time_to_quality.merge_levers(None, first)
+    again = {**first, "runs": [first["runs"][0], run(0, "sparse_t", 150, 306.0, 4.1)]}
+    other = {**setting, "l1": 2e-5, "sparse_flags": ["--config.dead_reinit=true"],
+             "runs": [run(0, "dense", 100, 300.0, 4.0), run(0, "sparse_t", 140, 297.0, 3.8),
+                      run(1, "dense", 100, 310.0, 4.4), run(1, "sparse_t", 140, 310.0, 4.0)]}
+    table = time_to_quality.merge_levers(time_to_quality.merge_levers(table, again), other)
+    self.assertEqual([(r["lever"], r["seed"], r["eval_ce"]) for r in table["rows"]],
+                     [("l1=2e-05 --config.dead_reinit=true", 0, 3.8),
+                      ("l1=2e-05 --config.dead_reinit=true", 1, 4.0), ("l1=3e-05", 0, 4.1)])
+    (revived, plain) = table["levers"]
+    self.assertEqual((revived["runs"], revived["seeds"]), (2, [0, 1]))
+    self.assertAlmostEqual(revived["ce_over_dense"]["mean"], (3.8 / 4.0 + 4.0 / 4.4) / 2)
+    self.assertAlmostEqual(plain["wall_over_dense"]["mean"], 306.0 / 300.0)
 
   def test_a_seed_counts_in_the_ratios_its_runs_allow(self):
     """Dense and sparse_t alone (a lever screened at equal time) give the equal-time ratio
