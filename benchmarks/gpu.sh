@@ -137,7 +137,9 @@ for part in "${parts[@]}"; do
         python3 -m benchmarks.time_to_quality --out="$TTQ_OUT" --plot="$OUT/time_to_quality.png" \
         --levers_out="$TTQ_LEVERS" --budget_s=${TTQ_BUDGET:-540} ${TTQ_FLAGS} 2>&1 \
         | tee "$OUT/time_to_quality.log" | grep -E "^  |rror"
-      cp "$TTQ_OUT" "$TTQ_LEVERS" "$OUT/" ;;
+      cp "$TTQ_OUT" "$TTQ_LEVERS" "$OUT/"
+      # The runs' train logs (decisions, landings, the bridge's predictions) beside the data.
+      (cd /tmp/twell_time_to_quality && tar czf "$OUT/time_to_quality_logs.tgz" *.log) ;;
     data)
       timeout ${T_DATA:-300} python3 -m benchmarks.data_pipeline --out="$OUT/data_pipeline.json" \
         --plot="$OUT/data_pipeline.png" \

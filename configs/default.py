@@ -134,6 +134,8 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
       bridge=True,            # run the step compiled at the start (first layer dense, the
                               # others at K = 256) while a choice builds, where predicted
                               # faster (train/training/choice_steps.py _bridge)
+      bridge_last_dense=False,  # with bridge, also compile ahead that step with the last
+                                # layer dense too; the faster predicted runs
       column_floor=True,      # features on more than twice a fair share of a layer's entries
                               # stay hot (twell_jax.features.column_floor); False: K from the
                               # cost model alone

@@ -329,21 +329,25 @@ class StepBuildsTest(absltest.TestCase):
     import types  # pylint: disable=import-outside-toplevel
 
     def asked(sparse="mosaic_gpu", running_sparse=False, pending=None, interpret=False,
-              background=True, start=0, ready_step=None):
+              background=True, start=0, ready_step=None, last_dense=False):
       choice = layer_choice.LayerChoice(3, 1024, sparse_implementation=sparse)
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       requested = []
       steps.choice, steps.pending, steps.lag, steps.ahead = choice, pending, 7, None
+      steps.bridge_last_dense = last_dense
       steps.running = ((sparse,) * 3, (256,) * 3) if running_sparse else choice.key
       steps.builds = types.SimpleNamespace(background=background, request=requested.append)
       steps.tr = types.SimpleNamespace(model_cfg=types.SimpleNamespace(interpret=interpret))
       steps._compile_kernels_ahead(start, ready_step)  # pylint: disable=protected-access
-      self.assertEqual(steps.ahead, (requested[0], steps.ahead[1]) if requested else None)
+      self.assertEqual(steps.ahead, (tuple(requested), steps.ahead[1]) if requested else None)
       return requested, steps.ahead and steps.ahead[1]
 
     ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
     self.assertEqual(asked(), ([ahead], 7))
     self.assertEqual(asked(start=40), ([ahead], 47))
+    # With `bridge_last_dense`, also the step with the last layer dense.
+    self.assertEqual(asked(last_dense=True),
+                     ([ahead, (("dense", "mosaic_gpu", "dense"), (0, 256, 0))], 7))
     self.assertEqual(asked(running_sparse=True), ([], None))
     self.assertEqual(asked(running_sparse=True, start=40, ready_step=7), ([ahead], 7))
     pending = ((("dense", "mosaic_gpu", "dense"), (0, 512, 0)), 40)
@@ -363,11 +367,11 @@ class StepBuildsTest(absltest.TestCase):
     counts[:, 200:1200] = tokens // 400
     ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
 
-    def bridge(running, done=20, ready=10, on=True):
+    def bridge(running, done=20, ready=10, on=True, counts=counts, variants=(ahead,)):
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       steps.choice = layer_choice.LayerChoice(3, h)
       steps.choice.current, steps.choice.hot = ["mosaic_gpu"] * 3, [512] * 3
-      steps.ahead, steps.running, steps.bridge = (ahead, ready), running, on
+      steps.ahead, steps.running, steps.bridge = (variants, ready), running, on
       return steps._bridge(done, counts, None, tokens)  # pylint: disable=protected-access
 
     dense = (("dense",) * 3, (0,) * 3)
@@ -378,6 +382,18 @@ class StepBuildsTest(absltest.TestCase):
     self.assertIsNone(bridge(ahead))            # it runs already
     # The running step as fast, up to BRIDGE_GAIN: stays.
     self.assertIsNone(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 512, 512))))
+    # From the dense step at an activity where K = 256 is slower: the log says by how much.
+    with self.assertLogs(logger="absl", level="INFO") as logs:
+      self.assertIsNone(bridge(dense, counts=np.full((3, h), tokens // 8, np.int64)))
+    self.assertRegex(logs.output[-1], r"step 20: the step built ahead, D S256 S256, predicted "
+                     r"1\.00 \d+\.\d\d \d+\.\d\d against 1\.00 1\.00 1\.00 running: not run")
+    # The last layer still busy: of the two steps built ahead, the one with it dense runs.
+    busy_last = counts.copy()
+    busy_last[2] = tokens // 8
+    last_dense = (("dense", "mosaic_gpu", "dense"), (0, 256, 0))
+    self.assertIsNone(bridge(dense, counts=busy_last))
+    self.assertEqual(bridge(dense, counts=busy_last, variants=(ahead, last_dense)), last_dense)
+    self.assertEqual(bridge(dense, variants=(ahead, last_dense)), ahead)
 
   def test_a_checkpoint_keeps_the_votes_for_dense(self):
     """A sparse layer predicted over dense_above at the last decision goes dense at the next

@@ -262,9 +262,10 @@ class ChoiceSteps:
     # The feature counts and heavy rows summed over the steps since the last decision (device
     # arrays), and how many steps that is.
     self.counted, self.counted_steps = None, 0
-    # (key, step): the step compiled ahead (`_compile_kernels_ahead`), counted as built from
+    # (keys, step): the steps compiled ahead (`_compile_kernels_ahead`), counted as built from
     # that step on.
     self.ahead = None
+    self.bridge_last_dense = bool(cfg.layer_choice.get("bridge_last_dense", False))
     self._restore(meta)
     self.train_step = self.builds.get(self.running)
     self._compile_kernels_ahead(int(meta.get("step", 0)), meta.get("ahead_ready_step"))
@@ -295,34 +296,39 @@ class ChoiceSteps:
     choice equal to the step lands at once once it counts as built, `landing_steps` dense
     steps after the run's start (the same step in a resumed run), so runs of a seed use it
     alike. The first layer stays dense in it: from initialisation the first layer's activity
-    falls last, long after the others'.
+    falls last, long after the others'. With `layer_choice.bridge_last_dense` a second step,
+    the last layer dense too, is built after it: the last layer's activity falls second
+    last, and one layer with more rows over the ELL width than the kernels' tail holds makes
+    a step's prediction infinite.
 
-    It runs in place of a choice still building only with `layer_choice.bridge` (`_bridge`;
-    how it has measured: docs/performance.md)."""
+    It runs in place of a choice still building only with `layer_choice.bridge` (`_bridge`)."""
     choice = self.choice
     if (choice.sparse_implementation not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
       return
-    keys = [self.running] + ([self.pending[0]] if self.pending is not None else [])
+    inflight = [self.running] + ([self.pending[0]] if self.pending is not None else [])
     sparse = choice.sparse_implementation
-    if ready_step is None and any(name == sparse for key in keys for name in key[0]):
+    if ready_step is None and any(name == sparse for key in inflight for name in key[0]):
       return
     k = features_lib.TILE_N if choice.d_ff > features_lib.TILE_N else 0
-    names = (choice.sparse_implementation,) * choice.n_layers
-    hot = (k,) * choice.n_layers
-    if choice.n_layers > 1:
-      names, hot = (layer_choice_lib.DENSE,) + names[1:], (0,) + hot[1:]
+    n = choice.n_layers
+    dense_at = [{0}] if n > 1 else [set()]
+    if self.bridge_last_dense and n > 2:
+      dense_at.append({0, n - 1})
+    keys = tuple((tuple(layer_choice_lib.DENSE if i in d else sparse for i in range(n)),
+                  tuple(0 if i in d else k for i in range(n))) for d in dense_at)
     ready = start + self.lag if ready_step is None else int(ready_step)
-    self.ahead = ((names, hot), ready)
+    self.ahead = (keys, ready)
     logging.info("compiling the sparse kernels ahead: building the step of %s (usable from "
-                 "step %d)", choice.describe(self.ahead[0]), ready + 1)
-    self.builds.request(self.ahead[0])
+                 "step %d)", " and of ".join(choice.describe(key) for key in keys), ready + 1)
+    for key in keys:
+      self.builds.request(key)
 
-  def _ahead_built(self, done: int):
-    """The key of the step compiled ahead once it counts as built after `done` steps, else
-    None."""
+  def _ahead_built(self, done: int) -> tuple:
+    """The keys of the steps compiled ahead once they count as built after `done` steps, else
+    none."""
     if self.ahead is None or done < self.ahead[1]:
-      return None
+      return ()
     return self.ahead[0]
 
   # How much faster than the running step the step compiled ahead must be predicted to run
@@ -330,19 +336,30 @@ class ChoiceSteps:
   BRIDGE_GAIN = 0.05
 
   def _bridge(self, done: int, counts, heavy, tokens: int):
-    """With `layer_choice.bridge`: the step compiled ahead, if it should run from the next
-    step on (it counts as built, is neither running nor the choice just decided, and its FFN
-    is predicted `BRIDGE_GAIN` faster than the running step's, over the dense FFN's, mean over
-    the layers, on this decision's counts). Else None.
+    """With `layer_choice.bridge`: the step compiled ahead predicted fastest, if it should run
+    from the next step on (it counts as built, is neither running nor the choice just
+    decided, and its FFN is predicted `BRIDGE_GAIN` faster than the running step's, over the
+    dense FFN's, mean over the layers, on this decision's counts). Else None.
 
     Asked at every decision, a choice pending or not (`_run_bridge`): from initialisation the
     first choice is made at a high activity (a large K), and the layers' activity keeps
     falling while it builds, so the step compiled ahead can be the faster one meanwhile."""
-    key, choice = self._ahead_built(done), self.choice
-    if not self.bridge or key is None or key in (self.running, choice.key):
+    choice = self.choice
+    built = [k for k in self._ahead_built(done) if k not in (self.running, choice.key)]
+    if not self.bridge or not built:
       return None
-    cost = lambda k: float(choice.costs(k, counts, tokens, heavy).mean())
-    return key if cost(key) < cost(self.running) - self.BRIDGE_GAIN else None
+    costs = lambda k: choice.costs(k, counts, tokens, heavy)
+    key = min(built, key=lambda k: float(costs(k).mean()))
+    ahead, running = costs(key), costs(self.running)
+    if float(ahead.mean()) < float(running.mean()) - self.BRIDGE_GAIN:
+      return key
+    # While every layer runs dense, why the step compiled ahead waits: the layers it is
+    # predicted slow on (inf: more rows over its ELL width than the kernels' dense tail holds).
+    if all(name == layer_choice_lib.DENSE for name in self.running[0]):
+      logging.info("step %d: the step built ahead, %s, predicted %s against %s running: "
+                   "not run", done, choice.describe(key), " ".join(f"{r:.2f}" for r in ahead),
+                   " ".join(f"{r:.2f}" for r in running))
+    return None
 
   def _run_bridge(self, done: int, counts, heavy, tokens: int) -> None:
     """Runs the step compiled ahead from the next step on if `_bridge` says so: until a choice
@@ -482,7 +499,7 @@ class ChoiceSteps:
       self._run_bridge(done, counts, heavy, tokens)
       return state
     # The step compiled ahead, once it counts as built, runs from the next step: no build.
-    built = choice.key == self._ahead_built(done)
+    built = choice.key in self._ahead_built(done)
     land = done if built else done + landing_lag(choice, target, counts, heavy, tokens,
                                                  self.lag, self.ffn_share)
     why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
