@@ -274,7 +274,7 @@ def plot(results: dict, path: str) -> None:
   eq = summary.get("ce_ratio_equal_time", {}).get("mean")
   ax.set_title(f"{results['device']}: dense SiLU (solid), sparse at equal steps (dashed), "
                f"at equal time (dotted)" + (f"\nCE at equal time {eq:.3f} of dense, mean over "
-                                             f"seeds: {summary['ce_ratio_equal_time']['n']}"
+                                             f"{summary['ce_ratio_equal_time']['n']} seed(s)"
                                              if eq else ""), fontsize=9)
   ax.legend(fontsize=7, ncol=3)
   fig.tight_layout()
