@@ -379,6 +379,7 @@ def main(argv):
   _print(results)
   if fl.levers_out:
     table = merge_levers(_load(fl.levers_out), results)
+    os.makedirs(os.path.dirname(os.path.abspath(fl.levers_out)), exist_ok=True)
     with open(fl.levers_out, "w") as f:
       json.dump(table, f, indent=1)
     print_levers(table)

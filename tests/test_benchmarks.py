@@ -507,7 +507,7 @@ class TimeToQualityTest(absltest.TestCase):
     # A budget of 1 s: the first run starts (nothing predicts it), no other fits after it.
     first = _run_module(out, "benchmarks.time_to_quality", *args, "--budget_s=1")
     self.assertEqual([r["arm"] for r in first["runs"]], ["dense"])
-    levers = os.path.join(tmp, "levers.json")
+    levers = os.path.join(tmp, "new", "levers.json")   # its folder made
     r = _run_module(out, "benchmarks.time_to_quality", *args, f"--levers_out={levers}")
     self.assertEqual([x["arm"] for x in r["runs"]], ["dense", "sparse", "sparse_t"])
     self.assertEqual(r["runs"][0], first["runs"][0])         # kept, not rerun
