@@ -601,6 +601,17 @@ class TimeToQualityTest(absltest.TestCase):
     self.assertAlmostEqual(revived["ce_over_dense"]["mean"], (3.8 / 4.0 + 4.0 / 4.4) / 2)
     self.assertAlmostEqual(plain["wall_over_dense"]["mean"], 306.0 / 300.0)
 
+  def test_a_file_of_another_setting_is_refused_before_any_run(self):
+    """--out, --dense_from and --levers_out must hold runs of the same setting: one of another
+    L1 or device is named in the error, not mixed in (checked before the first run)."""
+    with self.assertRaisesRegex(app.UsageError, "t.json holds runs with l1=3e-05, not 2e-05"):
+      time_to_quality._check_setting({"l1": 3e-5, "steps": 2500}, {"l1": 2e-5, "steps": 2500},
+                                     "t.json")
+    with self.assertRaisesRegex(app.UsageError, "levers.json holds runs with device='A100'"):
+      time_to_quality._check_setting({"device": "A100"}, {"device": "NVIDIA H200"},
+                                     "levers.json")
+    time_to_quality._check_setting({}, {"device": "NVIDIA H200"}, None)   # a new file
+
   def test_a_seed_counts_in_the_ratios_its_runs_allow(self):
     """Dense and sparse_t alone (a lever screened at equal time) give the equal-time ratio
     only; a dense run alone gives no row but counts in the dense runs' spread."""
