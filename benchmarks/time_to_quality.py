@@ -28,6 +28,8 @@ sparse model takes to reach dense's final CE, as dense's wall-clock over it:
   pooled over the seeds (the mean of their slopes: one seed's two points sit ~25% apart in
   time, where one run's CE moves ~1.5%, so a per-seed slope is mostly noise) and `c` the seed's
   own. Where the pooled slope is not positive (CE did not fall with time) there is no estimate.
+  Beside it, with no model, a lower bound: dense's wall-clock over that of the shorter sparse
+  run that ended at or below dense's CE (`time_to_dense_ce_ratio_at_least`).
 
 The CE ratios' standard errors from the held-out batches alone (paired: every run is
 evaluated on the same batches) are recorded per seed beside them, to set the evaluation's own
@@ -43,7 +45,8 @@ so the same command, repeated, carries on where the last stopped; `--budget_s` s
 that the runs already timed predict would end past that many seconds. JSON (`--out`):
 {"device", "seeds", "steps", "corpus", "summary": {"wall_ratio", "ce_ratio_equal_steps",
 "ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
-with the dense runs' own spread over seeds as "dense_ce" and "dense_wall_s"), "slope",
+with "time_to_dense_ce_ratio_at_least" and the dense runs' own spread over seeds as
+"dense_ce" and "dense_wall_s"), "slope",
 "per_seed": [...], "runs": [whole_run's record + "seed", "arm"]}. The plot: held-out CE
 against wall-clock for every run.
 
@@ -176,6 +179,10 @@ def summarize(results: dict) -> None:
       row.update(ce_ratio_equal_time=b["eval_ce"] / d["eval_ce"],
                  equal_time_wall_ratio=b["wall_s"] / d["wall_s"],
                  ce_ratio_equal_time_se=paired_ratio_se(b, d), steps_equal_time=b["steps"])
+    reached = [r["wall_s"] for r in (a, b) if r and r["eval_ce"] <= d["eval_ce"]]
+    if reached:
+      # No model: a run that ended at or below dense's CE reached it by its end.
+      row["time_to_dense_ce_ratio_at_least"] = d["wall_s"] / min(reached)
     if a and b and slope and slope > 0:
       # log t* = mean log t + (mean log CE - log CE_dense) / a, CE(t) = c t^-a through both.
       log_t = (math.log(a["wall_s"]) + math.log(b["wall_s"])) / 2
@@ -189,6 +196,9 @@ def summarize(results: dict) -> None:
   results["slope"] = slope
   results["per_seed"] = per_seed
   results["summary"] = {k: mean_ci([r[k] for r in per_seed if r[k] is not None]) for k in keys}
+  results["summary"]["time_to_dense_ce_ratio_at_least"] = mean_ci(
+      [r["time_to_dense_ce_ratio_at_least"] for r in per_seed
+       if "time_to_dense_ce_ratio_at_least" in r])
   results["summary"]["dense_ce"] = mean_ci([r["eval_ce"] for r in dense])
   results["summary"]["dense_wall_s"] = mean_ci([r["wall_s"] for r in dense])
 

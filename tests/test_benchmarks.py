@@ -559,6 +559,10 @@ class TimeToQualityTest(absltest.TestCase):
     np.testing.assert_allclose(got["ci95"], [np.mean(walls) - half, np.mean(walls) + half],
                                rtol=1e-6)
     self.assertAlmostEqual(results["summary"]["time_to_dense_ce_ratio"]["mean"], 1.2)
+    # Only sparse_t ends below dense's CE (at 1.2x its wall-clock it is past dense's): the
+    # bound is dense's wall-clock over its.
+    self.assertAlmostEqual(results["summary"]["time_to_dense_ce_ratio_at_least"]["mean"],
+                           np.mean([300 / 310, 320 / 330, 310 / 300]))
     # Paired over the same held-out batches: a run 2% above dense on every batch has a ratio
     # of 1.02 with no error; batch-to-batch scatter gives one.
     base = {"evals": [{"batch_ce": [3.0, 4.0, 5.0, 6.0]}]}
