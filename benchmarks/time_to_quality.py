@@ -113,10 +113,9 @@ def equal_time_steps(dense: dict, sparse: dict, steps: int, tokens_per_step: int
   at the end, each `eval_seconds(sparse)` long)."""
   last = sorted(p["tokens_per_s"] for p in sparse["points"][-5:])
   settled = last[len(last) // 2] / tokens_per_step   # steps per second
-  spare = dense["wall_s"] - sparse["wall_s"]
+  spare, per_eval = dense["wall_s"] - sparse["wall_s"], eval_seconds(sparse)
   n_evals = lambda n: -(-n // eval_every) if eval_every > 0 else 0
-  cost = lambda n: ((n - steps) / settled
-                    + (n_evals(n) - n_evals(steps)) * eval_seconds(sparse))
+  cost = lambda n: (n - steps) / settled + (n_evals(n) - n_evals(steps)) * per_eval
   n = steps + max(0, round(spare * settled))   # an upper bound: evaluations cost >= 0
   while n > steps and cost(n) > spare:
     n -= 1

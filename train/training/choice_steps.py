@@ -348,9 +348,9 @@ class ChoiceSteps:
     built = [k for k in self._ahead_built(done) if k not in (self.running, choice.key)]
     if not self.bridge or not built:
       return None
-    costs = lambda k: choice.costs(k, counts, tokens, heavy)
-    key = min(built, key=lambda k: float(costs(k).mean()))
-    ahead, running = costs(key), costs(self.running)
+    predicted = {k: choice.costs(k, counts, tokens, heavy) for k in [*built, self.running]}
+    key = min(built, key=lambda k: float(predicted[k].mean()))
+    ahead, running = predicted[key], predicted[self.running]
     if float(ahead.mean()) < float(running.mean()) - self.BRIDGE_GAIN:
       return key
     # While every layer runs dense, why the step compiled ahead waits: the layers it is
