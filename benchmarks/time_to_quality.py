@@ -81,8 +81,9 @@ def _define_flags():
   flags.DEFINE_list("arms", list(ARMS), "which runs of each seed")
   flags.DEFINE_float("budget_s", 0.0, "start no run predicted to end past this many seconds "
                      "from the command's start (0: no limit)")
-  flags.DEFINE_list("sparse_flags", [], "more train.main flags for the sparse runs only (a "
-                    "lever: --sparse_flags=--config.dead_reinit=true)")
+  flags.DEFINE_multi_string("sparse_flags", [], "a train.main flag for the sparse runs only, "
+                            "one per --sparse_flags (a lever: "
+                            "--sparse_flags=--config.layer_choice.ahead=256,1024:last)")
   flags.DEFINE_integer("equal_time_steps", 0, "sparse_t's steps, instead of reading them off "
                        "the seed's sparse run (0): a lever screened at equal time alone, with "
                        "the step count of an earlier sparse_t")

@@ -131,11 +131,12 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
                               # shape: docs/performance.md)
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
                               # goes on with the running step (a build may never come back)
-      bridge=True,            # run the step compiled at the start (first layer dense, the
-                              # others at K = 256) while a choice builds, where predicted
-                              # faster (train/training/choice_steps.py _bridge)
-      bridge_last_dense=False,  # with bridge, also compile ahead that step with the last
-                                # layer dense too; the faster predicted runs
+      bridge=True,            # run a step compiled at the start (`ahead`) while a choice
+                              # builds, where predicted faster
+                              # (train/training/choice_steps.py _bridge)
+      ahead="256",            # the steps compiled at the start, comma-separated: "K" (the
+                              # first layer dense, the others at K hot features) or "K:last"
+                              # (the last layer dense too); "" none
       column_floor=True,      # features on more than twice a fair share of a layer's entries
                               # stay hot (twell_jax.features.column_floor); False: K from the
                               # cost model alone

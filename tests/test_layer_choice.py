@@ -329,12 +329,12 @@ class StepBuildsTest(absltest.TestCase):
     import types  # pylint: disable=import-outside-toplevel
 
     def asked(sparse="mosaic_gpu", running_sparse=False, pending=None, interpret=False,
-              background=True, start=0, ready_step=None, last_dense=False):
+              background=True, start=0, ready_step=None, spec="256"):
       choice = layer_choice.LayerChoice(3, 1024, sparse_implementation=sparse)
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       requested = []
       steps.choice, steps.pending, steps.lag, steps.ahead = choice, pending, 7, None
-      steps.bridge_last_dense = last_dense
+      steps.ahead_spec = spec
       steps.running = ((sparse,) * 3, (256,) * 3) if running_sparse else choice.key
       steps.builds = types.SimpleNamespace(background=background, request=requested.append)
       steps.tr = types.SimpleNamespace(model_cfg=types.SimpleNamespace(interpret=interpret))
@@ -345,9 +345,11 @@ class StepBuildsTest(absltest.TestCase):
     ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
     self.assertEqual(asked(), ([ahead], 7))
     self.assertEqual(asked(start=40), ([ahead], 47))
-    # With `bridge_last_dense`, also the step with the last layer dense.
-    self.assertEqual(asked(last_dense=True),
-                     ([ahead, (("dense", "mosaic_gpu", "dense"), (0, 256, 0))], 7))
+    # `layer_choice.ahead` names more: here also K = 512 with the last layer dense; K = 1024
+    # holds every feature (the dense step) and is left out; "" names none.
+    self.assertEqual(asked(spec="256, 512:last,1024"),
+                     ([ahead, (("dense", "mosaic_gpu", "dense"), (0, 512, 0))], 7))
+    self.assertEqual(asked(spec=""), ([], None))
     self.assertEqual(asked(running_sparse=True), ([], None))
     self.assertEqual(asked(running_sparse=True, start=40, ready_step=7), ([ahead], 7))
     pending = ((("dense", "mosaic_gpu", "dense"), (0, 512, 0)), 40)

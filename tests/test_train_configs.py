@@ -139,6 +139,11 @@ class ConfigCheckTest(parameterized.TestCase):
                                    layer_choice__dense_above=10.0),
        r"config\.layer_choice\.dense_above=10\.0 must be >= "
        r"config\.layer_choice\.sparse_below=50\.0"),
+      ("ahead_steps", dict(layer_choice__ahead="256,1000:last"),
+       r"config\.layer_choice\.ahead='256,1000:last': '1000:last': K must be a positive "
+       r"multiple of 256"),
+      ("ahead_syntax", dict(layer_choice__ahead="256;1024"),
+       r"config\.layer_choice\.ahead='256;1024': '256;1024' is not K or K:last"),
       ("heads", dict(model__n_heads=3), r"config\.model: .*divisible by self\.n_heads=3"),
       ("grad_accum", dict(grad_accum_steps=3), r"config\.batch_size=16 must be divisible by "
        r"config\.grad_accum_steps=3"),

@@ -15,6 +15,7 @@ from train import errors
 from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
 from train.models import implementations
+from train.models import layer_choice
 from train.models import transformer as model_lib
 
 
@@ -66,8 +67,7 @@ _FLOAT_RANGE = {
 }
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
-          "layer_choice.background", "layer_choice.bridge", "layer_choice.bridge_last_dense",
-          "layer_choice.column_floor", "mesh.shard_optimizer")
+          "layer_choice.background", "layer_choice.bridge", "layer_choice.column_floor", "mesh.shard_optimizer")
 
 
 def _choices() -> dict[str, tuple]:
@@ -112,6 +112,15 @@ def _check_values(cfg):
     v = _get(cfg, path)
     if v is not _MISSING and not isinstance(v, bool):
       raise ConfigError(f"config.{path}={v!r}: must be True or False")
+  ahead = _get(cfg, "layer_choice.ahead")
+  if ahead is not _MISSING:
+    if not isinstance(ahead, str):
+      raise ConfigError(f"config.layer_choice.ahead={ahead!r}: must be a string such as "
+                        "'256,1024:last'")
+    try:
+      layer_choice.parse_ahead(ahead)
+    except ValueError as e:
+      raise ConfigError(f"config.layer_choice.ahead={ahead!r}: {e}") from None
   for path, options in _choices().items():
     v = _get(cfg, path)
     if v is not _MISSING and v not in options:

@@ -89,6 +89,51 @@ HOT_CHANGE_GAIN = 0.03
 BUILD_COST_STEPS = 20.0
 
 
+def parse_ahead(spec: str) -> tuple[tuple[int, bool], ...]:
+  """The steps `layer_choice.ahead` names, as (K, last layer dense too): comma-separated items
+  "K" (the first layer dense, every other one sparse with K hot features) or "K:last" (the
+  last layer dense too), K a positive multiple of 256; "" names none. Raises ValueError
+  naming the item that is not one."""
+  out = []
+  for item in (s.strip() for s in str(spec).split(",")):
+    if not item:
+      continue
+    k, _, tail = item.partition(":")
+    if not k.strip().isdigit() or tail.strip() not in ("", "last"):
+      raise ValueError(f"{item!r} is not K or K:last (K hot features, e.g. '256,1024:last')")
+    k = int(k)
+    if k <= 0 or k % features_lib.TILE_N:
+      raise ValueError(f"{item!r}: K must be a positive multiple of {features_lib.TILE_N}")
+    if (k, tail.strip() == "last") not in out:
+      out.append((k, tail.strip() == "last"))
+  return tuple(out)
+
+
+def ahead_keys(spec: str, n_layers: int, d_ff: int, sparse: str) -> tuple[tuple, ...]:
+  """The `key`s (implementations, hot features) of the steps `layer_choice.ahead` names
+  (`parse_ahead`) for `n_layers` layers of width `d_ff`: the first layer dense (and the last
+  with ":last"), the others on `sparse` with K hot features (none where d_ff is one tile: K
+  only past it). A K that holds every feature is left out (that step is the dense one, with
+  the sparse kernels' overhead); ":last" without a middle layer too."""
+  keys = []
+  for k, last in parse_ahead(spec):
+    if d_ff <= features_lib.TILE_N:
+      k = 0
+    elif k >= d_ff:
+      continue
+    if n_layers == 1:
+      dense_at = set()   # a one-layer model's step has its only layer sparse
+    else:
+      dense_at = {0, n_layers - 1} if last else {0}
+      if len(dense_at) == n_layers:
+        continue
+    key = (tuple(DENSE if i in dense_at else sparse for i in range(n_layers)),
+           tuple(0 if i in dense_at else k for i in range(n_layers)))
+    if key not in keys:
+      keys.append(key)
+  return tuple(keys)
+
+
 def _at(tail_work, k: int) -> float:
   """`features.tail_work`'s entry for K = k (the last, 0, past H)."""
   return float(tail_work[min(k, tail_work.shape[0] - 1)])

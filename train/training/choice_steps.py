@@ -4,19 +4,20 @@ switched on fixed steps.
 `StepBuilds` compiles the train step of a choice (`LayerChoice.key`) on a worker thread.
 `ChoiceSteps` runs the choice inside the loop: every `layer_choice.every` steps a decision
 from the feature counts of the steps since the last one (`LayerChoice.update_from_counts`)
-sorts each layer's
-features in the state and, when the choice changes and its build pays (`payback`), asks for
-its step, which runs after `layer_choice.landing_steps` dense steps' time (`landing_lag`: more
-steps when the running choice's steps are predicted faster; the loop waits for a build not done
-by then; without `layer_choice.background`, built at once and running from the next step).
-While a choice is pending no other is decided: each decision lands. The sparse kernels are
-compiled ahead, when the run starts (`_compile_kernels_ahead`), so that a choice's build is
-mostly the XLA program around them; a choice equal to that step lands at once, and with
-`layer_choice.bridge` the step also runs from any decision that predicts it faster than the
-running one until a choice lands (`_bridge`). What runs when follows from the decisions, the
-predictions and step numbers alone: the same seed gives the same decisions and switches on the
-same steps on any machine, and a checkpoint keeps the choice in use, the one pending and the
-step from which the step compiled ahead counts as built (`meta`, `_restore`). Several
+sorts each layer's features in the state and, when the choice changes and its build pays
+(`payback`), asks for its step, which runs after `layer_choice.landing_steps` dense steps' time
+(`landing_lag`: more steps when the running choice's steps are predicted faster; the loop
+waits for a build not done by then; without `layer_choice.background`, built at once and
+running from the next step). While a choice is pending no other is decided: each decision
+lands. The sparse kernels are compiled ahead, when the run starts, in the steps
+`layer_choice.ahead` names (`_compile_kernels_ahead`), so that a choice's build is mostly the
+XLA program around them; a choice equal to one of those steps lands at once, and with
+`layer_choice.bridge` the one predicted fastest also runs from any decision that predicts it
+faster than the running step until a choice lands (`_bridge`). What runs when follows from
+the decisions, the predictions and step numbers alone: the same seed gives the same decisions
+and switches on the same steps on any machine, and a checkpoint keeps the choice in use, the
+one pending and the step from which the steps compiled ahead count as built (`meta`,
+`_restore`). Several
 processes take the branches that hang on time (a build done or not) together (`agreed`).
 """
 
@@ -35,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twell_jax import features as features_lib
 from train.models import layer_choice as layer_choice_lib
 
 
@@ -265,7 +265,7 @@ class ChoiceSteps:
     # (keys, step): the steps compiled ahead (`_compile_kernels_ahead`), counted as built from
     # that step on.
     self.ahead = None
-    self.bridge_last_dense = bool(cfg.layer_choice.get("bridge_last_dense", False))
+    self.ahead_spec = cfg.layer_choice.get("ahead", "256")
     self._restore(meta)
     self.train_step = self.builds.get(self.running)
     self._compile_kernels_ahead(int(meta.get("step", 0)), meta.get("ahead_ready_step"))
@@ -286,22 +286,23 @@ class ChoiceSteps:
   AHEAD_FOR = ("mosaic_gpu",)
 
   def _compile_kernels_ahead(self, start: int, ready_step=None) -> None:
-    """Builds, in the background, a step with the first layer dense and every other one on
-    the sparse kernels at K = 256 when neither the running step nor the pending one has a
-    sparse layer (or a resumed run's checkpoint says the run has one: `ready_step`).
+    """Builds, in the background, the steps `layer_choice.ahead` names
+    (`layer_choice.ahead_keys`; by default one: the first layer dense, every other one on the
+    sparse kernels at K = 256) when neither the running step nor the pending one has a sparse
+    layer (or a resumed run's checkpoint says the run has them: `ready_step`).
 
     The kernels are the same in every choice's step (the hot features reach them at run
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
-    after this build a choice's step builds faster, the time `landing_steps` is set for. A
-    choice equal to the step lands at once once it counts as built, `landing_steps` dense
-    steps after the run's start (the same step in a resumed run), so runs of a seed use it
-    alike. The first layer stays dense in it: from initialisation the first layer's activity
-    falls last, long after the others'. With `layer_choice.bridge_last_dense` a second step,
-    the last layer dense too, is built after it: the last layer's activity falls second
-    last, and one layer with more rows over the ELL width than the kernels' tail holds makes
-    a step's prediction infinite.
+    after the first of these builds a choice's step builds faster, the time `landing_steps`
+    is set for. A choice equal to one of them lands at once once they count as built,
+    `landing_steps` dense steps after the run's start (the same step in a resumed run), so
+    runs of a seed use them alike. The first layer stays dense in them: from initialisation
+    the first layer's activity falls last, long after the others'. While the activity falls,
+    K = 256 leaves more rows over the ELL width than the kernels' dense tail holds in most
+    layers (an infinite prediction); a wider K ("1024") and the last layer dense (":last",
+    the densest after the first) give steps that can run earlier.
 
-    It runs in place of a choice still building only with `layer_choice.bridge` (`_bridge`)."""
+    They run in place of a choice still building only with `layer_choice.bridge` (`_bridge`)."""
     choice = self.choice
     if (choice.sparse_implementation not in self.AHEAD_FOR or not self.builds.background
         or self.tr.model_cfg.interpret):
@@ -310,13 +311,9 @@ class ChoiceSteps:
     sparse = choice.sparse_implementation
     if ready_step is None and any(name == sparse for key in inflight for name in key[0]):
       return
-    k = features_lib.TILE_N if choice.d_ff > features_lib.TILE_N else 0
-    n = choice.n_layers
-    dense_at = [{0}] if n > 1 else [set()]
-    if self.bridge_last_dense and n > 2:
-      dense_at.append({0, n - 1})
-    keys = tuple((tuple(layer_choice_lib.DENSE if i in d else sparse for i in range(n)),
-                  tuple(0 if i in d else k for i in range(n))) for d in dense_at)
+    keys = layer_choice_lib.ahead_keys(self.ahead_spec, choice.n_layers, choice.d_ff, sparse)
+    if not keys:
+      return
     ready = start + self.lag if ready_step is None else int(ready_step)
     self.ahead = (keys, ready)
     logging.info("compiling the sparse kernels ahead: building the step of %s (usable from "
