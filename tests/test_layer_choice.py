@@ -387,8 +387,9 @@ class StepBuildsTest(absltest.TestCase):
     # From the dense step at an activity where K = 256 is slower: the log says by how much.
     with self.assertLogs(logger="absl", level="INFO") as logs:
       self.assertIsNone(bridge(dense, counts=np.full((3, h), tokens // 8, np.int64)))
-    self.assertRegex(logs.output[-1], r"step 20: the step built ahead, D S256 S256, predicted "
-                     r"1\.00 \d+\.\d\d \d+\.\d\d against 1\.00 1\.00 1\.00 running: not run")
+    self.assertRegex(logs.output[-1], r"step 20: the steps built ahead, predicted against "
+                     r"1\.00 1\.00 1\.00 running, not run: D S256 S256: 1\.00 \d+\.\d\d "
+                     r"\d+\.\d\d$")
     # The last layer still busy: of the two steps built ahead, the one with it dense runs.
     busy_last = counts.copy()
     busy_last[2] = tokens // 8
@@ -396,6 +397,12 @@ class StepBuildsTest(absltest.TestCase):
     self.assertIsNone(bridge(dense, counts=busy_last))
     self.assertEqual(bridge(dense, counts=busy_last, variants=(ahead, last_dense)), last_dense)
     self.assertEqual(bridge(dense, variants=(ahead, last_dense)), ahead)
+    # Neither runs: the log gives each one's prediction.
+    with self.assertLogs(logger="absl", level="INFO") as logs:
+      self.assertIsNone(bridge(dense, counts=np.full((3, h), tokens // 8, np.int64),
+                               variants=(ahead, last_dense)))
+    self.assertRegex(logs.output[-1], r"not run: D S256 S256: [^;]+; D S256 D: 1\.00 "
+                     r"\d+\.\d\d 1\.00$")
 
   def test_a_checkpoint_keeps_the_votes_for_dense(self):
     """A sparse layer predicted over dense_above at the last decision goes dense at the next

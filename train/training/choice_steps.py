@@ -350,12 +350,13 @@ class ChoiceSteps:
     ahead, running = predicted[key], predicted[self.running]
     if float(ahead.mean()) < float(running.mean()) - self.BRIDGE_GAIN:
       return key
-    # While every layer runs dense, why the step compiled ahead waits: the layers it is
+    # While every layer runs dense, why the steps compiled ahead wait: the layers each is
     # predicted slow on (inf: more rows over its ELL width than the kernels' dense tail holds).
     if all(name == layer_choice_lib.DENSE for name in self.running[0]):
-      logging.info("step %d: the step built ahead, %s, predicted %s against %s running: "
-                   "not run", done, choice.describe(key), " ".join(f"{r:.2f}" for r in ahead),
-                   " ".join(f"{r:.2f}" for r in running))
+      text = lambda ratios: " ".join(f"{r:.2f}" for r in ratios)
+      logging.info("step %d: the steps built ahead, predicted against %s running, not run: %s",
+                   done, text(running), "; ".join(f"{choice.describe(k)}: {text(predicted[k])}"
+                                                  for k in built))
     return None
 
   def _run_bridge(self, done: int, counts, heavy, tokens: int) -> None:
