@@ -17,8 +17,8 @@ faster than the running step until a choice lands (`_bridge`). What runs when fo
 the decisions, the predictions and step numbers alone: the same seed gives the same decisions
 and switches on the same steps on any machine, and a checkpoint keeps the choice in use, the
 one pending and the step from which the steps compiled ahead count as built (`meta`,
-`_restore`). Several
-processes take the branches that hang on time (a build done or not) together (`agreed`).
+`_restore`). Several processes take the branches that hang on time (a build done or not)
+together (`agreed`).
 """
 
 import concurrent.futures
