@@ -129,6 +129,8 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
       landing_steps=200,      # dense steps' time a build has beside training before its
                               # choice lands (enough for the builds measured at the paper
                               # shape: docs/performance.md)
+      landing_by_layers=False,  # landing_steps is for a step with every layer sparse; one
+                                # with fewer lands in that share of it (at least a quarter)
       build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
                               # goes on with the running step (a build may never come back)
       bridge=True,            # run a step compiled at the start (`ahead`) while a choice

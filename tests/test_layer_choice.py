@@ -524,6 +524,29 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
         self.assertGreaterEqual(later[0], first)
     self.assertIn("S", running[max(running)])
 
+  def test_steps_named_ahead_build_at_the_start_and_lags_count_sparse_layers(self):
+    """`layer_choice.ahead="256,512"` compiles both steps at the start; with
+    `layer_choice.landing_by_layers` a choice lands after its share of sparse layers of
+    `landing_steps` (at least a quarter), on the same step in a run with slower builds."""
+    self._micro_sparse_model()
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
+                                                  ("xla",)))
+    cfg = tu.micro_config(num_train_steps=16, log_every=1, checkpoint_every=0,
+                          l1_coeff=3e-2, learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 6,
+                             "layer_choice.bridge": False, "layer_choice.ahead": "256,512",
+                             "layer_choice.landing_by_layers": True})
+    runs = [(self._decisions(logs.output), logs.output)
+            for logs in self._runs_with_slower_builds(cfg, 0.5)]
+    ((decided, running), output), (second, _) = runs
+    self.assertEqual((decided, running), second)
+    self.assertTrue(any("building the step of D S256 and of D S512" in l for l in output))
+    step, choice, land = decided[0]
+    sparse = choice.count("S")
+    self.assertEqual(land - step - 1, math.ceil(6 * max(sparse / 2, 0.25)))
+    self.assertEqual(running[land], choice)
+
   def test_the_step_compiled_ahead_does_not_stand_in_for_a_choice_building(self):
     """With `layer_choice.bridge` off, while every layer runs dense and a choice builds, the
     step compiled ahead (first layer dense, the others at K = 256) does not run in its place;
@@ -647,6 +670,15 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(lag((("mosaic_gpu", "mosaic_gpu"), (0, 0))), 301)
     self.assertEqual(lag((("dense", "mosaic_gpu"), (0, 0))), math.ceil(200 / (1 - 0.5 * 0.335)))
     self.assertEqual(lag((("mosaic_gpu", "mosaic_gpu"), (0, 0)), 0), 0)
+    # `landing_by_layers`: the new choice's share of sparse layers (here one of two, then a
+    # quarter at least), at the same running speed.
+    by = lambda n_sparse, layers=2: choice_steps.landing_lag(
+        layer_choice.LayerChoice(layers, 1024, current=["mosaic_gpu"] * n_sparse
+                                 + ["dense"] * (layers - n_sparse)),
+        (("dense",) * layers, (0,) * layers), np.zeros((layers, 1024), np.int64), None, 4096,
+        200, 0.5, by_layers=True)
+    self.assertEqual([by(0), by(1), by(2)], [50, 100, 200])
+    self.assertEqual([by(1, 8), by(4, 8), by(7, 8)], [50, 100, 175])
 
   def _resume_after_losing(self, cfg, lost_steps, last_step):
     """Trains `cfg` twice, deletes `lost_steps`' checkpoints from the second run (as if killed

@@ -219,15 +219,29 @@ def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
           f"left, less than the {layer_choice_lib.BUILD_COST_STEPS:.0f} a build takes")
 
 
+# With `layer_choice.landing_by_layers`, the fewest sparse layers a step's landing lag counts,
+# as a fraction of the layers: the program around them takes its time too.
+LANDING_LAYERS_FLOOR = 0.25
+
+
 def landing_lag(choice, running, counts, heavy, tokens: int, dense_steps: int,
-                ffn_share: float) -> int:
+                ffn_share: float, by_layers: bool = False) -> int:
   """Steps from a decision to the step its choice runs from: `dense_steps` dense steps' time
   at the running choice's predicted speed (its FFN's predicted time over the dense FFN's,
   `LayerChoice.costs`, the FFN being `ffn_share` of a dense step), so that a build has about
   the same seconds to finish whatever runs meanwhile (sparse steps are shorter, so more of them
-  fit). From predictions, not clocks: the same counts give the same lag on any machine."""
+  fit). From predictions, not clocks: the same counts give the same lag on any machine.
+
+  `by_layers` (`layer_choice.landing_by_layers`): `dense_steps` is the time for a step with
+  every layer sparse, and a choice with fewer sparse layers gets that share of it (at least
+  `LANDING_LAYERS_FLOOR`): its build compiles that many layers' kernel calls (at the paper
+  shape on an H200 about 2 s a sparse layer: 4 layers 7.6-8.9 s, 7 or 8 layers 13.5-21.8 s)."""
   if dense_steps <= 0:
     return 0
+  if by_layers:
+    n = len(choice.key[0])
+    sparse = sum(name != layer_choice_lib.DENSE for name in choice.key[0])
+    dense_steps = dense_steps * max(sparse / n, LANDING_LAYERS_FLOOR)
   costs = np.minimum(choice.costs(running, counts, tokens, heavy), 1.5)
   step_ratio = min(1.0, max(0.3, 1.0 - ffn_share * (1.0 - float(costs.mean()))))
   return int(math.ceil(dense_steps / step_ratio))
@@ -256,6 +270,7 @@ class ChoiceSteps:
         lambda key: tr.compile_train_step(key, state_spec, batch_spec, autotune=False),
         background=cfg.layer_choice.background)
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
+    self.lag_by_layers = bool(cfg.layer_choice.get("landing_by_layers", False))
     self.build_timeout_s = cfg.layer_choice.build_timeout_s
     self.bridge = cfg.layer_choice.bridge
     self.pending = None   # (key, step): a choice decided, running from that step on
@@ -499,7 +514,7 @@ class ChoiceSteps:
     # The step compiled ahead, once it counts as built, runs from the next step: no build.
     built = choice.key in self._ahead_built(done)
     land = done if built else done + landing_lag(choice, target, counts, heavy, tokens,
-                                                 self.lag, self.ffn_share)
+                                                 self.lag, self.ffn_share, self.lag_by_layers)
     why_not = ("it would land after the run ends" if land >= cfg.num_train_steps else
                None if built else payback(choice, target, counts, heavy, tokens,
                                           cfg.num_train_steps - land, self.ffn_share))
