@@ -484,6 +484,18 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
         lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
     self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
 
+  def _ahead_config(self, **overrides):
+    """`_micro_sparse_model`, with the portable sparse FFN standing in for the kernels in the
+    steps compiled ahead (on the CPU nothing is compiled ahead), and the micro config these
+    tests train: `overrides` are its fields ("layer_choice.every" and the like)."""
+    self._micro_sparse_model()
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
+                                                  ("xla",)))
+    fields = {"num_train_steps": 18, "log_every": 1, "checkpoint_every": 0, "l1_coeff": 3e-2,
+              "learning_rate": 3e-3, "model.d_ff": 1024, "layer_choice.sparse": "xla",
+              "layer_choice.every": 2, **overrides}
+    return tu.micro_config(**fields)
+
   def _runs_with_slower_builds(self, cfg, delay: float):
     """The log lines of two runs of `cfg`, the second's builds `delay` seconds slower."""
     compile_step = trainer_lib.Trainer.compile_train_step
@@ -524,48 +536,22 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
         self.assertGreaterEqual(later[0], first)
     self.assertIn("S", running[max(running)])
 
-  def test_steps_named_ahead_build_at_the_start_and_lags_count_sparse_layers(self):
-    """`layer_choice.ahead="256,512"` compiles both steps at the start; with
-    `layer_choice.landing_by_layers` a choice lands after its share of sparse layers of
-    `landing_steps` (at least a quarter), on the same step in a run with slower builds."""
-    self._micro_sparse_model()
-    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
-                                                  ("xla",)))
-    cfg = tu.micro_config(num_train_steps=16, log_every=1, checkpoint_every=0,
-                          l1_coeff=3e-2, learning_rate=3e-3,
-                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 6,
-                             "layer_choice.bridge": False, "layer_choice.ahead": "256,512",
-                             "layer_choice.landing_by_layers": True})
-    runs = [(self._decisions(logs.output), logs.output)
-            for logs in self._runs_with_slower_builds(cfg, 0.5)]
-    ((decided, running), output), (second, _) = runs
-    self.assertEqual((decided, running), second)
-    self.assertTrue(any("building the step of D S256 and of D S512" in l for l in output))
-    step, choice, land = decided[0]
-    sparse = choice.count("S")
-    self.assertEqual(land - step - 1, math.ceil(6 * max(sparse / 2, 0.25)))
-    self.assertEqual(running[land], choice)
-
-  def test_the_step_compiled_ahead_does_not_stand_in_for_a_choice_building(self):
+  def test_the_steps_compiled_ahead_do_not_stand_in_for_a_choice_building(self):
     """With `layer_choice.bridge` off, while every layer runs dense and a choice builds, the
-    step compiled ahead (first layer dense, the others at K = 256) does not run in its place;
-    the choices land on the same steps when builds are slow. (The
-    portable sparse FFN stands in for the kernels: on the CPU nothing is compiled ahead.)"""
-    self._micro_sparse_model()
-    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
-                                                  ("xla",)))
-    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0,
-                          l1_coeff=3e-2, learning_rate=3e-3,
-                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 7,
-                             "layer_choice.bridge": False})
+    steps compiled ahead (`layer_choice.ahead="256,512"`: first layer dense, the others at
+    K = 256, and at 512) do not run in its place; the choices land on the same steps when
+    builds are slow, with `layer_choice.landing_by_layers` after their share of sparse layers
+    of `landing_steps` (a quarter at least)."""
+    cfg = self._ahead_config(**{"layer_choice.landing_steps": 7, "layer_choice.bridge": False,
+                                "layer_choice.ahead": "256,512",
+                                "layer_choice.landing_by_layers": True})
     runs = [(self._decisions(logs.output), logs.output)
             for logs in self._runs_with_slower_builds(cfg, 1.0)]
     ((decided, running), output), (second, _) = runs
     self.assertEqual((decided, running), second)
-    self.assertTrue(any("compiling the sparse kernels ahead" in l for l in output))
+    self.assertTrue(any("building the step of D S256 and of D S512" in l for l in output))
     step, choice, land = decided[0]
+    self.assertEqual(land - step - 1, math.ceil(7 * max(choice.count("S") / 2, 0.25)))
     self.assertEqual({running[s] for s in range(1, land)}, {"D D"})
     self.assertEqual(running[land], choice)
 
@@ -574,14 +560,8 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     the step after a choice is decided, once it counts as built (`landing_steps` after the
     start) and is predicted faster, until that choice lands: on the same steps when builds
     are slow, and in a run resumed between the two."""
-    self._micro_sparse_model()
-    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
-                                                  ("xla",)))
-    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=2,
-                          keep_checkpoints=9, l1_coeff=3e-2, learning_rate=3e-3,
-                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 5,
-                             "layer_choice.bridge": True})
+    cfg = self._ahead_config(checkpoint_every=2, keep_checkpoints=9, **{
+        "layer_choice.landing_steps": 5, "layer_choice.bridge": True})
     unsaved = cfg.copy_and_resolve_references()
     unsaved.checkpoint_every = 0    # checkpoints only for the resume below
     runs = [(self._decisions(logs.output), [l for l in logs.output if "compiled ahead" in l])
@@ -603,9 +583,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
   def test_a_failed_build_of_the_step_compiled_ahead_leaves_training_going(self):
     """The step compiled ahead fails to build: the worker logs it and training goes on with
     the running step; the decided choice still lands."""
-    self._micro_sparse_model()
-    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
-                                                  ("xla",)))
+    cfg = self._ahead_config(**{"layer_choice.landing_steps": 7})
     compile_step = trainer_lib.Trainer.compile_train_step
 
     def failing(self, key, *a, **k):
@@ -614,10 +592,6 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
       return compile_step(self, key, *a, **k)
     self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step",
                                                   failing))
-    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
-                          learning_rate=3e-3,
-                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 7})
     with self.assertLogs(level="INFO") as logs:
       train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
     self.assertTrue(any("(RuntimeError: out of host memory)" in l for l in logs.output))
