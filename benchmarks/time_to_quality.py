@@ -47,8 +47,10 @@ that the runs already timed predict would end past that many seconds. JSON (`--o
 "ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
 with "time_to_dense_ce_ratio_at_least" and the dense runs' own spread over seeds as
 "dense_ce" and "dense_wall_s"), "slope",
-"per_seed": [...], "runs": [whole_run's record + "seed", "arm"]}. The plot: held-out CE
-against wall-clock for every run.
+"per_seed": [...], "codes", "runs": [whole_run's record + "seed", "arm", "code"]}. A run's
+"code" is the digest of the code it ran (`cli_run.code_digest`); "codes" counts the runs per
+digest ("unrecorded" for runs from before it was kept), and the summary says when its runs
+measured more than one version. The plot: held-out CE against wall-clock for every run.
 
 The levers (`--levers_out`): every sparse run with its seed's dense run is also merged into a
 table of what was tried, one row per lever (`--l1` and `--sparse_flags`), seed, arm and steps
@@ -59,6 +61,7 @@ table of what was tried, one row per lever (`--l1` and `--sparse_flags`), seed, 
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -158,6 +161,8 @@ def summarize(results: dict) -> None:
   and sparse_t for equal time, all three for the time to dense CE. The dense runs' own spread
   over seeds (`dense_ce`, `dense_wall_s`) is summarized beside the ratios."""
   by = {run_key(r): r for r in results["runs"]}
+  codes = collections.Counter(r.get("code", "unrecorded") for r in results["runs"])
+  results["codes"] = dict(sorted(codes.items()))
   seeds = sorted({s for s, _ in by})
   trios = {s: [by.get((s, a)) for a in ARMS] for s in seeds}
   slopes = [(math.log(a["eval_ce"]) - math.log(b["eval_ce"]))
@@ -336,6 +341,7 @@ def main(argv):
   seeds = [int(s) for s in fl.seeds]
   t_start = time.time()
   device = cli_run.device_name()
+  code = cli_run.code_digest()
   setting = {"device": device, "steps": fl.steps, "shape": fl.shape, "l1": fl.l1,
              "eval_batches": fl.eval_batches, "sparse_flags": list(fl.sparse_flags)}
   results = _load(fl.out) or {**setting, "runs": []}
@@ -377,6 +383,7 @@ def main(argv):
               f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left", flush=True)
         continue
       run = _run_one(fl, seed, arm, steps, data_flags)
+      run["code"] = code
       results["runs"].append(run)
       done[(seed, arm)] = run
       _save(fl, results)
@@ -419,6 +426,9 @@ def _print(results: dict) -> None:
   for row in results["per_seed"]:
     print("  seed {seed}: ".format(**row) + "  ".join(
         f"{k} {v:.3f}" for k, v in row.items() if k != "seed" and isinstance(v, float)))
+  if len(results.get("codes", {})) > 1:
+    print("  the runs measured more than one version of the code (runs per digest): "
+          + ", ".join(f"{c} {n}" for c, n in results["codes"].items()))
   for k, v in results["summary"].items():
     ci = v["ci95"]
     print(f"  {k}: " + ("n/a" if v["mean"] is None else f"{v['mean']:.3f}") +

@@ -511,6 +511,9 @@ class TimeToQualityTest(absltest.TestCase):
     r = _run_module(out, "benchmarks.time_to_quality", *args, f"--levers_out={levers}")
     self.assertEqual([x["arm"] for x in r["runs"]], ["dense", "sparse", "sparse_t"])
     self.assertEqual(r["runs"][0], first["runs"][0])         # kept, not rerun
+    # Every run keeps the digest of the code it ran: this checkout's, the same for all three.
+    from benchmarks.common import cli_run  # pylint: disable=import-outside-toplevel
+    self.assertEqual(r["codes"], {cli_run.code_digest(): 3})
     dense, sparse, sparse_t = r["runs"]
     self.assertEqual(sparse_t["steps"], time_to_quality.equal_time_steps(
         dense, sparse, 6, r["tokens_per_step"], 6))
@@ -546,8 +549,10 @@ class TimeToQualityTest(absltest.TestCase):
         # Sparse converges as if it had 1.2x the time: it reaches dense's CE at wall / 1.2.
         runs.append({"seed": seed, "arm": arm, "wall_s": wall, "steps": 1,
                      "eval_ce": ce(wall if arm == "dense" else wall * 1.2)})
+    runs[0]["code"] = "abc"   # the runs that keep the digest of the code they ran
     results = {"runs": runs}
     time_to_quality.summarize(results)
+    self.assertEqual(results["codes"], {"abc": 1, "unrecorded": 8})
     self.assertAlmostEqual(results["slope"], a)
     for row in results["per_seed"]:
       self.assertAlmostEqual(row["time_to_dense_ce_s"] * 1.2,

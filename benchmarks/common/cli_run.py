@@ -8,6 +8,7 @@ to exit, and the device's name without starting JAX in this process.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +19,25 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_TOKENIZER = "~/.cache/twell_jax/tokenizers/python_source_site_32k"
 DEFAULT_DATASET = "twell_python_source_site"
+
+
+# The code a training run executes: a run's `code_digest` covers these folders' Python files.
+CODE_DIRS = ("pallas_kernels", "twell_jax", "train", "configs")
+
+
+def code_digest(root: str = ROOT) -> str:
+  """12 hex digits of a SHA-256 over the Python files of `CODE_DIRS` (their paths and bytes,
+  in sorted order): the version of the code a run measured, where no git history travels
+  with the working tree (a device machine's copy). Docs, tests and benchmarks do not count."""
+  h = hashlib.sha256()
+  for folder in CODE_DIRS:
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, folder)):
+      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+      for name in sorted(f for f in filenames if f.endswith(".py")):
+        path = os.path.join(dirpath, name)
+        with open(path, "rb") as f:
+          h.update(os.path.relpath(path, root).encode() + b"\0" + f.read() + b"\0")
+  return h.hexdigest()[:12]
 
 
 def tokenizer_record(path: str, dataset: str) -> dict | None:
