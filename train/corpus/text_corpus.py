@@ -22,9 +22,10 @@ Files are visited in sorted order and nodes in `ast.walk` order, so the list is 
 for a given Python installation (different Python patch versions have slightly different
 docstrings).
 
-This module needs only the standard library: the TFDS builder (`tfds_offline.py`) and the
-TFDS-free reader (`train/data/pipeline.py`) both call `iter_documents`, which is what makes
-their outputs identical.
+This module needs only the standard library: the TFDS builder (`tfds_offline.py`) reads
+`iter_documents` and the TFDS-free reader (`train/data/pipeline.py`) `documents`, the same
+documents from one pass over the files for both splits, which is what makes their outputs
+identical.
 """
 
 import ast
@@ -63,8 +64,10 @@ def _stdlib_files() -> list[tuple[str, pathlib.Path]]:
   return out
 
 
-def _source_files(site: bool) -> list[tuple[str, pathlib.Path]]:
-  """(key, path) of every .py file of the standard library (and of site-packages), sorted."""
+@functools.cache
+def _source_files(site: bool) -> tuple[tuple[str, pathlib.Path], ...]:
+  """(key, path) of every .py file of the standard library (and of site-packages), sorted;
+  listed once per process."""
   paths = sysconfig.get_paths()
   roots = [("stdlib", pathlib.Path(paths["stdlib"]))]
   if site:
@@ -73,14 +76,17 @@ def _source_files(site: bool) -> list[tuple[str, pathlib.Path]]:
       roots += [("plat", pathlib.Path(paths["platlib"]))]
   out = []
   for tag, root in roots:
+    prefix = len(str(root)) + 1
     for path in root.rglob("*.py"):
-      rel = path.relative_to(root)
-      if "__pycache__" in rel.parts or (tag == "stdlib" and (
-          "site-packages" in rel.parts or "dist-packages" in rel.parts)):
+      # rglob yields root / rel: the path past the root's is rel (Path.relative_to, which
+      # costs a second per 10k files, is not needed).
+      parts = str(path)[prefix:].split(os.sep)
+      if "__pycache__" in parts or (tag == "stdlib" and (
+          "site-packages" in parts or "dist-packages" in parts)):
         continue
-      out.append((f"{tag}/{rel.as_posix()}", path))
+      out.append((f"{tag}/{'/'.join(parts)}", path))
   out.sort()
-  return out
+  return tuple(out)
 
 
 def content_key(text: str) -> bytes:
@@ -118,19 +124,48 @@ def fingerprint(name: str, split: str) -> dict:
           "sha256": h.hexdigest()}
 
 
-def iter_documents(split: str, name: str = NAME) -> Iterator[tuple[str, str]]:
-  """Yields (unique key, text) for every document of `split` of corpus `name`, in a fixed
-  order: the first of each content (module docstring)."""
+def _check(split: str, name: str) -> None:
   if split not in SPLITS:
     raise ValueError(f"split={split!r} must be one of {SPLITS}")
   if name not in CORPORA:
     raise ValueError(f"corpus {name!r} is not one of {CORPORA}")
+
+
+def _iter_split_documents(name: str) -> Iterator[tuple[str, str, str]]:
+  """(split, key, text) of every document of corpus `name` in a fixed order, the first of
+  each content only (a content key falls in one split: module docstring)."""
   seen = set()
   for key, text in _iter_all(name):
     ck = content_key(text)
-    if split_of(ck, name) == split and ck not in seen:
+    if ck not in seen:
       seen.add(ck)
+      yield split_of(ck, name), key, text
+
+
+def iter_documents(split: str, name: str = NAME) -> Iterator[tuple[str, str]]:
+  """Yields (unique key, text) for every document of `split` of corpus `name`, in a fixed
+  order: the first of each content (module docstring). Streams: nothing is kept."""
+  _check(split, name)
+  for where, key, text in _iter_split_documents(name):
+    if where == split:
       yield key, text
+
+
+@functools.lru_cache(maxsize=1)
+def _both_splits(name: str) -> dict[str, tuple[tuple[str, str], ...]]:
+  out = {s: [] for s in SPLITS}
+  for where, key, text in _iter_split_documents(name):
+    out[where].append((key, text))
+  return {s: tuple(docs) for s, docs in out.items()}
+
+
+def documents(split: str, name: str = NAME) -> tuple[tuple[str, str], ...]:
+  """`iter_documents(split, name)` as a tuple, both splits read in one pass over the corpus
+  and kept for the process (the last corpus asked for): a training run reads the train split
+  for its batches and the held-out split for its evaluations, and each pass reads and hashes
+  every file of the corpus."""
+  _check(split, name)
+  return _both_splits(name)[split]
 
 
 def _iter_all(name: str) -> Iterator[tuple[str, str]]:
