@@ -100,15 +100,22 @@ def split_of(key: bytes, name: str) -> str:
   return "validation" if int.from_bytes(key[:8], "little") % HOLDOUT[name] == 0 else "train"
 
 
+def _read_source(path: pathlib.Path) -> str | None:
+  """A source file's text; None for one over `MAX_SOURCE_BYTES`, unreadable (a broken link)
+  or blank."""
+  try:
+    if path.stat().st_size > MAX_SOURCE_BYTES:
+      return None
+    text = path.read_bytes().decode("utf-8", errors="replace")
+  except OSError:
+    return None
+  return text if text.strip() else None
+
+
 def _iter_sources(site: bool) -> Iterator[tuple[str, str]]:
   for key, path in _source_files(site):
-    try:
-      if path.stat().st_size > MAX_SOURCE_BYTES:
-        continue
-      text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError:
-      continue  # A broken link or an unreadable file.
-    if text.strip():
+    text = _read_source(path)
+    if text is not None:
       yield key, text
 
 
@@ -151,21 +158,32 @@ def iter_documents(split: str, name: str = NAME) -> Iterator[tuple[str, str]]:
       yield key, text
 
 
-@functools.lru_cache(maxsize=1)
-def _both_splits(name: str) -> dict[str, tuple[tuple[str, str], ...]]:
-  out = {s: [] for s in SPLITS}
-  for where, key, text in _iter_split_documents(name):
-    out[where].append((key, text))
-  return {s: tuple(docs) for s, docs in out.items()}
+# Per corpus, the keys of each split's documents in order, from the first `documents` call
+# of this process: a later call reads only its split's documents.
+_SPLIT_KEYS: dict[str, dict[str, tuple[str, ...]]] = {}
 
 
 def documents(split: str, name: str = NAME) -> tuple[tuple[str, str], ...]:
-  """`iter_documents(split, name)` as a tuple, both splits read in one pass over the corpus
-  and kept for the process (the last corpus asked for): a training run reads the train split
-  for its batches and the held-out split for its evaluations, and each pass reads and hashes
-  every file of the corpus."""
+  """`iter_documents(split, name)` as a tuple. A training process reads the train split for
+  its batches and the held-out split for its evaluations: the first call reads and hashes
+  every document of the corpus once and keeps which split each one is in (not the texts),
+  so the second reads only its own split's files."""
   _check(split, name)
-  return _both_splits(name)[split]
+  keys = _SPLIT_KEYS.get(name)
+  if keys is None:
+    keys, out = {s: [] for s in SPLITS}, []
+    for where, key, text in _iter_split_documents(name):
+      keys[where].append(key)
+      if where == split:
+        out.append((key, text))
+    _SPLIT_KEYS[name] = {s: tuple(k) for s, k in keys.items()}
+    return tuple(out)
+  if name == NAME:
+    texts = dict(_docstrings())
+    return tuple((k, texts[k]) for k in keys[split])
+  paths = dict(_source_files(site=name == SITE_NAME))
+  read = ((k, _read_source(paths[k])) for k in keys[split])
+  return tuple((k, text) for k, text in read if text is not None)
 
 
 def _iter_all(name: str) -> Iterator[tuple[str, str]]:
