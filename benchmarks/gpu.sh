@@ -18,8 +18,9 @@
 #             faster alone on the host): CUDA_VISIBLE_DEVICES=0 and --noparallel, one call per
 #             run or two, joined by whole_run --runs= --merge=a,b
 #   time_to_quality benchmarks.time_to_quality: per seed ($TTQ_FLAGS, e.g. --seeds=0,1,2) dense
-#             SiLU, sparse at equal steps and sparse at dense's wall-clock, one after the
-#             other on the first GPU; carries on from $TTQ_OUT (default the committed
+#             SiLU, sparse at equal steps and sparse at dense's wall-clock, one at a time on
+#             the first GPU, or one on each GPU at once with --gpus=0,1 in $TTQ_FLAGS and
+#             CUDA_VISIBLE_DEVICES unset; carries on from $TTQ_OUT (default the committed
 #             benchmarks/results/h200/time_to_quality.json) and starts no run predicted to end
 #             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in;
 #             every sparse run is also merged into the table of levers $TTQ_LEVERS (default
@@ -133,7 +134,9 @@ for part in "${parts[@]}"; do
     time_to_quality)
       TTQ_OUT=${TTQ_OUT:-benchmarks/results/h200/time_to_quality.json}
       TTQ_LEVERS=${TTQ_LEVERS:-benchmarks/results/h200/time_to_quality_levers.json}
-      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout ${T_TTQ:-590} \
+      # One GPU unless the runs are spread over several (--gpus): each then names its own.
+      case "$TTQ_FLAGS" in *--gpus=*) gpu_env=();; *) gpu_env=(CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0});; esac
+      env "${gpu_env[@]}" timeout ${T_TTQ:-590} \
         python3 -m benchmarks.time_to_quality --out="$TTQ_OUT" --plot="$OUT/time_to_quality.png" \
         --levers_out="$TTQ_LEVERS" --budget_s=${TTQ_BUDGET:-540} ${TTQ_FLAGS} 2>&1 \
         | tee "$OUT/time_to_quality.log" | grep -E "^  |rror"

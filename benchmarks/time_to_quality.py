@@ -40,14 +40,18 @@ for one seed). The corpus's size is recorded (documents, bytes; tokens estimated
 run: the tokens it trained on over the passes over the corpus it made), with each run's
 passes.
 
-One GPU and a time limit per command: `--out` is read first and its finished runs are kept,
+Runs go one after the other on one GPU, or with `--gpus=0,1,...` as many at once as GPUs
+named, each alone on its GPU (a run takes the first free GPU; a seed's sparse_t waits for its
+dense and sparse); each run records its "gpu". A time limit per command: `--out` is read first
+and its finished runs are kept,
 so the same command, repeated, carries on where the last stopped; `--budget_s` starts no run
 that the runs already timed predict would end past that many seconds. JSON (`--out`):
 {"device", "seeds", "steps", "corpus", "summary": {"wall_ratio", "ce_ratio_equal_steps",
 "ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
 with "time_to_dense_ce_ratio_at_least" and the dense runs' own spread over seeds as
 "dense_ce" and "dense_wall_s"), "slope",
-"per_seed": [...], "codes", "runs": [whole_run's record + "seed", "arm", "code"]}. A run's
+"per_seed": [...], "codes", "runs": [whole_run's record + "seed", "arm", "code", "gpu",
+"started_at"]}. A run's
 "code" is the digest of the code it ran (`cli_run.code_digest`); "codes" counts the runs per
 digest ("unrecorded" for runs from before it was kept), and the summary says when its runs
 measured more than one version. The plot: held-out CE against wall-clock for every run.
@@ -95,6 +99,8 @@ def _define_flags():
   flags.DEFINE_string("dense_from", None, "take the dense runs of these seeds from this results "
                       "JSON (same device, steps, shape) instead of running them: levers of the "
                       "sparse model against one set of dense runs")
+  flags.DEFINE_list("gpus", [], "run this many at once, one on each GPU named "
+                    "(CUDA_VISIBLE_DEVICES of each run, e.g. 0,1); default: one at a time")
 
 
 def run_key(run: dict) -> tuple[int, str]:
@@ -306,21 +312,96 @@ def _predicted_s(runs: list[dict], arm: str) -> float | None:
   return max((r["wall_s"] for r in runs), default=None)
 
 
-def _run_one(fl, seed: int, arm: str, steps: int, data_flags: list[str]) -> dict:
+def _start_one(fl, seed: int, arm: str, steps: int, data_flags: list[str],
+               gpu: str | None) -> dict:
+  """Starts one run's `train.main` (on GPU `gpu` alone where given): what `_finish_one` needs."""
   spec = f"{_KIND[arm]}+seed={seed}" + (f"+num_train_steps={steps}" if steps != fl.steps else "")
   cmd, workdir = whole_run.run_command(fl, spec, seed, data_flags, name=f"{seed}_{arm}")
   if arm != "dense":
     cmd += fl.sparse_flags
-  print(f"  seed {seed} {arm} ({steps} steps): {' '.join(cmd[3:])}", flush=True)
-  proc, t0 = cli_run.start(cmd, workdir + ".log")
-  wall = cli_run.finish(proc, t0, fl.timeout, f"seed {seed} {arm}")
+  where = "" if gpu is None else f" on GPU {gpu}"
+  print(f"  seed {seed} {arm} ({steps} steps){where}: {' '.join(cmd[3:])}", flush=True)
+  env = {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu}
+  proc, t0 = cli_run.start(cmd, workdir + ".log", **env)
+  return {"proc": proc, "t0": t0, "spec": spec, "workdir": workdir, "seed": seed, "arm": arm,
+          "steps": steps, "gpu": gpu}
+
+
+def _finish_one(fl, started: dict) -> dict:
+  """Waits for a `_start_one` run: its record (whole_run's, with seed, arm, steps, gpu)."""
+  seed, arm = started["seed"], started["arm"]
+  wall = cli_run.finish(started["proc"], started["t0"], fl.timeout, f"seed {seed} {arm}")
   from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
-  run = whole_run.read_run(spec, workdir, wall, t0)
-  cfg = workdir_config.read_workdir_config(workdir)
-  run.update(seed=seed, arm=arm, steps=steps,
+  run = whole_run.read_run(started["spec"], started["workdir"], wall, started["t0"])
+  cfg = workdir_config.read_workdir_config(started["workdir"])
+  run.update(seed=seed, arm=arm, steps=started["steps"], gpu=started["gpu"],
+             started_at=started["t0"],
              tokens_per_step=cfg["batch_size"] * cfg["data"]["seq_len"])
   print(f"  seed {seed} {arm}: {wall:.1f} s, held-out CE {run['eval_ce']:.4f}", flush=True)
   return run
+
+
+def _steps_of(fl, seed: int, arm: str, done: dict) -> int | None:
+  """The steps of run (seed, arm); None while sparse_t waits for its seed's dense and sparse."""
+  if arm != "sparse_t":
+    return fl.steps
+  if fl.equal_time_steps:
+    return fl.equal_time_steps
+  if (seed, "dense") not in done or (seed, "sparse") not in done:
+    return None
+  sparse = done[(seed, "sparse")]
+  return equal_time_steps(done[(seed, "dense")], sparse, fl.steps, sparse["tokens_per_step"],
+                          fl.eval_every)
+
+
+def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: str,
+            t_start: float) -> None:
+  """Runs every (seed, arm) of `seeds` x `--arms` not in `results` yet, in that order, each
+  alone on one GPU: with `--gpus` as many at once as GPUs named (each run takes the first free
+  GPU and the first waiting run it can start), else one after the other. A run starts only when
+  `--budget_s` leaves it time by the runs already timed; sparse_t starts once its seed's dense
+  and sparse are done. `results` is saved after every run."""
+  done = {run_key(r): r for r in results["runs"]}
+  waiting = [(s, a) for s in seeds for a in ARMS if a in fl.arms and (s, a) not in done]
+  free = list(fl.gpus) or [None]
+  running: list[dict] = []
+  while waiting or running:
+    for key in list(waiting):
+      if not free:
+        break
+      seed, arm = key
+      steps = _steps_of(fl, seed, arm, done)
+      if steps is None:
+        if not any((seed, a) in waiting or (seed, a) in
+                   {(r["seed"], r["arm"]) for r in running} for a in ("dense", "sparse")):
+          print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
+          waiting.remove(key)
+        continue
+      predicted = _predicted_s(results["runs"], arm)
+      if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
+        print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
+              f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left", flush=True)
+        waiting.remove(key)
+        continue
+      waiting.remove(key)
+      running.append(_start_one(fl, seed, arm, steps, data_flags, free.pop(0)))
+    if not running:   # every run left has started, ended or been left for the next command
+      break
+    while not any(r["proc"].poll() is not None for r in running):
+      time.sleep(0.5)
+    ended = next(r for r in running if r["proc"].poll() is not None)
+    running.remove(ended)
+    free.append(ended["gpu"])
+    try:
+      run = _finish_one(fl, ended)
+    except RuntimeError:
+      for other in running:     # no run left behind on the GPUs
+        other["proc"].kill()
+      raise
+    run["code"] = code
+    results["runs"].append(run)
+    done[run_key(run)] = run
+    _save(fl, results)
 
 
 def _load(path: str | None) -> dict | None:
@@ -362,31 +443,7 @@ def main(argv):
   data_flags = cli_run.data_flags(fl.dataset, tokenizer)
   print(f"  the corpus's held-out split read ahead in {whole_run.warm_corpus(fl.dataset):.1f} s",
         flush=True)
-  done = {run_key(r): r for r in results["runs"]}
-  for seed in seeds:
-    for arm in ARMS:
-      if arm not in fl.arms or (seed, arm) in done:
-        continue
-      steps = fl.steps
-      if arm == "sparse_t" and fl.equal_time_steps:
-        steps = fl.equal_time_steps
-      elif arm == "sparse_t":
-        if (seed, "dense") not in done or (seed, "sparse") not in done:
-          print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
-          continue
-        sparse = done[(seed, "sparse")]
-        steps = equal_time_steps(done[(seed, "dense")], sparse, fl.steps,
-                                 sparse["tokens_per_step"], fl.eval_every)
-      predicted = _predicted_s(results["runs"], arm)
-      if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
-        print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
-              f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left", flush=True)
-        continue
-      run = _run_one(fl, seed, arm, steps, data_flags)
-      run["code"] = code
-      results["runs"].append(run)
-      done[(seed, arm)] = run
-      _save(fl, results)
+  run_all(fl, results, seeds, data_flags, code, t_start)
   results["seeds"] = sorted({r["seed"] for r in results["runs"]})
   if results["runs"]:
     results["tokens_per_step"] = results["runs"][0]["tokens_per_step"]

@@ -504,13 +504,21 @@ class TimeToQualityTest(absltest.TestCase):
     tmp = self.create_tempdir().full_path
     out, png = os.path.join(tmp, "t.json"), os.path.join(tmp, "t.png")
     args = ("--smoke", "--seeds=0", f"--workdir={tmp}/runs", f"--plot={png}")
-    # A budget of 1 s: the first run starts (nothing predicts it), no other fits after it.
-    first = _run_module(out, "benchmarks.time_to_quality", *args, "--budget_s=1")
-    self.assertEqual([r["arm"] for r in first["runs"]], ["dense"])
+    # Two at once, a budget of 1 s: dense and sparse start together (nothing predicts them),
+    # each on its own "GPU"; sparse_t, waiting for both, no longer fits after them.
+    first = _run_module(out, "benchmarks.time_to_quality", *args, "--budget_s=1",
+                        "--gpus=0,1")
+    self.assertEqual(sorted((r["arm"], r["gpu"]) for r in first["runs"]),
+                     [("dense", "0"), ("sparse", "1")])
+    dense_first, sparse_first = sorted(first["runs"], key=lambda r: r["arm"])
+    self.assertLess(abs(sparse_first["started_at"] - dense_first["started_at"]),
+                    dense_first["wall_s"])
     levers = os.path.join(tmp, "new", "levers.json")   # its folder made
     r = _run_module(out, "benchmarks.time_to_quality", *args, f"--levers_out={levers}")
-    self.assertEqual([x["arm"] for x in r["runs"]], ["dense", "sparse", "sparse_t"])
-    self.assertEqual(r["runs"][0], first["runs"][0])         # kept, not rerun
+    self.assertEqual([x["arm"] for x in r["runs"]][2:], ["sparse_t"])
+    self.assertEqual(r["runs"][:2], first["runs"])           # kept, not rerun
+    self.assertIsNone(r["runs"][2]["gpu"])                   # one at a time: no GPU named
+    r["runs"] = sorted(r["runs"][:2], key=lambda x: x["arm"]) + r["runs"][2:]
     # Every run keeps the digest of the code it ran: this checkout's, the same for all three.
     from benchmarks.common import cli_run  # pylint: disable=import-outside-toplevel
     self.assertEqual(r["codes"], {cli_run.code_digest(): 3})
