@@ -40,6 +40,9 @@ for one seed). The corpus's size is recorded (documents, bytes; tokens estimated
 run: the tokens it trained on over the passes over the corpus it made), with each run's
 passes.
 
+`--merge=a.json,b.json` adds the runs of other results files (the same setting) to `--out`
+and runs nothing: commands run side by side, on one machine's GPUs or on several machines.
+
 Runs go one after the other on one GPU, or with `--gpus=0,1,...` as many at once as GPUs
 named, each alone on its GPU (a run takes the first free GPU; a seed's sparse_t waits for its
 dense and sparse); each run records its "gpu". A time limit per command: `--out` is read first
@@ -99,6 +102,8 @@ def _define_flags():
   flags.DEFINE_string("dense_from", None, "take the dense runs of these seeds from this results "
                       "JSON (same device, steps, shape) instead of running them: levers of the "
                       "sparse model against one set of dense runs")
+  flags.DEFINE_list("merge", [], "results JSONs (same setting) whose runs to add to --out; "
+                    "runs nothing (commands run side by side, on one machine or several)")
   flags.DEFINE_list("gpus", [], "run this many at once, one on each GPU named "
                     "(CUDA_VISIBLE_DEVICES of each run, e.g. 0,1); default: one at a time")
 
@@ -421,7 +426,11 @@ def main(argv):
     raise app.UsageError(f"--arms: {bad} not in {ARMS}")
   seeds = [int(s) for s in fl.seeds]
   t_start = time.time()
-  device = cli_run.device_name()
+  merged = [_load(path) for path in fl.merge]
+  if None in merged:
+    raise app.UsageError(f"--merge: no such file {fl.merge[merged.index(None)]}")
+  # Merging runs nothing: the device is the one the merged runs ran on.
+  device = merged[0]["device"] if merged else cli_run.device_name()
   code = cli_run.code_digest()
   setting = {"device": device, "steps": fl.steps, "shape": fl.shape, "l1": fl.l1,
              "eval_batches": fl.eval_batches, "sparse_flags": list(fl.sparse_flags)}
@@ -429,6 +438,15 @@ def main(argv):
   _check_setting(results, setting, fl.out)
   shared = {k: setting[k] for k in ("device", "steps", "shape", "eval_batches")}
   _check_setting(_load(fl.levers_out) or {}, shared, fl.levers_out)
+  for path, other in zip(fl.merge, merged):
+    _check_setting(other, setting, path)
+    have = {run_key(r) for r in results["runs"]}
+    twice = [k for k in map(run_key, other["runs"]) if k in have]
+    if twice:
+      raise app.UsageError(f"--merge: {path} has runs (seed, arm) {twice} already in "
+                           f"{fl.out or 'an earlier file'}")
+    results["runs"] += other["runs"]
+    results.setdefault("corpus", other.get("corpus"))
   if fl.dense_from:
     other = _load(fl.dense_from)
     if other is None:
@@ -438,16 +456,20 @@ def main(argv):
     results["runs"] += [r for r in other["runs"] if r["arm"] == "dense"
                         and r["seed"] in seeds and run_key(r) not in have]
     results["dense_from"] = os.path.basename(fl.dense_from)
-  os.makedirs(fl.workdir, exist_ok=True)
-  tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
-  data_flags = cli_run.data_flags(fl.dataset, tokenizer)
-  print(f"  the corpus's held-out split read ahead in {whole_run.warm_corpus(fl.dataset):.1f} s",
-        flush=True)
-  run_all(fl, results, seeds, data_flags, code, t_start)
+  if not merged:
+    os.makedirs(fl.workdir, exist_ok=True)
+    tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
+    data_flags = cli_run.data_flags(fl.dataset, tokenizer)
+    print(f"  the corpus's held-out split read ahead in "
+          f"{whole_run.warm_corpus(fl.dataset):.1f} s", flush=True)
+    run_all(fl, results, seeds, data_flags, code, t_start)
   results["seeds"] = sorted({r["seed"] for r in results["runs"]})
   if results["runs"]:
     results["tokens_per_step"] = results["runs"][0]["tokens_per_step"]
-    results["corpus"] = corpus_record(fl.dataset, results["tokens_per_step"], results["runs"])
+    # The corpus as the machine that ran them reads it (merging: as the merged files say).
+    corpus = None if merged else corpus_record(fl.dataset, results["tokens_per_step"],
+                                               results["runs"])
+    results["corpus"] = corpus or results.get("corpus")
   summarize(results)
   _save(fl, results)
   _print(results)

@@ -136,7 +136,7 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
       bridge=True,            # run a step compiled at the start (`ahead`) while a choice
                               # builds, where predicted faster
                               # (train/training/choice_steps.py _bridge)
-      ahead="256",            # the steps compiled at the start, comma-separated: "K" (the
+      ahead="256,1024:last",  # the steps compiled at the start, comma-separated: "K" (the
                               # first layer dense, the others at K hot features) or "K:last"
                               # (the last layer dense too); "" none
       column_floor=True,      # features on more than twice a fair share of a layer's entries

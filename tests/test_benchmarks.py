@@ -546,6 +546,22 @@ class TimeToQualityTest(absltest.TestCase):
     self.assertGreater(r["corpus"]["train"]["documents"], r["corpus"]["validation"]["documents"])
     self.assertGreater(r["corpus"]["train_tokens_estimate"], 0)
     self.assertTrue(os.path.getsize(png) > 0)
+    # Commands run side by side, each with its own file: --merge joins them, running nothing.
+    with open(out) as f:
+      whole = json.load(f)
+    parts = [os.path.join(tmp, name) for name in ("a.json", "b.json")]
+    for path, runs in zip(parts, (whole["runs"][:2], whole["runs"][2:])):
+      with open(path, "w") as f:
+        json.dump({**whole, "runs": runs}, f)
+    joined = _run_module(os.path.join(tmp, "joined.json"), "benchmarks.time_to_quality",
+                         "--smoke", f"--merge={','.join(parts)}", f"--workdir={tmp}/none")
+    self.assertEqual(joined["runs"], whole["runs"])
+    self.assertEqual(joined["per_seed"], whole["per_seed"])
+    self.assertEqual(joined["corpus"], whole["corpus"])
+    self.assertFalse(os.path.exists(f"{tmp}/none"))
+    with self.assertRaises(Exception):   # a run in two of the files
+      _run_module(os.path.join(tmp, "twice.json"), "benchmarks.time_to_quality", "--smoke",
+                  f"--merge={parts[0]},{parts[0]}")
 
   def test_ratios_over_seeds(self):
     """CE on an exact power law of time recovers dense's CE time; the interval is Student t."""

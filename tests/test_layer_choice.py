@@ -369,12 +369,14 @@ class StepBuildsTest(absltest.TestCase):
     counts[:, 200:1200] = tokens // 400
     ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
 
-    def bridge(running, done=20, ready=10, on=True, counts=counts, variants=(ahead,)):
+    def bridge(running, done=20, ready=10, on=True, counts=counts, variants=(ahead,),
+               heavy=None):
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       steps.choice = layer_choice.LayerChoice(3, h)
       steps.choice.current, steps.choice.hot = ["mosaic_gpu"] * 3, [512] * 3
       steps.ahead, steps.running, steps.bridge = (variants, ready), running, on
-      return steps._bridge(done, counts, None, tokens)  # pylint: disable=protected-access
+      found = steps._bridge(done, counts, heavy, tokens)  # pylint: disable=protected-access
+      return None if found is None else found[0]
 
     dense = (("dense",) * 3, (0,) * 3)
     self.assertEqual(bridge(dense), ahead)
@@ -397,6 +399,17 @@ class StepBuildsTest(absltest.TestCase):
     self.assertIsNone(bridge(dense, counts=busy_last))
     self.assertEqual(bridge(dense, counts=busy_last, variants=(ahead, last_dense)), last_dense)
     self.assertEqual(bridge(dense, variants=(ahead, last_dense)), ahead)
+    # A window of heavy rows in the running step's last layer (5% of the rows at every K:
+    # past the tail's capacity at the margin a K is chosen by, inf there) is judged at its
+    # expected time, here still faster than either step built ahead: it keeps running.
+    spike = np.zeros((3, h // 256))
+    spike[2] = 0.05 * tokens
+    sparse_512 = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 512, 512))
+    self.assertTrue(np.isinf(layer_choice.LayerChoice(3, h).costs(
+        sparse_512, counts, tokens, spike)[2]))
+    self.assertLess(layer_choice.LayerChoice(3, h).costs(
+        sparse_512, counts, tokens, spike, expected=True)[2], 1.0)
+    self.assertIsNone(bridge(sparse_512, heavy=spike, variants=(ahead, last_dense)))
     # Neither runs: the log gives each one's prediction.
     with self.assertLogs(logger="absl", level="INFO") as logs:
       self.assertIsNone(bridge(dense, counts=np.full((3, h), tokens // 8, np.int64),
@@ -481,7 +494,8 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     model starts with half its features active), every build paying."""
     self.enter_context(absltest.mock.patch.object(
         layer_choice.LayerChoice, "predict",
-        lambda self, hot, tail, heavy=0.0: np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
+        lambda self, hot, tail, heavy=0.0, expected=False:
+        np.asarray(0.2 + 8 * np.asarray(tail) / self.d_ff)))
     self.enter_context(absltest.mock.patch.object(layer_choice, "BUILD_COST_STEPS", -1e9))
 
   def _ahead_config(self, **overrides):

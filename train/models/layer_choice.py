@@ -189,18 +189,25 @@ class LayerChoice:
     self.tail = None
     self.predicted = None
 
-  def predict(self, hot_features, tail_per_token, heavy_fraction=0.0):
+  def predict(self, hot_features, tail_per_token, heavy_fraction=0.0, expected=False):
     """The predicted ratio of a layer at this choice's shape (inf where the kernels lose):
     K hot features, the active features per token outside them and the fraction of the rows
-    over the ELL width there (module docstring, `TAIL_ROW_COST`)."""
+    over the ELL width there (module docstring, `TAIL_ROW_COST`).
+
+    By default pessimistic, as a new K is chosen: the heavy rows taken `HEAVY_MARGIN` times,
+    and inf past the tail's capacity. `expected`: the time a step already built is expected to
+    take on this activity, to compare built steps (`ChoiceSteps`' bridge): the heavy rows as
+    counted, and past the capacity the dense branch after the kernels (their fixed part plus
+    the dense FFN), finite."""
     if self.shape_loses:
       return np.full(np.shape(tail_per_token), np.inf)
-    heavy = HEAVY_MARGIN * np.asarray(heavy_fraction, np.float64)
+    heavy = (1.0 if expected else HEAVY_MARGIN) * np.asarray(heavy_fraction, np.float64)
     buckets = np.asarray(TAIL_BUCKETS)
     tail_rows = buckets[np.minimum(np.searchsorted(buckets, heavy), len(buckets) - 1)]
     ratio = (self.cost.ratio(self.d_ff, hot_features, tail_per_token) * self.shape_scale
              + TAIL_ROW_COST * tail_rows)
-    return np.where(heavy > buckets[-1], np.inf, ratio)
+    past = self.cost.fixed * self.shape_scale + 1.0 if expected else np.inf
+    return np.where(heavy > buckets[-1], past, ratio)
 
   def _heavy(self, heavy_rows_by_hot, k: int, tokens: int) -> float:
     """The fraction of the rows over the ELL width with k hot features (0 without counts)."""
@@ -297,10 +304,12 @@ class LayerChoice:
     changed = self.update(ratios) or changed
     return changed, np.asarray(features_lib.popularity_order(counts))
 
-  def costs(self, key, feature_counts, tokens: int, heavy_rows_by_hot=None) -> np.ndarray:
+  def costs(self, key, feature_counts, tokens: int, heavy_rows_by_hot=None,
+            expected: bool = False) -> np.ndarray:
     """Each layer's predicted FFN time over the dense FFN's at `key` ((implementations, hot
     features), `LayerChoice.key`) for the activity in `feature_counts` [L, H] (features in
-    popularity order) and `heavy_rows_by_hot` [L, T] (or None): 1 on a dense layer."""
+    popularity order) and `heavy_rows_by_hot` [L, T] (or None): 1 on a dense layer.
+    `expected`: `predict`'s expected time, not its pessimistic one."""
     out = []
     heavy = [None] * len(key[0]) if heavy_rows_by_hot is None else heavy_rows_by_hot
     for name, k, c, hv in zip(*key, np.asarray(feature_counts), heavy):
@@ -308,7 +317,7 @@ class LayerChoice:
         out.append(1.0)
       else:
         tail = _at(features_lib.tail_work(c, tokens), k)
-        out.append(float(self.predict(k, tail, self._heavy(hv, k, tokens))))
+        out.append(float(self.predict(k, tail, self._heavy(hv, k, tokens), expected)))
     return np.asarray(out)
 
   @property

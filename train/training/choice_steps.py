@@ -350,8 +350,9 @@ class ChoiceSteps:
   def _bridge(self, done: int, counts, heavy, tokens: int):
     """With `layer_choice.bridge`: the step compiled ahead predicted fastest, if it should run
     from the next step on (it counts as built, is neither running nor the choice just
-    decided, and its FFN is predicted `BRIDGE_GAIN` faster than the running step's, over the
-    dense FFN's, mean over the layers, on this decision's counts). Else None.
+    decided, and its FFN is expected `BRIDGE_GAIN` faster than the running step's, over the
+    dense FFN's, mean over the layers, on this decision's counts), with both those means.
+    Else None.
 
     Asked at every decision, a choice pending or not (`_run_bridge`): from initialisation the
     first choice is made at a high activity (a large K), and the layers' activity keeps
@@ -360,11 +361,15 @@ class ChoiceSteps:
     built = [k for k in self._ahead_built(done) if k not in (self.running, choice.key)]
     if not self.bridge or not built:
       return None
-    predicted = {k: choice.costs(k, counts, tokens, heavy) for k in [*built, self.running]}
+    # Expected times, not the pessimistic ones a K is chosen by: a running layer with a
+    # window of heavy rows (inf there, held by the choice's hysteresis) must not hand the
+    # whole step to a slower one until the next landing.
+    predicted = {k: choice.costs(k, counts, tokens, heavy, expected=True)
+                 for k in [*built, self.running]}
     key = min(built, key=lambda k: float(predicted[k].mean()))
     ahead, running = predicted[key], predicted[self.running]
     if float(ahead.mean()) < float(running.mean()) - self.BRIDGE_GAIN:
-      return key
+      return key, float(ahead.mean()), float(running.mean())
     # While every layer runs dense, why the steps compiled ahead wait: the layers each is
     # predicted slow on (inf: more rows over its ELL width than the kernels' dense tail holds).
     if all(name == layer_choice_lib.DENSE for name in self.running[0]):
@@ -377,13 +382,15 @@ class ChoiceSteps:
   def _run_bridge(self, done: int, counts, heavy, tokens: int) -> None:
     """Runs the step compiled ahead from the next step on if `_bridge` says so: until a choice
     lands, or a later decision finds it no longer the faster one."""
-    key = self._bridge(done, counts, heavy, tokens)
-    if key is None:
+    bridge = self._bridge(done, counts, heavy, tokens)
+    if bridge is None:
       return
+    key, ahead, running = bridge
     until = ("" if self.pending is None else
              f", until {self.choice.describe(self.pending[0])} lands")
     try:
-      self._run(key, done, ", compiled ahead" + until)
+      self._run(key, done, f", compiled ahead (predicted {ahead:.2f} of dense's FFN time, "
+                f"{self.choice.describe(self.running)} {running:.2f}){until}")
     except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
       logging.exception("building the step compiled ahead failed (%s: %s); training goes on "
                         "with %s", type(e).__name__, e, self.choice.describe(self.running))
