@@ -19,8 +19,8 @@
 #             run or two, joined by whole_run --runs= --merge=a,b
 #   time_to_quality benchmarks.time_to_quality: per seed ($TTQ_FLAGS, e.g. --seeds=0,1,2) dense
 #             SiLU, sparse at equal steps and sparse at dense's wall-clock, one at a time on
-#             the first GPU, or one on each GPU at once with --gpus=0,1 in $TTQ_FLAGS and
-#             CUDA_VISIBLE_DEVICES unset; carries on from $TTQ_OUT (default the committed
+#             the first GPU, or one on each GPU at once with --gpus=0,1 in $TTQ_FLAGS
+#             (starts --stagger_s=30 s apart); carries on from $TTQ_OUT (default the committed
 #             benchmarks/results/h200/time_to_quality.json) and starts no run predicted to end
 #             past $TTQ_BUDGET (540) s: repeat the call until every seed's three runs are in;
 #             every sparse run is also merged into the table of levers $TTQ_LEVERS (default

@@ -44,10 +44,10 @@ passes.
 and runs nothing: commands run side by side, on one machine's GPUs or on several machines.
 
 Runs go one after the other on one GPU, or with `--gpus=0,1,...` as many at once as GPUs
-named, each alone on its GPU (a run takes the first free GPU; a seed's sparse_t waits for its
-dense and sparse); each run records its "gpu". A time limit per command: `--out` is read first
-and its finished runs are kept,
-so the same command, repeated, carries on where the last stopped; `--budget_s` starts no run
+named, each alone on its GPU (a run takes the first free GPU, `--stagger_s` after the last
+start; a seed's sparse_t waits for its dense and sparse); each run records its "gpu". A time
+limit per command: `--out` is read first and its finished runs are kept, so the same command,
+repeated, carries on where the last stopped; `--budget_s` starts no run
 that the runs already timed predict would end past that many seconds. JSON (`--out`):
 {"device", "seeds", "steps", "corpus", "summary": {"wall_ratio", "ce_ratio_equal_steps",
 "ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
@@ -60,10 +60,10 @@ digest ("unrecorded" for runs from before it was kept), and the summary says whe
 measured more than one version. The plot: held-out CE against wall-clock for every run.
 
 The levers (`--levers_out`): every sparse run with its seed's dense run is also merged into a
-table of what was tried, one row per lever (`--l1` and `--sparse_flags`), seed, arm and steps
-(its wall-clock and CE over dense's), with each lever's and arm's mean over its rows:
-{"device", "steps", "shape", "eval_batches", "rows": [...], "levers": [{"lever", "arm", "runs",
-"seeds", "ce_over_dense", "wall_over_dense"}]}.
+table of what was tried, one row per lever (`--l1` and `--sparse_flags`), code digest, seed,
+arm and steps (its wall-clock and CE over dense's), with each lever's, code's and arm's mean
+over its rows: {"device", "steps", "shape", "eval_batches", "rows": [...], "levers": [{"lever",
+"code", "arm", "runs", "seeds", "ce_over_dense", "wall_over_dense"}]}.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ import collections
 import json
 import math
 import os
+import signal
+import sys
 import time
 
 from absl import app
@@ -106,6 +108,8 @@ def _define_flags():
                     "runs nothing (commands run side by side, on one machine or several)")
   flags.DEFINE_list("gpus", [], "run this many at once, one on each GPU named "
                     "(CUDA_VISIBLE_DEVICES of each run, e.g. 0,1); default: one at a time")
+  flags.DEFINE_float("stagger_s", 30.0, "with --gpus, seconds between two runs' starts: a "
+                     "run's start (reading the corpus, compiling) is its most host-bound part")
 
 
 def run_key(run: dict) -> tuple[int, str]:
@@ -233,6 +237,7 @@ def lever_rows(results: dict) -> list[dict]:
     if arm == "dense" or not dense:
       continue
     rows.append({"lever": lever_name(results["l1"], results["sparse_flags"]),
+                 "code": run.get("code", "unrecorded"),
                  "l1": results["l1"], "sparse_flags": list(results["sparse_flags"]),
                  "seed": seed, "arm": arm, "steps": run["steps"], "wall_s": run["wall_s"],
                  "eval_ce": run["eval_ce"], "dense_wall_s": dense["wall_s"],
@@ -243,22 +248,27 @@ def lever_rows(results: dict) -> list[dict]:
 
 
 def merge_levers(table: dict | None, results: dict) -> dict:
-  """The table of levers with `results`' rows merged in (a row of the same lever, seed, arm
-  and steps replaced) and, per lever and arm, the mean of each ratio over its rows."""
+  """The table of levers with `results`' rows merged in (a row of the same lever, code, seed,
+  arm and steps replaced) and, per lever, code and arm, the mean of each ratio over its rows.
+  A lever is its flags over the defaults of the code that ran it: the same flags on another
+  version of the code (its digest, "unrecorded" for runs from before it was kept) are another
+  lever."""
   setting = {k: results[k] for k in ("device", "steps", "shape", "eval_batches")}
   table = table or {**setting, "rows": []}
-  key = lambda r: (r["lever"], r["seed"], r["arm"], r["steps"])
+  for r in table["rows"]:
+    r.setdefault("code", "unrecorded")
+  key = lambda r: (r["lever"], r["code"], r["seed"], r["arm"], r["steps"])
   rows = {key(r): r for r in table["rows"]}
   rows.update({key(r): r for r in lever_rows(results)})
   table["rows"] = sorted(rows.values(), key=key)
   groups = {}
   for r in table["rows"]:
-    groups.setdefault((r["lever"], r["arm"]), []).append(r)
-  table["levers"] = [{"lever": lever, "arm": arm, "runs": len(rs),
+    groups.setdefault((r["lever"], r["code"], r["arm"]), []).append(r)
+  table["levers"] = [{"lever": lever, "code": code, "arm": arm, "runs": len(rs),
                       "seeds": sorted({r["seed"] for r in rs}),
                       "ce_over_dense": mean_ci([r["ce_over_dense"] for r in rs]),
                       "wall_over_dense": mean_ci([r["wall_over_dense"] for r in rs])}
-                     for (lever, arm), rs in sorted(groups.items())]
+                     for (lever, code, arm), rs in sorted(groups.items())]
   return table
 
 
@@ -363,50 +373,62 @@ def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: st
             t_start: float) -> None:
   """Runs every (seed, arm) of `seeds` x `--arms` not in `results` yet, in that order, each
   alone on one GPU: with `--gpus` as many at once as GPUs named (each run takes the first free
-  GPU and the first waiting run it can start), else one after the other. A run starts only when
-  `--budget_s` leaves it time by the runs already timed; sparse_t starts once its seed's dense
-  and sparse are done. `results` is saved after every run."""
+  GPU and the first waiting run it can start, `--stagger_s` after the last start), else one
+  after the other. A run starts only when `--budget_s` leaves it time by the runs already
+  timed; sparse_t starts once its seed's dense and sparse are done. `results` is saved after
+  every run. However this stops (a failed run, a time limit's SIGTERM), no run is left behind
+  on the GPUs."""
   done = {run_key(r): r for r in results["runs"]}
   waiting = [(s, a) for s in seeds for a in ARMS if a in fl.arms and (s, a) not in done]
   free = list(fl.gpus) or [None]
   running: list[dict] = []
-  while waiting or running:
-    for key in list(waiting):
-      if not free:
-        break
-      seed, arm = key
-      steps = _steps_of(fl, seed, arm, done)
-      if steps is None:
-        if not any((seed, a) in waiting or (seed, a) in
-                   {(r["seed"], r["arm"]) for r in running} for a in ("dense", "sparse")):
-          print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
+  last_start = -math.inf
+  staggered = lambda: not running or time.time() - last_start >= fl.stagger_s
+  previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  try:
+    while waiting or running:
+      for key in list(waiting):
+        if not free or not staggered():
+          break
+        seed, arm = key
+        steps = _steps_of(fl, seed, arm, done)
+        if steps is None:
+          if not any((seed, a) in waiting or (seed, a) in
+                     {(r["seed"], r["arm"]) for r in running} for a in ("dense", "sparse")):
+            print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
+            waiting.remove(key)
+          continue
+        predicted = _predicted_s(results["runs"], arm)
+        if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
+          print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
+                f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left",
+                flush=True)
           waiting.remove(key)
-        continue
-      predicted = _predicted_s(results["runs"], arm)
-      if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
-        print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
-              f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left", flush=True)
+          continue
         waiting.remove(key)
+        running.append(_start_one(fl, seed, arm, steps, data_flags, free.pop(0)))
+        last_start = time.time()
+      if not running:   # every run left has started, ended or been left for the next command
+        break
+      while not any(r["proc"].poll() is not None for r in running):
+        if free and waiting and staggered():
+          break
+        time.sleep(0.5)
+      ended = next((r for r in running if r["proc"].poll() is not None), None)
+      if ended is None:   # a GPU free and the stagger over: start the next run
         continue
-      waiting.remove(key)
-      running.append(_start_one(fl, seed, arm, steps, data_flags, free.pop(0)))
-    if not running:   # every run left has started, ended or been left for the next command
-      break
-    while not any(r["proc"].poll() is not None for r in running):
-      time.sleep(0.5)
-    ended = next(r for r in running if r["proc"].poll() is not None)
-    running.remove(ended)
-    free.append(ended["gpu"])
-    try:
+      running.remove(ended)
+      free.append(ended["gpu"])
       run = _finish_one(fl, ended)
-    except RuntimeError:
-      for other in running:     # no run left behind on the GPUs
-        other["proc"].kill()
-      raise
-    run["code"] = code
-    results["runs"].append(run)
-    done[run_key(run)] = run
-    _save(fl, results)
+      run["code"] = code
+      results["runs"].append(run)
+      done[run_key(run)] = run
+      _save(fl, results)
+  finally:
+    for other in running:
+      other["proc"].kill()
+      other["proc"].wait()
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _load(path: str | None) -> dict | None:
@@ -519,7 +541,8 @@ def print_levers(table: dict) -> None:
   for g in table["levers"]:
     ce, wall = g["ce_over_dense"], g["wall_over_dense"]
     ci = f" ({ce['ci95'][0]:.3f} to {ce['ci95'][1]:.3f})" if ce["ci95"] else ""
-    print(f"  {g['lever']:<40} {g['arm']:<8} {g['runs']} run(s), seeds {g['seeds']}: "
+    print(f"  {g['lever']:<40} code {g['code']:<12} {g['arm']:<8} {g['runs']} run(s), "
+          f"seeds {g['seeds']}: "
           f"CE {ce['mean']:.3f}{ci} and wall-clock {wall['mean']:.3f} of dense's")
 
 

@@ -507,12 +507,12 @@ class TimeToQualityTest(absltest.TestCase):
     # Two at once, a budget of 1 s: dense and sparse start together (nothing predicts them),
     # each on its own "GPU"; sparse_t, waiting for both, no longer fits after them.
     first = _run_module(out, "benchmarks.time_to_quality", *args, "--budget_s=1",
-                        "--gpus=0,1")
+                        "--gpus=0,1", "--stagger_s=1")
     self.assertEqual(sorted((r["arm"], r["gpu"]) for r in first["runs"]),
                      [("dense", "0"), ("sparse", "1")])
     dense_first, sparse_first = sorted(first["runs"], key=lambda r: r["arm"])
-    self.assertLess(abs(sparse_first["started_at"] - dense_first["started_at"]),
-                    dense_first["wall_s"])
+    self.assertBetween(sparse_first["started_at"] - dense_first["started_at"], 1.0,
+                       dense_first["wall_s"])
     levers = os.path.join(tmp, "new", "levers.json")   # its folder made
     r = _run_module(out, "benchmarks.time_to_quality", *args, f"--levers_out={levers}")
     self.assertEqual([x["arm"] for x in r["runs"]][2:], ["sparse_t"])
@@ -562,6 +562,28 @@ class TimeToQualityTest(absltest.TestCase):
     with self.assertRaises(Exception):   # a run in two of the files
       _run_module(os.path.join(tmp, "twice.json"), "benchmarks.time_to_quality", "--smoke",
                   f"--merge={parts[0]},{parts[0]}")
+
+  def test_a_stopped_command_leaves_no_run_behind(self):
+    """SIGTERM (a time limit) while two runs train side by side: both are killed with it."""
+    import signal  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+    tmp = self.create_tempdir().full_path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.time_to_quality", "--smoke", "--seeds=0",
+         f"--workdir={tmp}/runs", f"--out={tmp}/t.json", "--gpus=0,1", "--stagger_s=0"],
+        cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    logs = [f"{tmp}/runs/0_dense.log", f"{tmp}/runs/0_sparse.log"]
+    deadline = time.time() + 120
+    while not all(os.path.exists(p) for p in logs) and time.time() < deadline:
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    self.assertEqual(proc.wait(timeout=60), 143)
+    left = subprocess.run(["pgrep", "-f", "--", f"--workdir={tmp}/runs/"],
+                          capture_output=True, text=True, check=False).stdout
+    self.assertEqual(left, "")
 
   def test_ratios_over_seeds(self):
     """CE on an exact power law of time recovers dense's CE time; the interval is Student t."""
@@ -629,7 +651,14 @@ class TimeToQualityTest(absltest.TestCase):
     self.assertEqual([(r["lever"], r["seed"], r["eval_ce"]) for r in table["rows"]],
                      [("l1=2e-05 --config.dead_reinit=true", 0, 3.8),
                       ("l1=2e-05 --config.dead_reinit=true", 1, 4.0), ("l1=3e-05", 0, 4.1)])
-    (revived, plain) = table["levers"]
+    # The same flags on another version of the code: another row, another lever.
+    newer = {**first, "runs": [first["runs"][0], {**run(0, "sparse_t", 150, 290.0, 4.0),
+                                                   "code": "abc"}]}
+    table = time_to_quality.merge_levers(table, newer)
+    self.assertEqual([(r["lever"], r["code"], r["eval_ce"]) for r in table["rows"]][2:],
+                     [("l1=3e-05", "abc", 4.0), ("l1=3e-05", "unrecorded", 4.1)])
+    (revived, plain, _) = sorted(table["levers"],
+                                 key=lambda g: (g["lever"], g["code"] != "unrecorded"))
     self.assertEqual((revived["runs"], revived["seeds"]), (2, [0, 1]))
     self.assertAlmostEqual(revived["ce_over_dense"]["mean"], (3.8 / 4.0 + 4.0 / 4.4) / 2)
     self.assertAlmostEqual(plain["wall_over_dense"]["mean"], 306.0 / 300.0)
