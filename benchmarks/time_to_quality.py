@@ -387,8 +387,12 @@ def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: st
   previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   try:
     while waiting or running:
+      held = False   # a GPU free and a run waiting for the stagger only
       for key in list(waiting):
-        if not free or not staggered():
+        if not free:
+          break
+        if not staggered():
+          held = True
           break
         seed, arm = key
         steps = _steps_of(fl, seed, arm, done)
@@ -411,11 +415,11 @@ def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: st
       if not running:   # every run left has started, ended or been left for the next command
         break
       while not any(r["proc"].poll() is not None for r in running):
-        if free and waiting and staggered():
+        if held and staggered():
           break
         time.sleep(0.5)
       ended = next((r for r in running if r["proc"].poll() is not None), None)
-      if ended is None:   # a GPU free and the stagger over: start the next run
+      if ended is None:   # the stagger over: start the next run
         continue
       running.remove(ended)
       free.append(ended["gpu"])
