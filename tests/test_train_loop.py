@@ -62,6 +62,42 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
     self.assertLen(glob.glob(os.path.join(wd, "profile", "**", "perfetto_trace.json.gz"),
                              recursive=True), 1)
 
+  def test_a_fresh_run_makes_its_state_while_the_data_opens(self):
+    """A fresh run's state is made on a worker thread, begun before the held-out batches are
+    made (the data opens on the host meanwhile); the same state as on the main thread. A run
+    that resumes makes none."""
+    import threading  # pylint: disable=import-outside-toplevel
+    from train.data import pipeline as data_lib  # pylint: disable=import-outside-toplevel
+    seen, made = [], []
+    new_state, eval_batches = trainer_lib.Trainer.new_state, data_lib.eval_batches
+
+    def recorded_new_state(tr, key):
+      seen.append(("state", threading.current_thread() is threading.main_thread()))
+      state = new_state(tr, key)
+      made.append(jax.device_get(state))   # the run donates the state's buffers
+      return state
+
+    def recorded_eval_batches(*args, **kwargs):
+      out = eval_batches(*args, **kwargs)
+      seen.append(("held-out batches", None))
+      return out
+
+    self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "new_state",
+                                                  recorded_new_state))
+    self.enter_context(absltest.mock.patch.object(data_lib, "eval_batches",
+                                                  recorded_eval_batches))
+    wd = self.create_tempdir().full_path
+    cfg = tu.micro_config(num_train_steps=2, eval_every=2, checkpoint_every=2)
+    train_lib.train_and_evaluate(cfg, wd)
+    self.assertEqual(seen[0], ("state", False))
+    self.assertIn(("held-out batches", None), seen)
+    same = new_state(trainer_lib.Trainer(cfg), jax.random.key(cfg.seed))
+    jax.tree.map(np.testing.assert_array_equal, made[0], jax.device_get(same))
+    seen.clear()
+    cfg.num_train_steps = 3
+    train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
+    self.assertEqual(seen, [("held-out batches", None)])
+
   def test_grad_accumulation_matches_one_big_batch(self):
     outs = []
     tokens = np.random.default_rng(0).integers(3, 259, (8, 33)).astype(

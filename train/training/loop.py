@@ -10,6 +10,7 @@ exactly. Each process reads its own share of the documents (`train.state.trainer
 lays out the devices).
 """
 
+import concurrent.futures
 import json
 import os
 import time
@@ -125,6 +126,20 @@ def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
     watch.remove()
 
 
+def _fresh_state_ahead(tr, cfg, workdir: str):
+  """The fresh state of a run with no checkpoint, made on a worker thread (a future) while the
+  data opens on the host: seconds each at the paper shape (its compile and the device's
+  initialisation; the corpus's documents and the held-out batches). None where the state comes
+  later as before: a workdir with checkpoints (the restore decides), or several processes,
+  which must dispatch the same programs in the same order."""
+  if jax.process_count() > 1 or checkpointing.steps_on_disk(workdir):
+    return None
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  fresh = pool.submit(tr.new_state, jax.random.key(cfg.seed))
+  pool.shutdown(wait=False)
+  return fresh
+
+
 def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start: bool):
   """(config, Trainer, checkpoint manager, restored checkpoint or None, packer, first step,
   state, held-out batches) of a run: the config checked against the workdir's, the
@@ -137,6 +152,7 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
     cfg = hf_init.configure(cfg, workdir)
   tr = trainer_lib.Trainer(cfg)
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
+  fresh = _fresh_state_ahead(tr, cfg, workdir)
   # The data opens (local files are checked, the held-out batches made) before the workdir
   # records anything.
   source = data_lib.make_source(cfg.data, cfg.data.train_split)
@@ -157,7 +173,8 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
       shard_index=jax.process_index(), shard_count=jax.process_count(),
       workers=workers_lib.auto_count(cfg.data))
   if restored is None:
-    start, state = 0, tr.new_state(jax.random.key(cfg.seed))
+    start = 0
+    state = fresh.result() if fresh else tr.new_state(jax.random.key(cfg.seed))
     if hf_dir:
       state = hf_init.initial_state(tr, state, hf_dir)
   else:
