@@ -319,12 +319,21 @@ def plot(results: dict, path: str) -> None:
   plt.close(fig)
 
 
-def _predicted_s(runs: list[dict], arm: str) -> float | None:
-  """Seconds the next run of `arm` should take: the last one's, else the longest so far."""
+def predicted_s(runs: list[dict], arm: str, running=()) -> float | None:
+  """Seconds the next run of `arm` should take: the last finished one's, else the longest of
+  the runs finished and of those of `arm` still `running` (`_start_one`'s), each of these
+  extrapolated from its logged steps (its seconds so far over the share of its steps done:
+  its start counted in, so on the long side). None with nothing to go by."""
   same = [r["wall_s"] for r in runs if r["arm"] == arm]
   if same:
     return same[-1]
-  return max((r["wall_s"] for r in runs), default=None)
+  from train.runtime import metrics  # pylint: disable=import-outside-toplevel
+  guesses = [r["wall_s"] for r in runs]
+  for r in running:
+    logged = [row["step"] for row in metrics.read_jsonl(r["workdir"]) if "tokens_per_s" in row]
+    if r["arm"] == arm and logged and logged[-1] > 0:
+      guesses.append((time.time() - r["t0"]) * r["steps"] / logged[-1])
+  return max(guesses, default=None)
 
 
 def _start_one(fl, seed: int, arm: str, steps: int, data_flags: list[str],
@@ -402,7 +411,7 @@ def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: st
             print(f"  seed {seed} sparse_t waits for that seed's dense and sparse runs")
             waiting.remove(key)
           continue
-        predicted = _predicted_s(results["runs"], arm)
+        predicted = predicted_s(results["runs"], arm, running)
         if fl.budget_s and predicted and time.time() - t_start + predicted > fl.budget_s:
           print(f"  seed {seed} {arm} left for the next command: predicted {predicted:.0f} s, "
                 f"{fl.budget_s - (time.time() - t_start):.0f} s of the budget left",

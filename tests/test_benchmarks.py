@@ -563,6 +563,23 @@ class TimeToQualityTest(absltest.TestCase):
       _run_module(os.path.join(tmp, "twice.json"), "benchmarks.time_to_quality", "--smoke",
                   f"--merge={parts[0]},{parts[0]}")
 
+  def test_a_run_of_an_arm_not_timed_yet_is_predicted_from_one_running(self):
+    """Side by side, the first dense run still going: the next dense run is predicted from its
+    logged steps (a budget must not start a run that cannot end within it), not from the
+    shorter sparse run finished beside it."""
+    import time  # pylint: disable=import-outside-toplevel
+    wd = self.create_tempdir().full_path
+    with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+      for step in (1, 50, 100):
+        f.write(json.dumps({"step": step, "wall_time": 0.0, "tokens_per_s": 1.0}) + "\n")
+      f.write(json.dumps({"step": 100, "wall_time": 0.0, "eval/loss": 4.0}) + "\n")
+    running = [{"arm": "dense", "workdir": wd, "t0": time.time() - 60.0, "steps": 250}]
+    finished = [{"arm": "sparse", "wall_s": 100.0}]
+    self.assertBetween(time_to_quality.predicted_s(finished, "dense", running), 150.0, 152.0)
+    self.assertEqual(time_to_quality.predicted_s(finished, "sparse", running), 100.0)
+    self.assertEqual(time_to_quality.predicted_s(finished, "dense"), 100.0)
+    self.assertIsNone(time_to_quality.predicted_s([], "dense"))
+
   def test_a_stopped_command_leaves_no_run_behind(self):
     """SIGTERM (a time limit) while two runs train side by side: both are killed with it."""
     import signal  # pylint: disable=import-outside-toplevel
