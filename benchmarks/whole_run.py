@@ -47,8 +47,9 @@ with `--parallel`, else every GPU of the machine: a data-parallel mesh), "runs":
 batches), "tokens", "batch_ce" (each held-out batch's)}], "data_passes" (over the corpus),
 "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows", "sparse_layers",
 "hot_features"}], "decisions": [[step, choice, landing step]],
-"landing_waits_s": [[step, seconds the loop waited for that landing's build]], "build_s":
-[[step, seconds that landing's build took]], ...,
+"landing_waits_s": [[step, seconds the loop waited for that landing's build]],
+"landing_late_steps": [[step, steps after the step its decision named: its build not done by
+then]], "build_s": [[step, seconds that landing's build took]], ...,
 "phases" ([label, seconds] of the wall-clock cut at the first step and the evaluations,
 `phases`), "phase_ratios" (dense SiLU's seconds over the run's, per phase)}], "wall_ratios"
 (dense SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
@@ -193,6 +194,7 @@ def read_run(name: str, workdir: str, wall_s: float, t0) -> dict:
   # [step, seconds] of each landing: how long the loop waited for the choice's build.
   landings = metrics.events(rows, "ffn_landing")
   waits = [[e["step"], e["waited_s"]] for e in landings]
+  late = [[e["step"], e.get("late_steps", 0)] for e in landings]
   builds = [[e["step"], e["build_s"]] for e in landings]
   batch_losses = {e["step"]: e["losses"] for e in metrics.events(rows, "eval_batch_losses")}
   evals = [{"step": r["step"], "seconds": seconds(r["wall_time"]), "ce": r["eval/loss"],
@@ -203,7 +205,8 @@ def read_run(name: str, workdir: str, wall_s: float, t0) -> dict:
           "first_step_s": seconds(train_rows[0]["wall_time"]),
           "eval_ce": evals[-1]["ce"] if evals else None, "evals": evals, "points": points,
           "data_passes": train_rows[-1].get("data_passes"),
-          "decisions": decisions, "landing_waits_s": waits, "build_s": builds,
+          "decisions": decisions, "landing_waits_s": waits, "landing_late_steps": late,
+          "build_s": builds,
           "peak_memory_gib": max((r["peak_memory_gib"] for r in rows if "peak_memory_gib" in r),
                                  default=None)}
 
@@ -376,7 +379,8 @@ def main(argv):
           f"  held-out CE {r['eval_ce']}  whole-run ratio {r.get('wall_ratio', 1.0):.3f}"
           f"  {len(r['decisions'])} decisions, waited "
           f"{sum(w for _, w in r.get('landing_waits_s', [])):.1f} s for builds (longest "
-          f"{max((b for _, b in r.get('build_s', [])), default=0.0):.1f} s)", flush=True)
+          f"{max((b for _, b in r.get('build_s', [])), default=0.0):.1f} s), landed "
+          f"{sum(n for _, n in r.get('landing_late_steps', [])):d} steps late", flush=True)
   for r in results["runs"]:
     ratios = dict(r.get("phase_ratios", []))
     print(f"  {r['name']:<12} " + " | ".join(

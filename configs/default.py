@@ -115,9 +115,11 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
   # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
   # every `every` steps. The new step compiles in the background and runs after
   # `landing_steps` dense steps' time from its decision (more steps while faster sparse steps
-  # run: train/training/choice_steps.py landing_lag; the loop waits for a build not done by then),
-  # so a seed's run makes the same decisions and switches on the same steps whatever the
-  # machine's speed (background=False: built in the loop, running from the next step).
+  # run: train/training/choice_steps.py landing_lag), or from the first step after that its
+  # build is done by: the device never waits for a build (wait_for_builds=True: the loop
+  # waits for it at its step, so a seed's run makes the same decisions and switches on the
+  # same steps whatever the machine's speed, and a resumed run is the uninterrupted one bit
+  # for bit; background=False: built in the loop, running from the next step).
   # Checkpoints keep the choice in use and the one pending.
   c.layer_choice = ml_collections.ConfigDict(dict(
       enabled=True,
@@ -131,7 +133,9 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
                               # shape: docs/performance.md)
       landing_by_layers=False,  # landing_steps is for a step with every layer sparse; one
                                 # with fewer lands in that share of it (at least a quarter)
-      build_timeout_s=120.0,  # the longest wait for a build at its landing; then training
+      wait_for_builds=False,  # True: a choice lands on its step, the loop waiting for its
+                              # build (reproducible switches); False: once built
+      build_timeout_s=120.0,  # the longest a build may be late for its landing; then training
                               # goes on with the running step (a build may never come back)
       bridge=True,            # run a step compiled at the start (`ahead`) while a choice
                               # builds, where predicted faster

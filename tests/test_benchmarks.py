@@ -442,6 +442,7 @@ class WholeRunSmokeTest(absltest.TestCase):
     self.assertEqual([s for s, _ in sparse["step_ratios"]], [2, 4, 6])
     self.assertIn("landing_waits_s", sparse)   # the log's format: test_layer_choice
     self.assertEqual(len(sparse["build_s"]), len(sparse["landing_waits_s"]))
+    self.assertEqual(len(sparse["landing_late_steps"]), len(sparse["landing_waits_s"]))
     # The wall-clock cut at the first step and the evaluation (step 6), summing to it.
     for run in r["runs"]:
       self.assertEqual([label for label, _ in run["phases"]], ["start", "1-6", "end"])

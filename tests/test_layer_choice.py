@@ -370,11 +370,16 @@ class StepBuildsTest(absltest.TestCase):
     ahead = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 256))
 
     def bridge(running, done=20, ready=10, on=True, counts=counts, variants=(ahead,),
-               heavy=None):
+               heavy=None, built=None):
+      """`built`: the steps whose builds are done, counted as built by default (else
+      `ready`, the step `layer_choice.wait_for_builds` counts them as built from)."""
+      import types  # pylint: disable=import-outside-toplevel
       steps = choice_steps.ChoiceSteps.__new__(choice_steps.ChoiceSteps)
       steps.choice = layer_choice.LayerChoice(3, h)
       steps.choice.current, steps.choice.hot = ["mosaic_gpu"] * 3, [512] * 3
       steps.ahead, steps.running, steps.bridge = (variants, ready), running, on
+      steps.wait_for_builds = built is None
+      steps.builds = types.SimpleNamespace(done=lambda key: key in (built or ()))
       found = steps._bridge(done, counts, heavy, tokens)  # pylint: disable=protected-access
       return None if found is None else found[0]
 
@@ -383,6 +388,10 @@ class StepBuildsTest(absltest.TestCase):
     self.assertIsNone(bridge(dense, on=False))
     self.assertEqual(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 2560, 2560))), ahead)
     self.assertIsNone(bridge(dense, done=9))    # not built by then
+    # By default the step compiled ahead counts as built once its build is done, whatever
+    # the step.
+    self.assertEqual(bridge(dense, done=9, built=(ahead,)), ahead)
+    self.assertIsNone(bridge(dense, done=20, built=()))
     self.assertIsNone(bridge(ahead))            # it runs already
     # The running step as fast, up to BRIDGE_GAIN: stays.
     self.assertIsNone(bridge((("dense", "mosaic_gpu", "mosaic_gpu"), (0, 512, 512))))
@@ -501,13 +510,15 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
   def _ahead_config(self, **overrides):
     """`_micro_sparse_model`, with the portable sparse FFN standing in for the kernels in the
     steps compiled ahead (on the CPU nothing is compiled ahead), and the micro config these
-    tests train: `overrides` are its fields ("layer_choice.every" and the like)."""
+    tests train, each choice landing on the step its decision names
+    (`layer_choice.wait_for_builds`): `overrides` are its fields ("layer_choice.every" and the
+    like)."""
     self._micro_sparse_model()
     self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "AHEAD_FOR",
                                                   ("xla",)))
     fields = {"num_train_steps": 18, "log_every": 1, "checkpoint_every": 0, "l1_coeff": 3e-2,
               "learning_rate": 3e-3, "model.d_ff": 1024, "layer_choice.sparse": "xla",
-              "layer_choice.every": 2, **overrides}
+              "layer_choice.every": 2, "layer_choice.wait_for_builds": True, **overrides}
     return tu.micro_config(**fields)
 
   def _runs_with_slower_builds(self, cfg, delay: float):
@@ -525,9 +536,10 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     return out
 
   def test_same_seed_same_decisions_landing_on_their_steps(self):
-    """Two runs of one seed make the same decisions on the same steps, and each choice runs
-    from the step its decision names (decision step + `choice_steps.landing_lag`), however long its build
-    takes: the second run's builds are slowed down, the steps the choices land on are not.
+    """With `layer_choice.wait_for_builds`, two runs of one seed make the same decisions on
+    the same steps, and each choice runs from the step its decision names (decision step +
+    `choice_steps.landing_lag`), however long its build takes: the second run's builds are
+    slowed down, the steps the choices land on are not.
     No decision is superseded: none is made while another is pending.
     The micro model starts with half its features active (dense); L1 brings activity down
     and the layers switch (a cost model that goes sparse at micro scale)."""
@@ -535,7 +547,8 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     cfg = tu.micro_config(num_train_steps=22, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
                           learning_rate=3e-3,
                           **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 7})
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 7,
+                             "layer_choice.wait_for_builds": True})
     runs = [self._decisions(logs.output) for logs in self._runs_with_slower_builds(cfg, 1.5)]
     (decided, running), (decided2, running2) = runs
     self.assertEqual(decided, decided2)
@@ -549,6 +562,47 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
       if later is not None:                          # none decided while one is pending
         self.assertGreaterEqual(later[0], first)
     self.assertIn("S", running[max(running)])
+
+  def test_a_late_build_lands_once_built_and_the_loop_never_waits(self):
+    """By default a choice whose build is not done by the step its decision names lands on
+    the first step after that its build is done by: the loop never waits for it (each build
+    is slowed down 0.4 s here, each step to 20 ms as on a GPU, so a build takes far longer
+    than the 2 steps' lag), and every decided choice still runs."""
+    self._micro_sparse_model()
+    compile_step = trainer_lib.Trainer.compile_train_step
+    step_for = choice_steps.ChoiceSteps.step_for
+
+    def slow(self, key, *a, **k):
+      if any(name != "dense" for name in key[0]):
+        time.sleep(0.4)
+      return compile_step(self, key, *a, **k)
+
+    def gpu_paced(self, step):
+      time.sleep(0.02)
+      return step_for(self, step)
+    self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step",
+                                                  slow))
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "step_for",
+                                                  gpu_paced))
+    cfg = tu.micro_config(num_train_steps=80, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
+                          learning_rate=3e-3,
+                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                             "layer_choice.every": 2, "layer_choice.landing_steps": 2})
+    workdir = self.create_tempdir().full_path
+    with self.assertLogs(level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, workdir)
+    decided, running = self._decisions(logs.output)
+    rows = metrics.read_jsonl(workdir)
+    landed = [e for e in metrics.events(rows, "ffn_landing") if e["note"] == ""]
+    self.assertNotEmpty(decided)
+    self.assertGreaterEqual(len(landed), len(decided) - 1)   # the last may still be building
+    for (step, choice, first), event in zip(decided, landed):
+      self.assertEqual(event["choice"], choice)
+      self.assertLess(event["waited_s"], 0.2)                 # no 0.4 s wait
+      self.assertEqual(event["step"], first + event["late_steps"])
+      self.assertEqual(running[event["step"]], choice)
+    self.assertGreater(landed[0]["late_steps"], 0)            # 0.4 s: more than 2 steps
+    self.assertTrue(any("steps after its step, once built" in l for l in logs.output))
 
   def test_the_steps_compiled_ahead_do_not_stand_in_for_a_choice_building(self):
     """With `layer_choice.bridge` off, while every layer runs dense and a choice builds, the
@@ -614,9 +668,9 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(running[decided[0][0] + 1], "D D")
 
   def test_a_build_that_does_not_come_back_leaves_training_going(self):
-    """The first choice's build never ends: at its landing the loop waits
-    `layer_choice.build_timeout_s`, logs it and trains on with the running step; no choice
-    is decided while that build holds the worker; the run ends."""
+    """The first choice's build never ends: once it is `layer_choice.build_timeout_s` late
+    for its landing, the loop logs it and trains on with the running step; no choice is
+    decided while that build holds the worker; the run ends."""
     self._micro_sparse_model()
     gate = threading.Event()
 
@@ -634,18 +688,23 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
       return compile_step(self, key, *a, **k)
     self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "compile_train_step",
                                                   stuck))
-    cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0, l1_coeff=3e-2,
-                          learning_rate=3e-3,
-                          **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                             "layer_choice.every": 2, "layer_choice.landing_steps": 3,
-                             "layer_choice.build_timeout_s": 0.5})
-    with self.assertLogs(level="INFO") as logs:
-      train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
-    decided, running = self._decisions(logs.output)
-    self.assertLen(decided, 1)                           # none while the build is stuck
-    self.assertTrue(any("BuildTimeout: not built after 0 s" in l for l in logs.output))
-    self.assertEqual(set(running.values()), {"D D"})
-    self.assertEqual(max(running), 18)
+    # Waiting for builds, the loop waits 0.5 s at the landing and gives up on it; by default
+    # it trains on meanwhile, as long as the build is less than 0.5 s late.
+    for wait in (True, False):
+      cfg = tu.micro_config(num_train_steps=18, log_every=1, checkpoint_every=0,
+                            l1_coeff=3e-2, learning_rate=3e-3,
+                            **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                               "layer_choice.every": 2, "layer_choice.landing_steps": 3,
+                               "layer_choice.build_timeout_s": 0.5,
+                               "layer_choice.wait_for_builds": wait})
+      with self.subTest(wait_for_builds=wait), self.assertLogs(level="INFO") as logs:
+        train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+        decided, running = self._decisions(logs.output)
+        self.assertLen(decided, 1)                           # none while the build is stuck
+        if wait:
+          self.assertTrue(any("BuildTimeout: not built after 0 s" in l for l in logs.output))
+        self.assertEqual(set(running.values()), {"D D"})
+        self.assertEqual(max(running), 18)
 
   def test_landing_lag_is_dense_steps_time_at_the_running_choices_predicted_speed(self):
     """A decision taken while dense layers run lands `landing_steps` steps later; while
@@ -711,7 +770,8 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     cfg = tu.micro_config(num_train_steps=8, checkpoint_every=2, keep_checkpoints=5,
                           **{"layer_choice.sparse": "xla", "layer_choice.every": 2,
                              "layer_choice.sparse_below": 1e9, "layer_choice.dense_above": 1e9,
-                             "layer_choice.landing_steps": 3})
+                             "layer_choice.landing_steps": 3,
+                             "layer_choice.wait_for_builds": True})
     logs, workdir = self._resume_after_losing(cfg, (6, 8), 8)
     self.assertTrue(any("Resumed from checkpoint step 4" in line for line in logs))
     self.assertTrue(any("step 5: now running FFN per layer S S" in line for line in logs))

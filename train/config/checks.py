@@ -68,7 +68,7 @@ _FLOAT_RANGE = {
 _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
           "layer_choice.background", "layer_choice.bridge", "layer_choice.column_floor",
-          "layer_choice.landing_by_layers",
+          "layer_choice.landing_by_layers", "layer_choice.wait_for_builds",
           "mesh.shard_optimizer")
 
 

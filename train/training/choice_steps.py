@@ -188,15 +188,15 @@ class StepBuilds:
       raise BuildTimeout(f"not built after {timeout:.0f} s (every thread's stack is in the "
                          "log)") from None
 
-  def close(self):
-    """Cancels the builds that have not started and waits for the one in flight, unless it
-    outlasted a `get` timeout."""
+  def close(self, timeout: float | None = None):
+    """Cancels the builds that have not started and waits for the one in flight (at most
+    `timeout` seconds: a build may never come back), unless it outlasted a `get` timeout."""
     for future in self._futures.values():
       future.cancel()
     if self._worker is not None:
       self._queue.put(None)
       if not self.busy():
-        self._worker.join()
+        self._worker.join(timeout)
 
 
 def payback(choice, running, counts, heavy, tokens: int, steps_left: int,
@@ -254,7 +254,8 @@ class ChoiceSteps:
   def __init__(self, tr, choice, state, meta: dict, events=None):
     """`events(step, name, **fields)` records what the choice does (a `MetricWriter`'s
     `write_event`): "ffn_decision" (a choice decided: "choice", "predicted", "runs_from") and
-    "ffn_landing" (a step starts running: "choice", "build_s", "waited_s", "note")."""
+    "ffn_landing" (a step starts running: "choice", "build_s", "waited_s", "late_steps",
+    "note")."""
     cfg = tr.cfg
     self._event = events or (lambda *a, **k: None)
     self.tr, self.choice, self.cfg = tr, choice, cfg
@@ -272,6 +273,8 @@ class ChoiceSteps:
     self.lag = cfg.layer_choice.landing_steps if cfg.layer_choice.background else 0
     self.lag_by_layers = bool(cfg.layer_choice.get("landing_by_layers", False))
     self.build_timeout_s = cfg.layer_choice.build_timeout_s
+    self.wait_for_builds = bool(cfg.layer_choice.get("wait_for_builds", False))
+    self._late_since = None   # when a pending choice's landing step came before its build
     self.bridge = cfg.layer_choice.bridge
     self.pending = None   # (key, step): a choice decided, running from that step on
     # The feature counts and heavy rows summed over the steps since the last decision (device
@@ -309,10 +312,11 @@ class ChoiceSteps:
     The kernels are the same in every choice's step (the hot features reach them at run
     time) and a process compiles each once (`pallas_kernels._common.stable_kernel_ids`), so
     after the first of these builds a choice's step builds faster, the time `landing_steps`
-    is set for. A choice equal to one of them lands at once once they count as built,
-    `landing_steps` dense steps after the run's start (the same step in a resumed run), so
-    runs of a seed use them alike. The first layer stays dense in them: from initialisation
-    the first layer's activity falls last, long after the others'. While the activity falls,
+    is set for. A choice equal to one of them lands at once once they count as built
+    (`_ahead_built`: once built, or with `wait_for_builds` `landing_steps` dense steps after
+    the run's start, the same step in every run of a seed and in a resumed run). The first
+    layer stays dense in them: from initialisation the first layer's activity falls last,
+    long after the others'. While the activity falls,
     K = 256 leaves more rows over the ELL width than the kernels' dense tail holds in most
     layers (an infinite prediction); a wider K ("1024") and the last layer dense (":last",
     the densest after the first) give steps that can run earlier.
@@ -337,11 +341,14 @@ class ChoiceSteps:
       self.builds.request(key)
 
   def _ahead_built(self, done: int) -> tuple:
-    """The keys of the steps compiled ahead once they count as built after `done` steps, else
-    none."""
-    if self.ahead is None or done < self.ahead[1]:
+    """The keys of the steps compiled ahead that count as built after `done` steps: those
+    built on every process, or with `layer_choice.wait_for_builds` all of them from the step
+    they were given (`landing_steps` after the start: the same step in every run)."""
+    if self.ahead is None:
       return ()
-    return self.ahead[0]
+    if self.wait_for_builds:
+      return self.ahead[0] if done >= self.ahead[1] else ()
+    return tuple(k for k in self.ahead[0] if agreed(self.builds.done(k), every=True))
 
   # How much faster than the running step the step compiled ahead must be predicted to run
   # in the meantime: its FFN's time over the dense FFN's, mean over the layers.
@@ -445,25 +452,39 @@ class ChoiceSteps:
     return out
 
   def step_for(self, step: int):
-    """The train step that runs step `step` (0-based): a pending choice lands on its step,
-    waiting for its build if it is not done."""
+    """The train step that runs step `step` (0-based): a pending choice lands on its step if
+    its build is done (on every process). If not, the running step goes on and the choice
+    lands on the first step its build is done by: the device never idles for a build (a
+    seed's runs can then switch on different steps). With `layer_choice.wait_for_builds`,
+    or once a build is `build_timeout_s` late, the loop waits for it at its step instead
+    (at most `build_timeout_s`): a seed's runs and a resumed run switch on the same steps."""
     if self.pending is not None and step >= self.pending[1]:
-      key, self.pending = self.pending[0], None
+      key, land = self.pending
+      timeout = self.build_timeout_s
+      if not self.wait_for_builds and not agreed(self.builds.done(key), every=True):
+        now = time.perf_counter()
+        self._late_since = now if self._late_since is None else self._late_since
+        if not agreed(now - self._late_since >= self.build_timeout_s, every=False):
+          return self.train_step
+        timeout = 0.0   # late for as long as a wait would have been: give up on it now
+      self.pending, self._late_since = None, None
       try:
-        self._run(key, step)
+        self._run(key, step, late=step - land, timeout=timeout)
       except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
         logging.exception("building the train step for %s failed (%s: %s); training goes on "
                           "with %s", key, type(e).__name__, e, self.choice.describe(self.running))
         self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
     return self.train_step
 
-  def _run(self, key, step: int, note: str = "") -> None:
+  def _run(self, key, step: int, note: str = "", late: int = 0, timeout=None) -> None:
     """Runs the step of `key` from step `step` (0-based) on, waiting for its build if it is
-    not done."""
+    not done (at most `timeout`, default `build_timeout_s`), `late` steps after the step its
+    decision named."""
     t0 = time.perf_counter()
     ready = self.builds.done(key)
     try:
-      step_fn, error = self.builds.get(key, timeout=self.build_timeout_s), None
+      step_fn, error = self.builds.get(
+          key, timeout=self.build_timeout_s if timeout is None else timeout), None
     except Exception as e:  # pylint: disable=broad-except  # raised below, once all know
       step_fn, error = None, e
     if not agreed(error is None, every=True):
@@ -475,10 +496,12 @@ class ChoiceSteps:
     # host) shows here.
     waited = 0.0 if ready else time.perf_counter() - t0
     build_s = self.builds.build_s.get(key, 0.0)
-    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s)%s",
-                 step + 1, self.choice.describe(key), build_s, waited, note)
+    after = f"; {late} steps after its step, once built" if late else ""
+    logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s%s)%s",
+                 step + 1, self.choice.describe(key), build_s, waited, after, note)
     self._event(step + 1, "ffn_landing", choice=self.choice.describe(key),
-                build_s=round(build_s, 3), waited_s=round(waited, 3), note=note.lstrip(", "))
+                build_s=round(build_s, 3), waited_s=round(waited, 3), late_steps=late,
+                note=note.lstrip(", "))
 
   def after_step(self, done: int, metrics: dict, state):
     """A decision after steps `every`, 2 `every`, ... (and the first): the state with each
@@ -541,4 +564,6 @@ class ChoiceSteps:
     return state
 
   def close(self):
-    self.builds.close()
+    # A choice still building past its landing step (or decided too late to land) may be in
+    # flight at the end of the run: wait for it no longer than for a landing.
+    self.builds.close(timeout=self.build_timeout_s)
