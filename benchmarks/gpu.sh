@@ -88,6 +88,12 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2
     --target /tmp/site .whl/*.whl && ls .whl > /tmp/site/.wheels
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
+# SentencePiece tokenizers trained on this image's corpora by an earlier call, if carried in
+# .tokenizers (a model and its record): kept where the record names the same corpus (its
+# sha256) and options, else trained again (train.corpus.build_tokenizer), ~30-45 s a machine.
+if ls .tokenizers/*.model >/dev/null 2>&1; then
+  mkdir -p ~/.cache/twell_jax/tokenizers && cp -n .tokenizers/* ~/.cache/twell_jax/tokenizers/
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader \
   | tee "$OUT/gpu.txt"
 quiet() { grep -v '^\s*File\|^\s\s\s\s[a-z_]\|xla_bridge\|^{'; }
