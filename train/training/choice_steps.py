@@ -455,9 +455,10 @@ class ChoiceSteps:
     """The train step that runs step `step` (0-based): a pending choice lands on its step if
     its build is done (on every process). If not, the running step goes on and the choice
     lands on the first step its build is done by: the device never idles for a build (a
-    seed's runs can then switch on different steps). With `layer_choice.wait_for_builds`,
-    or once a build is `build_timeout_s` late, the loop waits for it at its step instead
-    (at most `build_timeout_s`): a seed's runs and a resumed run switch on the same steps."""
+    seed's runs can then switch on different steps); a build `build_timeout_s` late is given
+    up on, training going on with the running step. With `layer_choice.wait_for_builds` the
+    loop waits for the build at its step instead (at most `build_timeout_s`): a seed's runs
+    and a resumed run switch on the same steps."""
     if self.pending is not None and step >= self.pending[1]:
       key, land = self.pending
       timeout = self.build_timeout_s
