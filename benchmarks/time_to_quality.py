@@ -45,7 +45,8 @@ and runs nothing: commands run side by side, on one machine's GPUs or on several
 
 Runs go one after the other on one GPU, or with `--gpus=0,1,...` as many at once as GPUs
 named, each alone on its GPU (a run takes the first free GPU, `--stagger_s` after the last
-start; a seed's sparse_t waits for its dense and sparse); each run records its "gpu". A time
+start; a seed's sparse_t waits for its dense and sparse); each run records its "gpu" and the
+GPUs on its host ("host_gpus": runs of other commands may share the host's CPUs). A time
 limit per command: `--out` is read first and its finished runs are kept, so the same command,
 repeated, carries on where the last stopped; `--budget_s` starts no run
 that the runs already timed predict would end past that many seconds. JSON (`--out`):
@@ -54,7 +55,7 @@ that the runs already timed predict would end past that many seconds. JSON (`--o
 with "time_to_dense_ce_ratio_at_least" and the dense runs' own spread over seeds as
 "dense_ce" and "dense_wall_s"), "slope",
 "per_seed": [...], "codes", "runs": [whole_run's record + "seed", "arm", "code", "gpu",
-"started_at"]}. A run's
+"host_gpus", "started_at"]}. A run's
 "code" is the digest of the code it ran (`cli_run.code_digest`); "codes" counts the runs per
 digest ("unrecorded" for runs from before it was kept), and the summary says when its runs
 measured more than one version. The plot: held-out CE against wall-clock for every run.
@@ -359,7 +360,7 @@ def _finish_one(fl, started: dict) -> dict:
   run = whole_run.read_run(started["spec"], started["workdir"], wall, started["t0"])
   cfg = workdir_config.read_workdir_config(started["workdir"])
   run.update(seed=seed, arm=arm, steps=started["steps"], gpu=started["gpu"],
-             started_at=started["t0"],
+             host_gpus=len(cli_run.gpu_names()), started_at=started["t0"],
              tokens_per_step=cfg["batch_size"] * cfg["data"]["seq_len"])
   print(f"  seed {seed} {arm}: {wall:.1f} s, held-out CE {run['eval_ce']:.4f}", flush=True)
   return run

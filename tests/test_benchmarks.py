@@ -502,6 +502,7 @@ class TimeToQualityTest(absltest.TestCase):
   dense's wall-clock), carried on across commands, and the ratios over seeds."""
 
   def test_smoke_across_two_commands(self):
+    from benchmarks.common import cli_run  # pylint: disable=import-outside-toplevel
     tmp = self.create_tempdir().full_path
     out, png = os.path.join(tmp, "t.json"), os.path.join(tmp, "t.png")
     args = ("--smoke", "--seeds=0", f"--workdir={tmp}/runs", f"--plot={png}")
@@ -519,9 +520,10 @@ class TimeToQualityTest(absltest.TestCase):
     self.assertEqual([x["arm"] for x in r["runs"]][2:], ["sparse_t"])
     self.assertEqual(r["runs"][:2], first["runs"])           # kept, not rerun
     self.assertIsNone(r["runs"][2]["gpu"])                   # one at a time: no GPU named
+    # The host's GPUs as nvidia-smi lists them (none here): runs of one seed compare alike.
+    self.assertEqual({x["host_gpus"] for x in r["runs"]}, {len(cli_run.gpu_names())})
     r["runs"] = sorted(r["runs"][:2], key=lambda x: x["arm"]) + r["runs"][2:]
     # Every run keeps the digest of the code it ran: this checkout's, the same for all three.
-    from benchmarks.common import cli_run  # pylint: disable=import-outside-toplevel
     self.assertEqual(r["codes"], {cli_run.code_digest(): 3})
     dense, sparse, sparse_t = r["runs"]
     self.assertEqual(sparse_t["steps"], time_to_quality.equal_time_steps(
