@@ -135,6 +135,9 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
                                 # with fewer lands in that share of it (at least a quarter)
       wait_for_builds=False,  # True: a choice lands on its step, the loop waiting for its
                               # build (reproducible switches); False: once built
+      sparse_eval=True,       # held-out evaluations on the running choice's FFNs once their
+                              # step is compiled (beside training, before each evaluation);
+                              # dense FFNs until then, and with wait_for_builds
       build_timeout_s=120.0,  # the longest a build may be late for its landing; then training
                               # goes on with the running step (a build may never come back)
       bridge=True,            # run a step compiled at the start (`ahead`) while a choice

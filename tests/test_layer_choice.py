@@ -604,6 +604,54 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertGreater(landed[0]["late_steps"], 0)            # 0.4 s: more than 2 steps
     self.assertTrue(any("steps after its step, once built" in l for l in logs.output))
 
+  def test_evaluations_run_the_sparse_choice_once_compiled_and_agree_with_dense(self):
+    """Held-out evaluations during a run use the running sparse choice's FFNs once their step
+    is compiled (beside training, from `EVAL_LEAD_STEPS` before the evaluation), the dense
+    FFNs before; each sparse evaluation's loss and activity equal the dense FFNs' on the same
+    parameters. With `wait_for_builds` every evaluation stays dense."""
+    self._micro_sparse_model()
+    step_for = choice_steps.ChoiceSteps.step_for
+    evaluate = trainer_lib.Trainer.evaluate
+    pairs = []
+
+    def gpu_paced(self, step):
+      time.sleep(0.02)
+      return step_for(self, step)
+
+    def evaluate_both(self, params, batches, layer_key=None):
+      ev = evaluate(self, params, batches, layer_key)
+      if layer_key is not None and any(n != "dense" for n in layer_key[0]):
+        pairs.append((ev, evaluate(self, params, batches, (("dense",) * len(layer_key[0]),
+                                                           (0,) * len(layer_key[0])))))
+      return ev
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "step_for",
+                                                  gpu_paced))
+    self.enter_context(absltest.mock.patch.object(trainer_lib.Trainer, "evaluate",
+                                                  evaluate_both))
+    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps,
+                                                  "EVAL_LEAD_STEPS", 30))
+    evals = {}
+    for wait in (False, True):
+      cfg = tu.micro_config(num_train_steps=80, log_every=1, checkpoint_every=0,
+                            l1_coeff=3e-2, learning_rate=3e-3, eval_every=20, eval_batches=2,
+                            **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
+                               "layer_choice.every": 2, "layer_choice.landing_steps": 2,
+                               "layer_choice.wait_for_builds": wait})
+      with self.assertLogs(level="INFO") as logs:
+        train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+      evals[wait] = [re.search(r"eval step (\d+) \(FFN per layer ([SD0-9 ]+)\)", line)
+                     for line in logs.output if "eval step" in line]
+      self.assertLen(evals[wait], 4)
+      self.assertTrue(all(evals[wait]))
+    self.assertEqual({m.group(2) for m in evals[True]}, {"D D"})
+    sparse = [m for m in evals[False] if "S" in m.group(2)]
+    self.assertNotEmpty(sparse)
+    self.assertLen(pairs, len(sparse))
+    for ev, dense in pairs:
+      self.assertAlmostEqual(ev["loss"], dense["loss"], delta=1e-4 * dense["loss"])
+      np.testing.assert_allclose(ev["active_per_token"], dense["active_per_token"], rtol=1e-3)
+      self.assertEqual(ev["never_fired_fraction"], dense["never_fired_fraction"])
+
   def test_the_steps_compiled_ahead_do_not_stand_in_for_a_choice_building(self):
     """With `layer_choice.bridge` off, while every layer runs dense and a choice builds, the
     steps compiled ahead (`layer_choice.ahead="256,512"`: first layer dense, the others at

@@ -69,6 +69,7 @@ _BOOLS = ("dead_reinit", "model.ffn_gated", "model.remat", "model.scan_layers",
           "model.scan_unroll", "model.interpret", "data.use_tfds", "layer_choice.enabled",
           "layer_choice.background", "layer_choice.bridge", "layer_choice.column_floor",
           "layer_choice.landing_by_layers", "layer_choice.wait_for_builds",
+          "layer_choice.sparse_eval",
           "mesh.shard_optimizer")
 
 

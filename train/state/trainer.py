@@ -151,6 +151,18 @@ class Trainer:
         lambda: self._eval_step(layer_key).lower(*specs).compile())
     pool.shutdown(wait=False)
 
+  def eval_compiled(self, layer_key=None) -> bool | None:
+    """Whether the evaluation step of `layer_key` is compiled: True (compiled ahead and
+    done, or compiled by an evaluation), False (compiling ahead), None (never asked for, or
+    its compile ahead failed: `evaluate` would compile it, and raise its error)."""
+    ahead = self._eval_ahead.get(layer_key)
+    if ahead is not None:
+      if not ahead.done():
+        return False
+      return None if ahead.exception() is not None else True
+    step = self._eval_steps.get(layer_key)
+    return True if isinstance(step, jax.stages.Compiled) else None
+
   def evaluate(self, params, batches, layer_key=None) -> dict:
     """Held-out loss, perplexity and per-layer sparsity over `batches`; `layer_key` (a
     `LayerChoice.key`) overrides the model's FFNs, as in `jit_train_step`. `loss_se` is the

@@ -6,9 +6,9 @@ switched on fixed steps.
 from the feature counts of the steps since the last one (`LayerChoice.update_from_counts`)
 sorts each layer's features in the state and, when the choice changes and its build pays
 (`payback`), asks for its step, which runs after `layer_choice.landing_steps` dense steps' time
-(`landing_lag`: more steps when the running choice's steps are predicted faster; the loop
-waits for a build not done by then; without `layer_choice.background`, built at once and
-running from the next step). While a choice is pending no other is decided: each decision
+(`landing_lag`: more steps when the running choice's steps are predicted faster), or from the
+first step after that its build is done by (with `layer_choice.wait_for_builds` the loop waits
+for it; without `layer_choice.background`, built at once and running from the next step). While a choice is pending no other is decided: each decision
 lands. The sparse kernels are compiled ahead, when the run starts, in the steps
 `layer_choice.ahead` names (`_compile_kernels_ahead`), so that a choice's build is mostly the
 XLA program around them; a choice equal to one of those steps lands at once, and with
@@ -18,7 +18,9 @@ the decisions, the predictions and step numbers alone: the same seed gives the s
 and switches on the same steps on any machine, and a checkpoint keeps the choice in use, the
 one pending and the step from which the steps compiled ahead count as built (`meta`,
 `_restore`). Several processes take the branches that hang on time (a build done or not)
-together (`agreed`).
+together (`agreed`). The held-out evaluations during the run use a sparse choice's FFNs once
+their evaluation step is compiled, beside training before the evaluation (`prepare_eval`,
+`eval_key_at`).
 """
 
 import concurrent.futures
@@ -274,6 +276,9 @@ class ChoiceSteps:
     self.lag_by_layers = bool(cfg.layer_choice.get("landing_by_layers", False))
     self.build_timeout_s = cfg.layer_choice.build_timeout_s
     self.wait_for_builds = bool(cfg.layer_choice.get("wait_for_builds", False))
+    self.sparse_eval = (bool(cfg.layer_choice.get("sparse_eval", True))
+                        and not self.wait_for_builds and self.builds.background)
+    self._eval_keys = []   # the sparse choices whose evaluation step was asked for, in order
     self._late_since = None   # when a pending choice's landing step came before its build
     self.bridge = cfg.layer_choice.bridge
     self.pending = None   # (key, step): a choice decided, running from that step on
@@ -299,6 +304,10 @@ class ChoiceSteps:
                  choice.sparse_below,
                  choice.sparse_implementation, choice.dense_above, cfg.layer_choice.every,
                  self.lag)
+
+  # Steps before a held-out evaluation from which its sparse step compiles (`prepare_eval`):
+  # at the paper shape a forward compiles in seconds, about 100 sparse steps.
+  EVAL_LEAD_STEPS = 150
 
   # Sparse implementations whose kernels a step compiled ahead compiles for every later one.
   AHEAD_FOR = ("mosaic_gpu",)
@@ -404,12 +413,36 @@ class ChoiceSteps:
       self.ahead = None
 
   @property
-  def eval_key(self):
-    """The FFNs of the held-out evaluations during the run: dense in every layer. The same
-    function as the sparse kernels' (exact up to rounding), compiled once in a second or two,
-    where the sparse FFN would compile its kernels again (seconds, beside a build) for 16
-    batches."""
+  def dense_key(self):
+    """Every layer on the dense FFN: the evaluation step compiled at the run's start."""
     return (layer_choice_lib.DENSE,) * self.choice.n_layers, (0,) * self.choice.n_layers
+
+  def prepare_eval(self, done: int, params, batch) -> None:
+    """Within `EVAL_LEAD_STEPS` steps of a held-out evaluation, compiles the evaluation step of
+    the running choice, if it has a sparse layer and none was asked for yet, beside training
+    (`Trainer.compile_eval_ahead`). With `layer_choice.sparse_eval` off, or with
+    `wait_for_builds` (reproducible runs: which step an evaluation finds compiled depends on
+    time), evaluations stay on the dense FFNs."""
+    cfg = self.cfg
+    if not self.sparse_eval or cfg.eval_every <= 0:
+      return
+    following = min((done // cfg.eval_every + 1) * cfg.eval_every, cfg.num_train_steps)
+    key = self.running
+    if (following - done > self.EVAL_LEAD_STEPS or key in self._eval_keys
+        or all(name == layer_choice_lib.DENSE for name in key[0])):
+      return
+    self._eval_keys.append(key)   # the same on every process: from steps and choices alone
+    self.tr.compile_eval_ahead(params, batch, key)
+
+  def eval_key_at(self, done: int):
+    """The FFNs of the held-out evaluation after `done` steps: the latest sparse choice whose
+    evaluation step is compiled on every process (each computes the dense FFN's function,
+    exactly up to rounding, faster once sparse), else the dense FFNs."""
+    del done
+    for key in reversed(self._eval_keys):
+      if agreed(self.tr.eval_compiled(key) is True, every=True):
+        return key
+    return self.dense_key
 
   def _restore(self, meta: dict) -> None:
     """The choice in use and the one pending of a checkpoint's metadata (`meta`)."""

@@ -219,12 +219,13 @@ class _Window:
     return out
 
 
-def _evaluate(tr, writer, done: int, params, eval_data, eval_key) -> float:
-  """A held-out evaluation after `done` steps, logged and recorded; returns its seconds."""
+def _evaluate(tr, writer, done: int, params, eval_data, eval_key, note: str = "") -> float:
+  """A held-out evaluation after `done` steps, logged (with `note`) and recorded; returns its
+  seconds."""
   t_eval = time.time()
   ev = tr.evaluate(params, eval_data, eval_key)
   writer.write_event(done, "eval_batch_losses", losses=ev.pop("batch_losses"))
-  logging.info("eval step %d: %s", done, json.dumps(ev))
+  logging.info("eval step %d%s: %s", done, note, json.dumps(ev))
   writer.write_scalars(done, metrics_lib.flatten_metrics(
       {f"eval/{k}": v for k, v in ev.items()}))
   return time.time() - t_eval
@@ -283,11 +284,15 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
       if done == start + 1 and eval_data:
         # Beside the next steps, not beside the first one's compile.
         tr.compile_eval_ahead(state["params"], eval_data[0],
-                              None if steps is None else steps.eval_key)
+                              None if steps is None else steps.dense_key)
+      if steps is not None and eval_data:
+        steps.prepare_eval(done, state["params"], eval_data[0])
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
-        window.start += _evaluate(tr, writer, done, state["params"], eval_data,
-                                  None if steps is None else steps.eval_key)
+        key = None if steps is None else steps.eval_key_at(done)
+        window.start += _evaluate(tr, writer, done, state["params"], eval_data, key,
+                                  "" if steps is None else f" (FFN per layer "
+                                  f"{choice.describe(key)})")
       final, stop = done == cfg.num_train_steps, watch.stop_after(done)
       # checkpoint_every <= 0 disables saving (benchmarks).
       if cfg.checkpoint_every > 0 and (final or stop or mngr.should_save(done)):
