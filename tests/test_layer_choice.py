@@ -10,6 +10,7 @@ import time
 
 from absl.testing import absltest
 import numpy as np
+import pytest
 
 import train_test_util as tu
 from twell_jax import features
@@ -912,6 +913,38 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertEqual(picked.sparse_implementation, "xla")
     self.assertEqual(picked.implementations, ("dense",) * picked.n_layers)
 
+
+
+class SparseEvaluationGpuTest(absltest.TestCase):
+  """On a Hopper GPU, the evaluation step of a sparse choice (the forward kernels, hot
+  features in some layers) compiled ahead gives the dense FFNs' loss and activity on the same
+  parameters: what `ChoiceSteps.eval_key_at` lets a training run evaluate on."""
+
+  @pytest.mark.gpu
+  def test_sparse_choice_evaluates_as_dense(self):
+    import jax  # pylint: disable=import-outside-toplevel
+    from configs import tiny  # pylint: disable=import-outside-toplevel
+    from pallas_kernels import _target as target  # pylint: disable=import-outside-toplevel
+    if not target.on_hopper():
+      self.skipTest("needs a Hopper GPU")
+    cfg = tiny.get_config()   # the data is random tokens: nothing read
+    cfg.update(batch_size=8)
+    cfg.data.seq_len = 512
+    cfg.model.update(d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=3,
+                     ffn_activation="relu", dtype="bfloat16")
+    tr = trainer_lib.Trainer(cfg)
+    params = tr.new_state(jax.random.key(0))["params"]
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, cfg.model.vocab_size, (8, cfg.data.seq_len + 1), np.int32)
+               for _ in range(3)]
+    dense = (("dense",) * 3, (0,) * 3)
+    sparse = (("dense", "mosaic_gpu", "mosaic_gpu"), (0, 256, 0))
+    tr.compile_eval_ahead(params, batches[0], sparse)
+    ref = tr.evaluate(params, batches, dense)
+    ev = tr.evaluate(params, batches, sparse)
+    self.assertTrue(tr.eval_compiled(sparse))
+    self.assertAlmostEqual(ev["loss"], ref["loss"], delta=2e-3 * ref["loss"])
+    np.testing.assert_allclose(ev["active_per_token"], ref["active_per_token"], rtol=2e-2)
 
 if __name__ == "__main__":
   absltest.main()
