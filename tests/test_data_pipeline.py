@@ -96,6 +96,25 @@ class OfflineCorpusTest(absltest.TestCase):
     finally:
       text_corpus._docstrings.cache_clear()
 
+  def test_fingerprint_read_once_then_from_the_cache(self):
+    """A split's fingerprint is kept in the corpus cache, keyed by the corpus's files: the
+    second call reads no document; another listing (a file changed) reads the corpus again."""
+    cache = self.create_tempdir().full_path
+    name = text_corpus.NAME
+    with mock.patch.dict(os.environ, {"TWELL_JAX_CORPUS_CACHE": cache}):
+      first = text_corpus.fingerprint(name, "validation")
+      self.assertEqual(first["documents"], len(list(text_corpus.iter_documents("validation"))))
+      self.assertLen([f for f in os.listdir(cache) if f.startswith("fingerprint-")], 1)
+      with mock.patch.object(text_corpus, "iter_documents", side_effect=AssertionError):
+        self.assertEqual(text_corpus.fingerprint(name, "validation"), first)
+      files = text_corpus._stdlib_files()
+      before = text_corpus._fingerprint_path(name, "validation")
+      changed = [(files[0][0] + "x", files[0][1])] + files[1:]   # a file moved
+      with mock.patch.object(text_corpus, "_stdlib_files", return_value=changed):
+        self.assertNotEqual(text_corpus._fingerprint_path(name, "validation"), before)
+        self.assertEqual(text_corpus.fingerprint(name, "validation"), first)
+      self.assertLen([f for f in os.listdir(cache) if f.startswith("fingerprint-")], 2)
+
   def test_tfds_and_generator_readers_agree(self):
     tok = tokenizer_lib.ByteTokenizer()
     batches = []

@@ -121,14 +121,45 @@ def _iter_sources(site: bool) -> Iterator[tuple[str, str]]:
 
 def fingerprint(name: str, split: str) -> dict:
   """{"documents", "bytes", "sha256"} of a corpus split (its UTF-8 text, in order): what a
-  result was measured on."""
+  result was measured on. Reading a corpus of sources takes seconds (10-15 for the site
+  corpus), so it is kept in the corpus cache (`CACHE_DIR`), keyed by the corpus's files, their
+  sizes and modification times, and this module's own code."""
+  _check(split, name)
+  path = _fingerprint_path(name, split)
+  if path is not None:
+    try:
+      with open(path, encoding="utf-8") as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      pass    # not there yet, or unreadable: read the corpus, and write it again
   h, n, size = hashlib.sha256(), 0, 0
   for key, text in iter_documents(split, name):
     data = text.encode()
     h.update(key.encode() + b"\0" + data + b"\0")
     n, size = n + 1, size + len(data)
-  return {"name": name, "split": split, "documents": n, "bytes": size,
-          "sha256": h.hexdigest()}
+  out = {"name": name, "split": split, "documents": n, "bytes": size, "sha256": h.hexdigest()}
+  if path is not None:
+    _write_cache(path, out)
+  return out
+
+
+def _fingerprint_path(name: str, split: str) -> pathlib.Path | None:
+  """The cache file of a split's `fingerprint`, or None (caching off): named by a digest of
+  what the split is made from (every file of the corpus: path, size, modification time) and
+  of how (this module's source, the Python version)."""
+  root = os.environ.get("TWELL_JAX_CORPUS_CACHE", CACHE_DIR)
+  if not root:
+    return None
+  files = _stdlib_files() if name == NAME else _source_files(name == SITE_NAME)
+  h = hashlib.blake2b(pathlib.Path(__file__).read_bytes() + sys.version.encode(),
+                      digest_size=16)
+  for rel, path in files:
+    try:
+      st = path.stat()
+    except OSError:
+      continue
+    h.update(f"{rel} {st.st_size} {st.st_mtime_ns}\n".encode())
+  return pathlib.Path(root).expanduser() / f"fingerprint-{name}-{split}-{h.hexdigest()}.json"
 
 
 def _check(split: str, name: str) -> None:
@@ -251,8 +282,8 @@ def _cache_path(files) -> pathlib.Path | None:
 
 
 def _write_cache(path: pathlib.Path, documents) -> None:
-  """Writes the cache file whole or not at all (processes starting together may race: the
-  last rename wins, and every writer writes the same bytes)."""
+  """Writes the cache file (`documents`, as JSON) whole or not at all (processes starting
+  together may race: the last rename wins, and every writer writes the same bytes)."""
   tmp = None
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
