@@ -113,13 +113,13 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
   # Per-layer FFN choice (train/models/layer_choice.py): with ffn_implementation=None, each layer
   # trains on the dense FFN until its sparse FFN's predicted time (from its measured activity)
   # falls below sparse_below of the dense FFN's, and goes back above dense_above; decided
-  # every `every` steps. The new step compiles in the background and runs after
-  # `landing_steps` dense steps' time from its decision (more steps while faster sparse steps
-  # run: train/training/choice_steps.py landing_lag), or from the first step after that its
-  # build is done by: the device never waits for a build (wait_for_builds=True: the loop
-  # waits for it at its step, so a seed's run makes the same decisions and switches on the
-  # same steps whatever the machine's speed, and a resumed run is the uninterrupted one bit
-  # for bit; background=False: built in the loop, running from the next step).
+  # every `every` steps. The new step compiles in the background and runs from the first
+  # step after its build is done: the device never waits for a build. wait_for_builds=True:
+  # it runs `landing_steps` dense steps' time after its decision (more steps while faster
+  # sparse steps run: train/training/choice_steps.py landing_lag), the loop waiting for its
+  # build there, so a seed's run makes the same decisions and switches on the same steps
+  # whatever the machine's speed, and a resumed run is the uninterrupted one bit for bit;
+  # background=False: built in the loop, running from the next step.
   # Checkpoints keep the choice in use and the one pending.
   c.layer_choice = ml_collections.ConfigDict(dict(
       enabled=True,
@@ -128,13 +128,15 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
       sparse_below=0.9,       # predicted FFN time over dense (train/models/layer_choice.py)
       dense_above=1.0,
       background=True,
-      landing_steps=200,      # dense steps' time a build has beside training before its
-                              # choice lands (enough for the builds measured at the paper
-                              # shape: docs/performance.md)
+      landing_steps=200,      # dense steps' time a build has beside training: its choice
+                              # lands there with wait_for_builds, else a build later than
+                              # that counts towards build_timeout_s (enough for the builds
+                              # measured at the paper shape: docs/performance.md)
       landing_by_layers=False,  # landing_steps is for a step with every layer sparse; one
                                 # with fewer lands in that share of it (at least a quarter)
       wait_for_builds=False,  # True: a choice lands on its step, the loop waiting for its
-                              # build (reproducible switches); False: once built
+                              # build (reproducible switches); False: once built, before or
+                              # after that step
       sparse_eval=True,       # held-out evaluations on the running choice's FFNs once their
                               # step is compiled (beside training, before each evaluation);
                               # dense FFNs until then, and with wait_for_builds

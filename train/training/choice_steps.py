@@ -5,11 +5,13 @@ switched on fixed steps.
 `ChoiceSteps` runs the choice inside the loop: every `layer_choice.every` steps a decision
 from the feature counts of the steps since the last one (`LayerChoice.update_from_counts`)
 sorts each layer's features in the state and, when the choice changes and its build pays
-(`payback`), asks for its step, which runs after `layer_choice.landing_steps` dense steps' time
-(`landing_lag`: more steps when the running choice's steps are predicted faster), or from the
-first step after that its build is done by (with `layer_choice.wait_for_builds` the loop waits
-for it; without `layer_choice.background`, built at once and running from the next step). While a choice is pending no other is decided: each decision
-lands. The sparse kernels are compiled ahead, when the run starts, in the steps
+(`payback`), asks for its step, which runs from the first step after its build is done (the
+device never waits for it). Its step (`layer_choice.landing_steps` dense steps' time after the
+decision, `landing_lag`: more steps when the running choice's steps are predicted faster) is
+where a build starts counting late (`build_timeout_s`), and with `layer_choice.wait_for_builds`
+the step it lands on, the loop waiting for its build there; without `layer_choice.background`
+it is built at once and runs from the next step. While a choice is pending no other is
+decided: each decision lands. The sparse kernels are compiled ahead, when the run starts, in the steps
 `layer_choice.ahead` names (`_compile_kernels_ahead`), so that a choice's build is mostly the
 XLA program around them; a choice equal to one of those steps lands at once, and with
 `layer_choice.bridge` the one predicted fastest also runs from any decision that predicts it
@@ -305,6 +307,10 @@ class ChoiceSteps:
                  choice.sparse_implementation, choice.dense_above, cfg.layer_choice.every,
                  self.lag)
 
+  # With several processes, a choice built before its step is looked for every this many
+  # steps (each look is a collective over the processes; one process looks every step).
+  EARLY_CHECK_STEPS = 5
+
   # Steps before a held-out evaluation from which its sparse step compiles (`prepare_eval`):
   # at the paper shape a forward compiles in seconds, about 100 sparse steps.
   EVAL_LEAD_STEPS = 150
@@ -485,35 +491,44 @@ class ChoiceSteps:
     return out
 
   def step_for(self, step: int):
-    """The train step that runs step `step` (0-based): a pending choice lands on its step if
-    its build is done (on every process). If not, the running step goes on and the choice
-    lands on the first step its build is done by: the device never idles for a build (a
-    seed's runs can then switch on different steps); a build `build_timeout_s` late is given
-    up on, training going on with the running step. With `layer_choice.wait_for_builds` the
-    loop waits for the build at its step instead (at most `build_timeout_s`): a seed's runs
-    and a resumed run switch on the same steps."""
-    if self.pending is not None and step >= self.pending[1]:
-      key, land = self.pending
-      timeout = self.build_timeout_s
-      if not self.wait_for_builds and not agreed(self.builds.done(key), every=True):
-        now = time.perf_counter()
-        self._late_since = now if self._late_since is None else self._late_since
-        if not agreed(now - self._late_since >= self.build_timeout_s, every=False):
-          return self.train_step
-        timeout = 0.0   # late for as long as a wait would have been: give up on it now
-      self.pending, self._late_since = None, None
-      try:
-        self._run(key, step, late=step - land, timeout=timeout)
-      except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
-        logging.exception("building the train step for %s failed (%s: %s); training goes on "
-                          "with %s", key, type(e).__name__, e, self.choice.describe(self.running))
-        self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
+    """The train step that runs step `step` (0-based): a pending choice lands on the first
+    step its build is done by (on every process; several processes check every
+    `EARLY_CHECK_STEPS` steps before the step its decision names, `landing_lag`): the device
+    never idles for a build, and a choice runs as soon as it can (a seed's runs can then
+    switch on different steps). A build `build_timeout_s` later than that step is given up
+    on, training going on with the running step. With `layer_choice.wait_for_builds` a choice
+    lands on its step, the loop waiting for its build there (at most `build_timeout_s`): a
+    seed's runs and a resumed run switch on the same steps."""
+    if self.pending is None:
+      return self.train_step
+    key, land = self.pending
+    timeout = self.build_timeout_s
+    if step < land:
+      # Built before its step, it runs at once: waiting for the step would only make the
+      # switch the same in every run of a seed, which only `wait_for_builds` promises.
+      if (self.wait_for_builds
+          or (jax.process_count() > 1 and step % self.EARLY_CHECK_STEPS)
+          or not agreed(self.builds.done(key), every=True)):
+        return self.train_step
+    elif not self.wait_for_builds and not agreed(self.builds.done(key), every=True):
+      now = time.perf_counter()
+      self._late_since = now if self._late_since is None else self._late_since
+      if not agreed(now - self._late_since >= self.build_timeout_s, every=False):
+        return self.train_step
+      timeout = 0.0   # late for as long as a wait would have been: give up on it now
+    self.pending, self._late_since = None, None
+    try:
+      self._run(key, step, late=step - land, timeout=timeout)
+    except Exception as e:  # pylint: disable=broad-except  # training goes on as it runs
+      logging.exception("building the train step for %s failed (%s: %s); training goes on "
+                        "with %s", key, type(e).__name__, e, self.choice.describe(self.running))
+      self.choice.current, self.choice.hot = list(self.running[0]), list(self.running[1])
     return self.train_step
 
   def _run(self, key, step: int, note: str = "", late: int = 0, timeout=None) -> None:
     """Runs the step of `key` from step `step` (0-based) on, waiting for its build if it is
     not done (at most `timeout`, default `build_timeout_s`), `late` steps after the step its
-    decision named."""
+    decision named (before it where negative)."""
     t0 = time.perf_counter()
     ready = self.builds.done(key)
     try:
@@ -530,7 +545,8 @@ class ChoiceSteps:
     # host) shows here.
     waited = 0.0 if ready else time.perf_counter() - t0
     build_s = self.builds.build_s.get(key, 0.0)
-    after = f"; {late} steps after its step, once built" if late else ""
+    after = (f"; {late} steps after its step, once built" if late > 0 else
+             f"; {-late} steps before its step, once built" if late < 0 else "")
     logging.info("step %d: now running FFN per layer %s (built in %.1f s; waited %.1f s%s)%s",
                  step + 1, self.choice.describe(key), build_s, waited, after, note)
     self._event(step + 1, "ffn_landing", choice=self.choice.describe(key),
