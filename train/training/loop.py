@@ -304,12 +304,19 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         break
     writer.flush()
   finally:
-    tracer.stop()
+    closing = {"trace": tracer.stop}
     if steps is not None:
-      steps.close()
-    prefetch.close()
-    checkpointing.finish(mngr)
-    writer.close()
+      closing["builds"] = steps.close
+    closing.update(data=prefetch.close, checkpoints=lambda: checkpointing.finish(mngr),
+                   metrics=writer.close)
+    took = {}
+    for part, close in closing.items():
+      t0 = time.perf_counter()
+      close()
+      took[part] = time.perf_counter() - t0
+    # What a run's end waits for (a build in flight, the last checkpoint's write).
+    logging.info("closed the run in %.1f s (%s)", sum(took.values()),
+                 ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
   if preempted is not None:
     raise preempted
   return last
