@@ -147,19 +147,9 @@ def _fingerprint_path(name: str, split: str) -> pathlib.Path | None:
   """The cache file of a split's `fingerprint`, or None (caching off): named by a digest of
   what the split is made from (every file of the corpus: path, size, modification time) and
   of how (this module's source, the Python version)."""
-  root = os.environ.get("TWELL_JAX_CORPUS_CACHE", CACHE_DIR)
-  if not root:
-    return None
   files = _stdlib_files() if name == NAME else _source_files(name == SITE_NAME)
-  h = hashlib.blake2b(pathlib.Path(__file__).read_bytes() + sys.version.encode(),
-                      digest_size=16)
-  for rel, path in files:
-    try:
-      st = path.stat()
-    except OSError:
-      continue
-    h.update(f"{rel} {st.st_size} {st.st_mtime_ns}\n".encode())
-  return pathlib.Path(root).expanduser() / f"fingerprint-{name}-{split}-{h.hexdigest()}.json"
+  return _keyed_cache_file(f"fingerprint-{name}-{split}", files,
+                           pathlib.Path(__file__).read_bytes() + sys.version.encode())
 
 
 def _check(split: str, name: str) -> None:
@@ -268,17 +258,24 @@ def _parse_docstrings(files) -> Iterator[tuple[str, str]]:
 
 def _cache_path(files) -> pathlib.Path | None:
   """The cache file of this standard library's docstring corpus, or None (caching off)."""
+  return _keyed_cache_file(NAME, files, f"{_CACHE_FORMAT} {MIN_CHARS} {sys.version}".encode())
+
+
+def _keyed_cache_file(stem: str, files, how: bytes) -> pathlib.Path | None:
+  """`stem`-<digest>.json in the corpus cache (None: caching off), the digest of `how` (what
+  makes the cached thing from the files) and of each of `files` (key, size, modification
+  time): a file changed, added or removed names another cache file."""
   root = os.environ.get("TWELL_JAX_CORPUS_CACHE", CACHE_DIR)
   if not root:
     return None
-  h = hashlib.blake2b(f"{_CACHE_FORMAT} {MIN_CHARS} {sys.version}".encode(), digest_size=16)
+  h = hashlib.blake2b(how, digest_size=16)
   for rel, path in files:
     try:
       st = path.stat()
     except OSError:
       continue
     h.update(f"{rel} {st.st_size} {st.st_mtime_ns}\n".encode())
-  return pathlib.Path(root).expanduser() / f"{NAME}-{h.hexdigest()}.json"
+  return pathlib.Path(root).expanduser() / f"{stem}-{h.hexdigest()}.json"
 
 
 def _write_cache(path: pathlib.Path, documents) -> None:
