@@ -605,47 +605,14 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertGreater(landed[0]["late_steps"], 0)            # 0.4 s: more than 2 steps
     self.assertTrue(any("steps after its step, once built" in l for l in logs.output))
 
-  def test_a_choice_built_before_its_step_runs_at_once(self):
+  def test_choices_run_once_built_and_evaluations_on_them_agree_with_dense(self):
     """By default a choice whose build is done before the step its decision names (a lag of
     40 steps of 20 ms here, a build of well under a second) runs from the first step after
-    its build; with `wait_for_builds` it lands on its step."""
-    self._micro_sparse_model()
-    step_for = choice_steps.ChoiceSteps.step_for
-
-    def gpu_paced(self, step):
-      time.sleep(0.02)
-      return step_for(self, step)
-    self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps, "step_for",
-                                                  gpu_paced))
-    late = {}
-    for wait in (False, True):
-      cfg = tu.micro_config(num_train_steps=120, log_every=1, checkpoint_every=0,
-                            l1_coeff=3e-2, learning_rate=3e-3,
-                            **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                               "layer_choice.every": 2, "layer_choice.landing_steps": 40,
-                               "layer_choice.wait_for_builds": wait})
-      workdir = self.create_tempdir().full_path
-      with self.assertLogs(level="INFO") as logs:
-        train_lib.train_and_evaluate(cfg, workdir)
-      decided, running = self._decisions(logs.output)
-      landed = [e for e in metrics.events(metrics.read_jsonl(workdir), "ffn_landing")
-                if e["note"] == ""]
-      self.assertNotEmpty(landed)
-      for (_, choice, first), event in zip(decided, landed):
-        self.assertEqual(event["choice"], choice)
-        self.assertEqual(event["step"], first + event["late_steps"])
-        self.assertEqual(running[event["step"]], choice)
-      late[wait] = [e["late_steps"] for e in landed]
-      self.assertEqual(any("steps before its step, once built" in l for l in logs.output),
-                       not wait)
-    self.assertLess(min(late[False]), 0)
-    self.assertEqual(set(late[True]), {0})
-
-  def test_evaluations_run_the_sparse_choice_once_compiled_and_agree_with_dense(self):
-    """Held-out evaluations during a run use the running sparse choice's FFNs once their step
+    its build, and held-out evaluations use the running sparse choice's FFNs once their step
     is compiled (beside training, from `EVAL_LEAD_STEPS` before the evaluation), the dense
-    FFNs before; each sparse evaluation's loss and activity equal the dense FFNs' on the same
-    parameters. With `wait_for_builds` every evaluation stays dense."""
+    FFNs before: each sparse evaluation's loss and activity equal the dense FFNs' on the same
+    parameters. With `wait_for_builds` a choice lands on its step and every evaluation stays
+    dense."""
     self._micro_sparse_model()
     step_for = choice_steps.ChoiceSteps.step_for
     evaluate = trainer_lib.Trainer.evaluate
@@ -667,19 +634,33 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
                                                   evaluate_both))
     self.enter_context(absltest.mock.patch.object(choice_steps.ChoiceSteps,
                                                   "EVAL_LEAD_STEPS", 30))
-    evals = {}
+    late, evals = {}, {}
     for wait in (False, True):
-      cfg = tu.micro_config(num_train_steps=80, log_every=1, checkpoint_every=0,
-                            l1_coeff=3e-2, learning_rate=3e-3, eval_every=20, eval_batches=2,
+      cfg = tu.micro_config(num_train_steps=120, log_every=1, checkpoint_every=0,
+                            l1_coeff=3e-2, learning_rate=3e-3, eval_every=30, eval_batches=2,
                             **{"model.d_ff": 1024, "layer_choice.sparse": "xla",
-                               "layer_choice.every": 2, "layer_choice.landing_steps": 2,
+                               "layer_choice.every": 2, "layer_choice.landing_steps": 40,
                                "layer_choice.wait_for_builds": wait})
+      workdir = self.create_tempdir().full_path
       with self.assertLogs(level="INFO") as logs:
-        train_lib.train_and_evaluate(cfg, self.create_tempdir().full_path)
+        train_lib.train_and_evaluate(cfg, workdir)
+      decided, running = self._decisions(logs.output)
+      landed = [e for e in metrics.events(metrics.read_jsonl(workdir), "ffn_landing")
+                if e["note"] == ""]
+      self.assertNotEmpty(landed)
+      for (_, choice, first), event in zip(decided, landed):
+        self.assertEqual(event["choice"], choice)
+        self.assertEqual(event["step"], first + event["late_steps"])
+        self.assertEqual(running[event["step"]], choice)
+      late[wait] = [e["late_steps"] for e in landed]
+      self.assertEqual(any("steps before its step, once built" in l for l in logs.output),
+                       not wait)
       evals[wait] = [re.search(r"eval step (\d+) \(FFN per layer ([SD0-9 ]+)\)", line)
                      for line in logs.output if "eval step" in line]
       self.assertLen(evals[wait], 4)
       self.assertTrue(all(evals[wait]))
+    self.assertLess(min(late[False]), 0)
+    self.assertEqual(set(late[True]), {0})
     self.assertEqual({m.group(2) for m in evals[True]}, {"D D"})
     sparse = [m for m in evals[False] if "S" in m.group(2)]
     self.assertNotEmpty(sparse)
