@@ -935,7 +935,7 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
 class SparseEvaluationGpuTest(absltest.TestCase):
   """On a Hopper GPU, the evaluation step of a sparse choice (the forward kernels, hot
   features in some layers) compiled ahead gives the dense FFNs' loss and activity on the same
-  parameters: what `ChoiceSteps.eval_key_at` lets a training run evaluate on."""
+  parameters: what `ChoiceSteps.eval_key` lets a training run evaluate on."""
 
   @pytest.mark.gpu
   def test_sparse_choice_evaluates_as_dense(self):

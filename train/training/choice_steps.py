@@ -11,9 +11,9 @@ decision, `landing_lag`: more steps when the running choice's steps are predicte
 where a build starts counting late (`build_timeout_s`), and with `layer_choice.wait_for_builds`
 the step it lands on, the loop waiting for its build there; without `layer_choice.background`
 it is built at once and runs from the next step. While a choice is pending no other is
-decided: each decision lands. The sparse kernels are compiled ahead, when the run starts, in the steps
-`layer_choice.ahead` names (`_compile_kernels_ahead`), so that a choice's build is mostly the
-XLA program around them; a choice equal to one of those steps lands at once, and with
+decided: each decision lands. The sparse kernels are compiled ahead, when the run starts, in
+the steps `layer_choice.ahead` names (`_compile_kernels_ahead`), so that a choice's build is
+mostly the XLA program around them; a choice equal to one of those steps lands at once, and with
 `layer_choice.bridge` the one predicted fastest also runs from any decision that predicts it
 faster than the running step until a choice lands (`_bridge`). What runs when follows from
 the decisions, the predictions and step numbers alone: the same seed gives the same decisions
@@ -22,7 +22,7 @@ one pending and the step from which the steps compiled ahead count as built (`me
 `_restore`). Several processes take the branches that hang on time (a build done or not)
 together (`agreed`). The held-out evaluations during the run use a sparse choice's FFNs once
 their evaluation step is compiled, beside training before the evaluation (`prepare_eval`,
-`eval_key_at`).
+`eval_key`).
 """
 
 import concurrent.futures
@@ -440,11 +440,10 @@ class ChoiceSteps:
     self._eval_keys.append(key)   # the same on every process: from steps and choices alone
     self.tr.compile_eval_ahead(params, batch, key)
 
-  def eval_key_at(self, done: int):
-    """The FFNs of the held-out evaluation after `done` steps: the latest sparse choice whose
-    evaluation step is compiled on every process (each computes the dense FFN's function,
-    exactly up to rounding, faster once sparse), else the dense FFNs."""
-    del done
+  def eval_key(self):
+    """The FFNs of a held-out evaluation now: the latest sparse choice whose evaluation step
+    is compiled on every process (each computes the dense FFN's function, exactly up to
+    rounding, faster once sparse), else the dense FFNs. Called by every process at once."""
     for key in reversed(self._eval_keys):
       if agreed(self.tr.eval_compiled(key) is True, every=True):
         return key

@@ -289,7 +289,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
         steps.prepare_eval(done, state["params"], eval_data[0])
       if eval_data is not None and (done % cfg.eval_every == 0
                                     or done == cfg.num_train_steps):
-        key = None if steps is None else steps.eval_key_at(done)
+        key = None if steps is None else steps.eval_key()
         window.start += _evaluate(tr, writer, done, state["params"], eval_data, key,
                                   "" if steps is None else f" (FFN per layer "
                                   f"{choice.describe(key)})")
