@@ -48,8 +48,8 @@ batches), "tokens", "batch_ce" (each held-out batch's)}], "data_passes" (over th
 "points": [{"step", "tokens_per_s", "active_per_token", "overflow_rows", "sparse_layers",
 "hot_features"}], "decisions": [[step, choice, landing step]],
 "landing_waits_s": [[step, seconds the loop waited for that landing's build]],
-"landing_late_steps": [[step, steps after the step its decision named: its build not done by
-then]], "build_s": [[step, seconds that landing's build took]], ...,
+"landing_late_steps": [[step, steps after the step its decision named: positive where its build
+was not done by then, negative where it was done before]], "build_s": [[step, seconds that landing's build took]], ...,
 "phases" ([label, seconds] of the wall-clock cut at the first step and the evaluations,
 `phases`), "phase_ratios" (dense SiLU's seconds over the run's, per phase)}], "wall_ratios"
 (dense SiLU's wall-clock over each sparse run's), "ce_ratios" and "ce_ratio" (the largest),
@@ -380,7 +380,8 @@ def main(argv):
           f"  {len(r['decisions'])} decisions, waited "
           f"{sum(w for _, w in r.get('landing_waits_s', [])):.1f} s for builds (longest "
           f"{max((b for _, b in r.get('build_s', [])), default=0.0):.1f} s), landed "
-          f"{sum(n for _, n in r.get('landing_late_steps', [])):d} steps late", flush=True)
+          f"{sum(max(n, 0) for _, n in r.get('landing_late_steps', [])):d} steps late and "
+          f"{sum(max(-n, 0) for _, n in r.get('landing_late_steps', [])):d} early", flush=True)
   for r in results["runs"]:
     ratios = dict(r.get("phase_ratios", []))
     print(f"  {r['name']:<12} " + " | ".join(
