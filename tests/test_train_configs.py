@@ -203,10 +203,6 @@ class CommandLineTest(absltest.TestCase):
       self.assertFalse(os.path.exists(os.path.join(wd, "checkpoints")))
 
 
-if __name__ == "__main__":
-  absltest.main()
-
-
 class CompilationCacheTest(absltest.TestCase):
   """`compilation.use_compilation_cache`: on for GPU runs at the config's directory, never over
   a directory the user set, off on the CPU."""
@@ -224,3 +220,40 @@ class CompilationCacheTest(absltest.TestCase):
       self.assertEqual(compilation.use_compilation_cache(tmp + "/d", backend="gpu"), tmp + "/c")
     finally:
       jax.config.update("jax_compilation_cache_dir", before)
+
+
+class BesideTrainingTest(absltest.TestCase):
+  """`compilation.beside_training`: the switch interval short and the collector off while any
+  compile on a worker thread is inside, both back as they were when the last one leaves."""
+
+  def test_settings_held_until_the_last_compile_leaves(self):
+    import gc  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+    interval, collecting = sys.getswitchinterval(), gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_compile():
+      with compilation.beside_training():
+        inside.set()
+        leave.wait(10)
+
+    worker = threading.Thread(target=other_compile)
+    worker.start()
+    try:
+      self.assertTrue(inside.wait(10))
+      with compilation.beside_training():
+        self.assertLess(sys.getswitchinterval(), 1e-3)
+        self.assertFalse(gc.isenabled())
+      # The other compile is still inside: unchanged by this one's leaving.
+      self.assertLess(sys.getswitchinterval(), 1e-3)
+      self.assertFalse(gc.isenabled())
+    finally:
+      leave.set()
+      worker.join(10)
+    self.assertEqual(sys.getswitchinterval(), interval)
+    self.assertEqual(gc.isenabled(), collecting)
+
+
+if __name__ == "__main__":
+  absltest.main()

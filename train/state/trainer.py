@@ -139,16 +139,25 @@ class Trainer:
           self.mesh, steps_lib.make_eval_step(self._model(layer_key))))
     return self._eval_steps[layer_key]
 
-  def compile_eval_ahead(self, params, batch, layer_key=None):
+  def compile_eval_ahead(self, params, batch, layer_key=None, *, autotune: bool = True):
     """Compiles the evaluation step for `params` and held-out batches like `batch` on a
-    worker thread, for `evaluate` to use: the first evaluation of a run then does not compile
-    (a second or two, more beside a background build of the per-layer choice)."""
+    worker thread (inside `compilation.beside_training`), for `evaluate` to use: the first
+    evaluation of a run then does not compile (a second or two, more beside a background build
+    of the per-layer choice). `autotune=False` compiles a GPU step with
+    `compilation.NO_AUTOTUNE`: autotuning's candidate kernels would share the device with the
+    training steps."""
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     specs = (jax.tree.map(like, params), like(self.put_batch(batch, self.eval_sharding)))
+    untuned = not autotune and jax.default_backend() == "gpu"
+
+    def build():
+      with compilation.beside_training():
+        return self._eval_step(layer_key).lower(*specs).compile(
+            compiler_options=compilation.NO_AUTOTUNE if untuned else None)
+
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    self._eval_ahead[layer_key] = pool.submit(
-        lambda: self._eval_step(layer_key).lower(*specs).compile())
+    self._eval_ahead[layer_key] = pool.submit(build)
     pool.shutdown(wait=False)
 
   def eval_compiled(self, layer_key=None) -> bool | None:

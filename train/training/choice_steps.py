@@ -26,7 +26,6 @@ their evaluation step is compiled, beside training before the evaluation (`prepa
 """
 
 import concurrent.futures
-import gc
 import math
 import os
 import queue
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.models import layer_choice as layer_choice_lib
+from train.runtime import compilation
 
 
 def _child_processes() -> str:
@@ -88,18 +88,14 @@ class StepBuilds:
   kept: going back to a choice built before costs nothing. `background=False` builds in
   `request`.
 
-  Tracing and lowering are Python work that holds the GIL, and the training loop must not wait
-  behind it to dispatch its steps (the device would idle). While a build runs, the
-  interpreter's switch interval is shortened and the cyclic garbage collector is off: its
-  full collections over the many objects a build creates stop every thread.
+  Builds run inside `compilation.beside_training` (the training loop's dispatch does not wait
+  behind their Python work).
 
   A build can fail to come back (XLA's compile has been seen never to return). `get` waits
   at most `timeout` seconds, then raises `BuildTimeout` with every thread's stack in the log;
   `busy()` stays true until that build ends. The worker is a daemon thread, so a build that
   never ends does not keep the process from exiting.
   """
-
-  _BUILD_SWITCH_INTERVAL_S = 2e-4
 
   def __init__(self, build, background: bool = True):
     self._build = build
@@ -118,16 +114,8 @@ class StepBuilds:
     return step
 
   def _build_in_background(self, key: tuple):
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, self._BUILD_SWITCH_INTERVAL_S))
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with compilation.beside_training():
       return self._timed_build(key)
-    finally:
-      if collecting:
-        gc.enable()
-      sys.setswitchinterval(interval)
 
   def _work(self) -> None:
     while True:
@@ -438,7 +426,7 @@ class ChoiceSteps:
         or all(name == layer_choice_lib.DENSE for name in key[0])):
       return
     self._eval_keys.append(key)   # the same on every process: from steps and choices alone
-    self.tr.compile_eval_ahead(params, batch, key)
+    self.tr.compile_eval_ahead(params, batch, key, autotune=False)
 
   def eval_key(self):
     """The FFNs of a held-out evaluation now: the latest sparse choice whose evaluation step
