@@ -3,6 +3,7 @@
 import collections
 import json
 import os
+import pathlib
 from unittest import mock
 
 import ml_collections
@@ -168,6 +169,42 @@ class SourceCorpusTest(absltest.TestCase):
     self.assertEqual(fp["documents"], len(val))
     self.assertEqual(fp, text_corpus.fingerprint(name, "validation"))   # stable
     self.assertGreater(text_corpus.fingerprint(name, "train")["bytes"], 10 << 20)
+
+  def test_splits_cached_and_documents_read_on_demand(self):
+    """Which split each file is in is kept in the corpus cache: a second process (the
+    process's own copy cleared) opens a split without reading the corpus, and its documents,
+    read as asked for, are `iter_documents`' in order. A file gone after the opening is a
+    clear error, not a document skipped."""
+    name = text_corpus.SOURCE_NAME
+    cache = self.create_tempdir().full_path
+    val = list(text_corpus.iter_documents("validation", name))
+    with mock.patch.dict(os.environ, {"TWELL_JAX_CORPUS_CACHE": cache}):
+      text_corpus._SPLIT_KEYS.clear()  # pylint: disable=protected-access
+      try:
+        keys = text_corpus.split_keys(name)
+        self.assertEqual(list(keys["validation"]), [k for k, _ in val])
+        self.assertLen([f for f in os.listdir(cache) if f.startswith(f"splits-{name}")], 1)
+        text_corpus._SPLIT_KEYS.clear()  # pylint: disable=protected-access
+        with mock.patch.object(text_corpus, "_iter_split_documents",
+                               side_effect=AssertionError("the corpus was read")):
+          files = text_corpus.document_files("validation", name)
+          self.assertLen(files, len(val))
+          self.assertEqual(files.get_many([2, 0]), [val[2][1], val[0][1]])
+          self.assertEqual(files.get_many(range(len(val))), [t for _, t in val])
+          self.assertEqual(text_corpus.documents("validation", name), tuple(val))
+        # A damaged cache file is read past: the corpus is read and the file written again.
+        (cached,) = [f for f in os.listdir(cache) if f.startswith(f"splits-{name}")]
+        with open(os.path.join(cache, cached), "w") as f:
+          f.write('{"train": ["cut')
+        text_corpus._SPLIT_KEYS.clear()  # pylint: disable=protected-access
+        self.assertEqual(text_corpus.split_keys(name), keys)
+        with self.assertRaisesRegex(ValueError, "parsed"):
+          text_corpus.document_files("train", text_corpus.NAME)
+      finally:
+        text_corpus._SPLIT_KEYS.clear()  # pylint: disable=protected-access
+    gone = text_corpus.DocumentFiles([pathlib.Path(cache) / "gone.py"])
+    with self.assertRaisesRegex(OSError, "changed after the run opened it"):
+      gone.get_many([0])
 
   def test_tfds_and_generator_readers_agree(self):
     tok = tokenizer_lib.ByteTokenizer()

@@ -23,9 +23,9 @@ for a given Python installation (different Python patch versions have slightly d
 docstrings).
 
 This module needs only the standard library: the TFDS builder (`tfds_offline.py`) reads
-`iter_documents` and the TFDS-free reader (`train/data/pipeline.py`) `documents`, the same
-documents from one pass over the files for both splits, which is what makes their outputs
-identical.
+`iter_documents` and the TFDS-free reader (`train/data/pipeline.py`) `document_files` (the
+source corpora) or `documents` (the docstrings), the same documents in the same order, which
+is what makes their outputs identical.
 """
 
 import ast
@@ -143,13 +143,22 @@ def fingerprint(name: str, split: str) -> dict:
   return out
 
 
-def _fingerprint_path(name: str, split: str) -> pathlib.Path | None:
-  """The cache file of a split's `fingerprint`, or None (caching off): named by a digest of
-  what the split is made from (every file of the corpus: path, size, modification time) and
-  of how (this module's source, the Python version)."""
-  files = _stdlib_files() if name == NAME else _source_files(name == SITE_NAME)
-  return _keyed_cache_file(f"fingerprint-{name}-{split}", files,
+def _corpus_files(name: str) -> tuple[tuple[str, pathlib.Path], ...]:
+  """(key, path) of every file corpus `name` is made from."""
+  return tuple(_stdlib_files()) if name == NAME else _source_files(name == SITE_NAME)
+
+
+def _corpus_cache_file(stem: str, name: str) -> pathlib.Path | None:
+  """Cache file `stem`-<digest>.json of something read off corpus `name` (None: caching
+  off), the digest of what it is made from (every file of the corpus: path, size,
+  modification time) and of how (this module's source, the Python version)."""
+  return _keyed_cache_file(stem, _corpus_files(name),
                            pathlib.Path(__file__).read_bytes() + sys.version.encode())
+
+
+def _fingerprint_path(name: str, split: str) -> pathlib.Path | None:
+  """The cache file of a split's `fingerprint`, or None (caching off)."""
+  return _corpus_cache_file(f"fingerprint-{name}-{split}", name)
 
 
 def _check(split: str, name: str) -> None:
@@ -179,25 +188,64 @@ def iter_documents(split: str, name: str = NAME) -> Iterator[tuple[str, str]]:
       yield key, text
 
 
-# Per corpus, the keys of each split's documents in order, from the first `documents` call
-# of this process: a later call reads only its split's documents.
+# Per corpus, the keys of each split's documents in order (`split_keys`), once known to this
+# process.
 _SPLIT_KEYS: dict[str, dict[str, tuple[str, ...]]] = {}
 
 
-def documents(split: str, name: str = NAME) -> tuple[tuple[str, str], ...]:
-  """`iter_documents(split, name)` as a tuple. A training process reads the train split for
-  its batches and the held-out split for its evaluations: the first call reads and hashes
-  every document of the corpus once and keeps which split each one is in (not the texts),
-  so the second reads only its own split's files."""
-  _check(split, name)
+def _known_split_keys(name: str) -> dict[str, tuple[str, ...]] | None:
+  """`split_keys(name)` if this process or the corpus cache knows them, else None."""
   keys = _SPLIT_KEYS.get(name)
+  if keys is None and name != NAME:   # the docstring corpus's own cache holds it whole
+    path = _corpus_cache_file(f"splits-{name}", name)
+    if path is not None:
+      try:
+        with open(path, encoding="utf-8") as f:
+          saved = json.load(f)
+        keys = {s: tuple(str(k) for k in saved[s]) for s in SPLITS}
+      except (OSError, ValueError, TypeError, KeyError):
+        return None   # not there yet, or unreadable: read the corpus, and write it again
+      _SPLIT_KEYS[name] = keys
+  return keys
+
+
+def _remember_split_keys(name: str, keys: dict) -> dict[str, tuple[str, ...]]:
+  keys = _SPLIT_KEYS[name] = {s: tuple(keys[s]) for s in SPLITS}
+  path = None if name == NAME else _corpus_cache_file(f"splits-{name}", name)
+  if path is not None:
+    _write_cache(path, {s: list(k) for s, k in keys.items()})
+  return keys
+
+
+def split_keys(name: str = NAME) -> dict[str, tuple[str, ...]]:
+  """Per split, the keys of its documents in `iter_documents` order. Which split a document
+  is in takes reading and hashing every file of the corpus (seconds: ~400 MB for the site
+  corpus), so for the source corpora the answer is kept in the corpus cache, keyed like
+  `fingerprint`: a process that finds it there opens a split without reading it
+  (`document_files`)."""
+  _check("train", name)
+  keys = _known_split_keys(name)
+  if keys is None:
+    keys = {s: [] for s in SPLITS}
+    for where, key, _ in _iter_split_documents(name):
+      keys[where].append(key)
+    keys = _remember_split_keys(name, keys)
+  return keys
+
+
+def documents(split: str, name: str = NAME) -> tuple[tuple[str, str], ...]:
+  """`iter_documents(split, name)` as a tuple. Where the splits' keys are not known yet
+  (`split_keys`), one pass reads and hashes every document and keeps them (not the texts);
+  else only the split's own files are read."""
+  _check(split, name)
+  keys = _known_split_keys(name)
   if keys is None:
     keys, out = {s: [] for s in SPLITS}, []
     for where, key, text in _iter_split_documents(name):
       keys[where].append(key)
       if where == split:
         out.append((key, text))
-    _SPLIT_KEYS[name] = {s: tuple(k) for s, k in keys.items()}
+    _remember_split_keys(name, keys)
     return tuple(out)
   if name == NAME:
     texts = dict(_docstrings())
@@ -205,6 +253,39 @@ def documents(split: str, name: str = NAME) -> tuple[tuple[str, str], ...]:
   paths = dict(_source_files(site=name == SITE_NAME))
   read = ((k, _read_source(paths[k])) for k in keys[split])
   return tuple((k, text) for k, text in read if text is not None)
+
+
+class DocumentFiles:
+  """One split of a source corpus read on demand: `len()` documents, `get_many(indices)`
+  their texts. Opening it reads no document (with the splits' keys cached, `split_keys`), and
+  a run reads only the documents it trains on."""
+
+  def __init__(self, paths):
+    self._paths = tuple(paths)
+
+  def __len__(self) -> int:
+    return len(self._paths)
+
+  def get_many(self, indices) -> list[str]:
+    out = []
+    for i in indices:
+      text = _read_source(self._paths[i])
+      if text is None:
+        raise OSError(f"{self._paths[i]}: a document of the corpus is gone or now blank or "
+                      f"over {MAX_SOURCE_BYTES} bytes; its files changed after the run "
+                      "opened it (restart the run to read the corpus as it is now)")
+      out.append(text)
+    return out
+
+
+def document_files(split: str, name: str) -> DocumentFiles:
+  """Split `split` of source corpus `name` (`SOURCE_NAME`, `SITE_NAME`) as `DocumentFiles`:
+  the documents of `iter_documents(split, name)`, in that order."""
+  _check(split, name)
+  if name == NAME:
+    raise ValueError(f"{NAME} is parsed from the sources, not read from files: use documents()")
+  paths = dict(_source_files(site=name == SITE_NAME))
+  return DocumentFiles(paths[k] for k in split_keys(name)[split])
 
 
 def _iter_all(name: str) -> Iterator[tuple[str, str]]:

@@ -115,7 +115,9 @@ def make_source(data_cfg, split: str):
   name = data_cfg.dataset
   use_tfds = data_cfg.use_tfds and tfds_available()
   if name in text_corpus.CORPORA and not use_tfds:
-    return _ListSource([t for _, t in text_corpus.documents(split, name)])
+    if name == text_corpus.NAME:
+      return _ListSource([t for _, t in text_corpus.documents(split, name)])
+    return text_corpus.document_files(split, name)   # read as trained on
   if not tfds_available():
     raise ImportError(f"data.dataset={name!r} needs tensorflow-datasets; only "
                       f"{', '.join(text_corpus.CORPORA)} work without it.")
