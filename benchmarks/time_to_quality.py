@@ -496,8 +496,7 @@ def main(argv):
     os.makedirs(fl.workdir, exist_ok=True)
     tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
     data_flags = cli_run.data_flags(fl.dataset, tokenizer)
-    print(f"  the corpus's held-out split read ahead in "
-          f"{whole_run.warm_corpus(fl.dataset):.1f} s", flush=True)
+    print(f"  the corpus read ahead in {whole_run.warm_corpus(fl.dataset):.1f} s", flush=True)
     run_all(fl, results, seeds, data_flags, code, t_start)
   results["seeds"] = sorted({r["seed"] for r in results["runs"]})
   if results["runs"]:

@@ -28,8 +28,8 @@ wait on them); otherwise one after the other on the first GPU. GPU training is n
 decide differently near a threshold; `--deterministic` runs every command with XLA's
 deterministic GPU ops (the training kernels use no atomics; the model then takes XLA's
 attention, `train.models.implementations.attention`). Before the runs the offline
-corpus's held-out split is read once, untimed (`warm_corpus`): every run starts with the same
-warm file cache.
+corpus is read once, untimed (`warm_corpus`): every run starts with the same warm file cache
+and corpus cache.
 
 A cluster's run (`--processes=N`): each run as N processes of one GPU each, started by
 `python -m train.launch` (process 0's log in the run's, every process's in WORKDIR.processes/).
@@ -231,17 +231,22 @@ def phases(run: dict) -> list[list]:
 
 
 def warm_corpus(dataset: str) -> float:
-  """Reads the held-out split of an offline corpus once (walking all of its directories),
-  untimed, so that every run starts with it in the OS's file cache: on a fresh machine the
-  first run otherwise pays the cold reads, 3-5 s more from its start to its first step,
-  whichever run goes first. Returns the seconds it took (0 for a corpus of the user's
+  """Reads every document of an offline corpus once, untimed, so that every run starts as a
+  user's second run on the machine does: the splits' keys in the corpus cache
+  (`text_corpus.split_keys`, which reads and hashes the whole corpus where they are not) and
+  the files in the OS's file cache. On a fresh machine the first run otherwise pays the cold
+  reads, whichever run goes first. Returns the seconds it took (0 for a corpus of the user's
   files)."""
   from train.corpus import text_corpus  # pylint: disable=import-outside-toplevel
   if dataset not in text_corpus.CORPORA:
     return 0.0
   t0 = time.perf_counter()
-  for _ in text_corpus.iter_documents("validation", dataset):
-    pass
+  if dataset == text_corpus.NAME:
+    text_corpus.documents("validation", dataset)
+  else:
+    for split in text_corpus.SPLITS:
+      files = text_corpus.document_files(split, dataset)
+      files.get_many(range(len(files)))
   return time.perf_counter() - t0
 
 
@@ -322,7 +327,7 @@ def main(argv):
   tokenizer = cli_run.tokenizer_record(fl.tokenizer, fl.dataset)
   data_flags = cli_run.data_flags(fl.dataset, tokenizer)
   if fl.runs:
-    print(f"  the corpus's held-out split read ahead in {warm_corpus(fl.dataset):.1f} s",
+    print(f"  the corpus read ahead in {warm_corpus(fl.dataset):.1f} s",
           flush=True)
   gpus = cli_run.gpu_names()
   results = {"device": gpus[0] if gpus else "cpu", "steps": fl.steps, "shape": fl.shape,
