@@ -80,6 +80,14 @@ class Trainer:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_sharding)
 
+  def batch_spec(self):
+    """The train step's batch (micro-batches, rows, seq_len + 1 tokens) with its sharding,
+    for a step compiled ahead of its arguments (`compile_train_step`)."""
+    cfg = self.cfg
+    return jax.ShapeDtypeStruct(
+        (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
+        np.int32, sharding=self.batch_sharding)
+
   def _model(self, layer_key=None):
     """The model, its FFNs overridden by `layer_key` (L implementation names and L numbers of
     hot features) when given."""

@@ -145,6 +145,11 @@ class StepBuilds:
     else:
       self.get(key)
 
+  def adopt(self, key: tuple, future) -> None:
+    """Takes `future` (a `concurrent.futures.Future` of the step of `key`, built elsewhere) as
+    that key's build, unless one was asked for already."""
+    self._futures.setdefault(key, future)
+
   def done(self, key: tuple) -> bool:
     """Whether the step of `key` is built (or its build failed)."""
     return key in self._futures and self._futures[key].done()
@@ -243,11 +248,12 @@ class ChoiceSteps:
   """The per-layer choice of one run (module docstring): `step_for(step)` before each step,
   `after_step(done, metrics, state)` after it, `meta()` for its checkpoint."""
 
-  def __init__(self, tr, choice, state, meta: dict, events=None):
+  def __init__(self, tr, choice, state, meta: dict, events=None, first_step=None):
     """`events(step, name, **fields)` records what the choice does (a `MetricWriter`'s
     `write_event`): "ffn_decision" (a choice decided: "choice", "predicted", "runs_from") and
     "ffn_landing" (a step starts running: "choice", "build_s", "waited_s", "late_steps",
-    "note")."""
+    "note"). `first_step`: a future of the running choice's step, compiled elsewhere
+    (`train.training.loop`: while the run opened)."""
     cfg = tr.cfg
     self._event = events or (lambda *a, **k: None)
     self.tr, self.choice, self.cfg = tr, choice, cfg
@@ -256,9 +262,7 @@ class ChoiceSteps:
     # takes about 5x longer, and a resumed run must build each choice's step alike.
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     state_spec = jax.tree.map(like, state)
-    batch_spec = jax.ShapeDtypeStruct(
-        (cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.data.seq_len + 1),
-        np.int32, sharding=tr.batch_sharding)
+    batch_spec = tr.batch_spec()
     self.builds = StepBuilds(
         lambda key: tr.compile_train_step(key, state_spec, batch_spec, autotune=False),
         background=cfg.layer_choice.background)
@@ -280,6 +284,8 @@ class ChoiceSteps:
     self.ahead = None
     self.ahead_spec = cfg.layer_choice.get("ahead", "256")
     self._restore(meta)
+    if first_step is not None:
+      self.builds.adopt(self.running, first_step)
     self.train_step = self.builds.get(self.running)
     self._compile_kernels_ahead(int(meta.get("step", 0)), meta.get("ahead_ready_step"))
     mc = tr.model_cfg

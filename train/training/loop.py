@@ -140,11 +140,35 @@ def _fresh_state_ahead(tr, cfg, workdir: str):
   return fresh
 
 
+def _first_step_ahead(tr, cfg):
+  """The first train step compiled on a worker thread (a future of a `jax.stages.Compiled`)
+  while the data opens and the fresh state is made, as it would compile at that step:
+  autotuned for the model's own FFNs; for the per-layer choice, its first choice (every layer
+  dense) without autotuning, like its every build (`choice_steps.StepBuilds`). Seconds at the
+  paper shape that the first step no longer waits for. Called where `_fresh_state_ahead`
+  makes the state."""
+  choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
+  key = None if choice is None else choice.key
+  state_spec, batch_spec = tr.abstract_state(), tr.batch_spec()
+
+  def build():
+    t0 = time.perf_counter()
+    step = tr.compile_train_step(key, state_spec, batch_spec, autotune=choice is None)
+    logging.info("compiled the first train step in %.1f s, while the data opened",
+                 time.perf_counter() - t0)
+    return step
+
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  first = pool.submit(build)
+  pool.shutdown(wait=False)
+  return first
+
+
 def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start: bool):
   """(config, Trainer, checkpoint manager, restored checkpoint or None, packer, first step,
-  state, held-out batches) of a run: the config checked against the workdir's, the
-  checkpoint restored or a fresh state made (from a Hugging Face checkpoint if the config
-  names one)."""
+  state, held-out batches, the first train step compiling or None) of a run: the config
+  checked against the workdir's, the checkpoint restored or a fresh state made (from a
+  Hugging Face checkpoint if the config names one)."""
   os.makedirs(workdir, exist_ok=True)
   compilation.use_compilation_cache(cfg.get("compilation_cache_dir"))
   hf_dir = (cfg.get("init_from_hf") or {}).get("path")
@@ -153,6 +177,7 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
   tr = trainer_lib.Trainer(cfg)
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
   fresh = _fresh_state_ahead(tr, cfg, workdir)
+  first_step = _first_step_ahead(tr, cfg) if fresh else None
   # The data opens (local files are checked, the held-out batches made) before the workdir
   # records anything.
   source = data_lib.make_source(cfg.data, cfg.data.train_split)
@@ -181,7 +206,9 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
     start, state = restored["step"], restored["state"]
     packer.set_state(_my_data_state(restored["data"]))
     logging.info("Resumed from checkpoint step %d", start)
-  return cfg, tr, mngr, restored, packer, start, state, eval_data
+  if restored is not None:
+    first_step = None   # a checkpoint's state: its step compiles as it always has
+  return cfg, tr, mngr, restored, packer, start, state, eval_data, first_step
 
 
 def _step_metrics(m, n_params: int, ran) -> dict:
@@ -233,7 +260,7 @@ def _evaluate(tr, writer, done: int, params, eval_data, eval_key, note: str = ""
 
 def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                         accept_config_change: bool, allow_fresh_start: bool, hooks) -> dict:
-  cfg, tr, mngr, restored, packer, start, state, eval_data = _prepare(
+  cfg, tr, mngr, restored, packer, start, state, eval_data, first_step = _prepare(
       cfg, workdir, accept_config_change=accept_config_change,
       allow_fresh_start=allow_fresh_start)
   is_main = jax.process_index() == 0
@@ -249,8 +276,11 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
            cfg.data.seq_len + 1)
   choice = implementations.layer_choice(cfg, tr.model_cfg, tr.mesh.size)
   steps = None if choice is None else choice_steps.ChoiceSteps(
-      tr, choice, state, (restored or {}).get("meta") or {}, events=writer.write_event)
-  train_step = tr.jit_train_step() if steps is None else None
+      tr, choice, state, (restored or {}).get("meta") or {}, events=writer.write_event,
+      first_step=first_step)
+  train_step = None
+  if steps is None:
+    train_step = first_step.result() if first_step else tr.jit_train_step()
   last, preempted, window = {}, None, _Window()
   tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
