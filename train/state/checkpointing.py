@@ -145,8 +145,14 @@ def _mark_failed(path: str) -> None:
   _FAILED_DIRS.update({path.rstrip(os.sep) + os.sep, os.path.realpath(path) + os.sep})
 
 
-def _mark_damaged(workdir: str, step: int) -> None:
-  _mark_failed(os.path.join(checkpoint_dir(workdir), str(step)))
+def _mark_damaged(workdir: str, step: int, damaged: bool = True) -> None:
+  """Marks (or, `damaged` false, unmarks) a step's directory as failed (`_mark_failed`)."""
+  path = os.path.join(checkpoint_dir(workdir), str(step))
+  if damaged:
+    _mark_failed(path)
+  else:
+    _FAILED_DIRS.difference_update({path.rstrip(os.sep) + os.sep,
+                                    os.path.realpath(path) + os.sep})
 
 
 class _DamagedStepNoise(logging_std.Filter):
@@ -252,6 +258,9 @@ def restore_latest(workdir: str, abstract_state: Any, *, allow_fresh_start: bool
   errors = []
   for step in steps:
     misfit = None
+    # Marked before the read: asyncio may report a sibling read's failure before the restore
+    # raises its own (`_DamagedStepNoise`).
+    _mark_damaged(workdir, step)
     try:
       misfit = _misfit(mngr, step, abstract_state)
       if misfit is None:
@@ -271,6 +280,7 @@ def restore_latest(workdir: str, abstract_state: Any, *, allow_fresh_start: bool
                       "and trying an older one.", step, msg, moved)
       mngr = make_manager(workdir, **manager_kwargs)
       continue
+    _mark_damaged(workdir, step, damaged=False)
     if misfit is not None:
       mngr.close()
       raise CheckpointError(
