@@ -394,7 +394,17 @@ def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: st
   running: list[dict] = []
   last_start = -math.inf
   staggered = lambda: not running or time.time() - last_start >= fl.stagger_s
-  previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  # SIGTERM ends the command, but not while a run starts: its process would be left unknown
+  # to the clean-up below; the run recorded first, the command then ends.
+  starting = {"now": False, "stopped": False}
+
+  def on_sigterm(*_):
+    if starting["now"]:
+      starting["stopped"] = True
+    else:
+      sys.exit(143)
+
+  previous = signal.signal(signal.SIGTERM, on_sigterm)
   try:
     while waiting or running:
       held = False   # a GPU free and a run waiting for the stagger only
@@ -420,7 +430,13 @@ def run_all(fl, results: dict, seeds: list[int], data_flags: list[str], code: st
           waiting.remove(key)
           continue
         waiting.remove(key)
-        running.append(_start_one(fl, seed, arm, steps, data_flags, free.pop(0)))
+        starting["now"] = True
+        try:
+          running.append(_start_one(fl, seed, arm, steps, data_flags, free.pop(0)))
+        finally:
+          starting["now"] = False
+        if starting["stopped"]:
+          sys.exit(143)
         last_start = time.time()
       if not running:   # every run left has started, ended or been left for the next command
         break

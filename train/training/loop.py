@@ -151,16 +151,18 @@ def _first_step_ahead(tr, cfg):
   key = None if choice is None else choice.key
   state_spec, batch_spec = tr.abstract_state(), tr.batch_spec()
 
+  took = {}   # the compile's seconds, logged by the loop once it takes the step
+
   def build():
     t0 = time.perf_counter()
     step = tr.compile_train_step(key, state_spec, batch_spec, autotune=choice is None)
-    logging.info("compiled the first train step in %.1f s, while the data opened",
-                 time.perf_counter() - t0)
+    took["s"] = time.perf_counter() - t0
     return step
 
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
   first = pool.submit(build)
   pool.shutdown(wait=False)
+  first.took = took
   return first
 
 
@@ -281,6 +283,9 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
   train_step = None
   if steps is None:
     train_step = first_step.result() if first_step else tr.jit_train_step()
+  if first_step is not None:   # taken (the choice's builds wait for it)
+    logging.info("compiled the first train step in %.1f s, while the data opened",
+                 first_step.took["s"])
   last, preempted, window = {}, None, _Window()
   tracer = _StepTracer(cfg.get("profile"), workdir)
   try:
