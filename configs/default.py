@@ -151,6 +151,8 @@ def _layer_choice(c: ml_collections.ConfigDict) -> None:
       column_floor=True,      # features on more than twice a fair share of a layer's entries
                               # stay hot (twell_jax.features.column_floor); False: K from the
                               # cost model alone
+      hot_menu="",            # the K a layer may take, comma-separated ("256,512,1024,2048":
+                              # a K between two raised to the next); "" any multiple of 256
   ))
 
 

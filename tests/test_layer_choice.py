@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import train_test_util as tu
+from configs import tiny
 from twell_jax import features
+from train.config import checks as config_checks
 from train.models import implementations
 from train.models import layer_choice
 from train.models import transformer as model_lib
@@ -115,6 +117,34 @@ class LayerChoiceTest(absltest.TestCase):
     more[0, order[0, 300:600]] = tokens // 3
     self.assertTrue(c.update_from_counts(more, tokens)[0])
     self.assertEqual(c.hot[0], 768)
+
+
+  def test_a_menu_of_k_raises_each_layer_to_its_next_value(self):
+    """`hot_menu`: the layer that takes 512 hot features without a menu takes 1024 with
+    (256, 1024, 2048), the uniform one keeps K = 0; a K past the menu's last is kept; the
+    config's spec is checked."""
+    rng = np.random.default_rng(0)
+    tokens, h = 10_000, 5632
+    skewed = np.zeros(h, np.int64)
+    hot_ids = rng.choice(h, 300, replace=False)
+    skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
+    skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
+    counts = np.stack([skewed, np.full(h, 30 * tokens // h)])
+    for menu, want in (((), 512), ((256, 1024, 2048), 1024), ((256,), 512)):
+      c = layer_choice.LayerChoice(2, h, sparse_implementation="xla", hot_menu=menu)
+      c.update_from_counts(counts, tokens)
+      self.assertEqual(c.key, (("xla", "xla"), (want, 0)), menu)
+    self.assertEqual(layer_choice.parse_hot_menu(" 1024, 256,,1024"), (256, 1024))
+    self.assertEqual(layer_choice.parse_hot_menu(""), ())
+    for bad in ("300", "0", "-256", "a"):
+      with self.assertRaisesRegex(ValueError, "positive multiple of 256"):
+        layer_choice.parse_hot_menu(bad)
+    cfg = tiny.get_config()
+    cfg.layer_choice.hot_menu = "256,100"
+    with self.assertRaisesRegex(ValueError, "layer_choice.hot_menu='256,100'"):
+      config_checks.check(cfg, 1, 1)
+    cfg.layer_choice.hot_menu = "256,1024"
+    config_checks.check(cfg, 1, 1)
 
 
 class LongColumnsTest(absltest.TestCase):
@@ -940,7 +970,6 @@ class SparseEvaluationGpuTest(absltest.TestCase):
   @pytest.mark.gpu
   def test_sparse_choice_evaluates_as_dense(self):
     import jax  # pylint: disable=import-outside-toplevel
-    from configs import tiny  # pylint: disable=import-outside-toplevel
     from pallas_kernels import _target as target  # pylint: disable=import-outside-toplevel
     if not target.on_hopper():
       self.skipTest("needs a Hopper GPU")

@@ -124,6 +124,14 @@ def _check_values(cfg):
       layer_choice.parse_ahead(ahead)
     except ValueError as e:
       raise ConfigError(f"config.layer_choice.ahead={ahead!r}: {e}") from None
+  menu = _get(cfg, "layer_choice.hot_menu")
+  if menu is not _MISSING:
+    try:
+      if not isinstance(menu, str):
+        raise ValueError("must be a string such as '256,512,1024,2048'")
+      layer_choice.parse_hot_menu(menu)
+    except ValueError as e:
+      raise ConfigError(f"config.layer_choice.hot_menu={menu!r}: {e}") from None
   for path, options in _choices().items():
     v = _get(cfg, path)
     if v is not _MISSING and v not in options:

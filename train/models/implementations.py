@@ -152,6 +152,7 @@ def layer_choice(cfg, model_cfg, n_devices: int) -> layer_choice_lib.LayerChoice
   return layer_choice_lib.LayerChoice(
       model_cfg.n_layers, model_cfg.d_ff, sparse_implementation=run.implementation,
       sparse_below=lc.sparse_below, dense_above=lc.dense_above, column_floor=lc.column_floor,
+      hot_menu=layer_choice_lib.parse_hot_menu(lc.get("hot_menu", "")),
       **_shape_terms(model_cfg, run.implementation, run.tokens, "fwd_bwd"))
 
 

@@ -109,6 +109,20 @@ def parse_ahead(spec: str) -> tuple[tuple[int, bool], ...]:
   return tuple(out)
 
 
+def parse_hot_menu(spec: str) -> tuple[int, ...]:
+  """The K values `layer_choice.hot_menu` allows, ascending: comma-separated positive
+  multiples of 256 ("" allows every multiple). Raises ValueError naming the item that is not
+  one."""
+  out = set()
+  for item in (s.strip() for s in str(spec).split(",")):
+    if not item:
+      continue
+    if not item.isdigit() or int(item) <= 0 or int(item) % features_lib.TILE_N:
+      raise ValueError(f"{item!r} is not a positive multiple of {features_lib.TILE_N}")
+    out.add(int(item))
+  return tuple(sorted(out))
+
+
 def ahead_keys(spec: str, n_layers: int, d_ff: int, sparse: str) -> tuple[tuple, ...]:
   """The `key`s (implementations, hot features) of the steps `layer_choice.ahead` names
   (`parse_ahead`) for `n_layers` layers of width `d_ff`: the first layer dense (and the last
@@ -168,6 +182,11 @@ class LayerChoice:
   # sparse). Set by `train.models.implementations`; the defaults are the paper shape's.
   shape_scale: float = 1.0
   shape_loses: bool = False
+  # The K a layer may take (`parse_hot_menu`; empty: any multiple of 256): a K between two is
+  # raised to the next, one past the last kept. A step's distinct K each compile their own
+  # hot GEMMs and kernel configurations, so fewer of them make shorter builds, and builds
+  # that share what earlier ones compiled.
+  hot_menu: tuple[int, ...] = ()
   # Keep every feature with more than twice a fair share of a layer's entries among its hot
   # ones (`twell_jax.features.column_floor`); False: K from the cost model alone.
   column_floor: bool = True
@@ -282,6 +301,7 @@ class LayerChoice:
                                          backward=self.column_floor)
       if heavy[l] is not None and np.any(heavy[l]):
         k = min(range(k, c.shape[0], features_lib.TILE_N), key=predict, default=k)
+      k = next((m for m in self.hot_menu if m >= k), k)
       if k != hot[l] and not self.shape_loses:   # no K makes a losing shape win
         # A K under the long columns' floor is never kept, however the prediction compares:
         # a feature that fires on a large share of the tokens makes a long column for the
