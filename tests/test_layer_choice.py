@@ -25,6 +25,17 @@ from train.state import trainer as trainer_lib
 from train.training import choice_steps
 
 
+def _skewed_layer(tokens: int, h: int):
+  """A layer's feature counts of 105 active per token, 100 of them on 300 features that fire
+  on a third of the tokens, and those 300 features."""
+  rng = np.random.default_rng(0)
+  skewed = np.zeros(h, np.int64)
+  hot_ids = rng.choice(h, 300, replace=False)
+  skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
+  skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
+  return skewed, hot_ids
+
+
 class LayerChoiceTest(absltest.TestCase):
 
   def test_hysteresis(self):
@@ -96,12 +107,8 @@ class LayerChoiceTest(absltest.TestCase):
     one of 200 uniform (every feature above the break-even rate) is dense. The order puts
     the hottest features first. K moves only when the new one improves the prediction by
     more than HOT_CHANGE_GAIN."""
-    rng = np.random.default_rng(0)
     tokens, h = 10_000, 5632
-    skewed = np.zeros(h, np.int64)
-    hot_ids = rng.choice(h, 300, replace=False)
-    skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
-    skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
+    skewed, hot_ids = _skewed_layer(tokens, h)
     counts = np.stack([skewed, np.full(h, 30 * tokens // h), np.full(h, 200 * tokens // h)])
     c = layer_choice.LayerChoice(3, h, sparse_implementation="xla")
     changed, order = c.update_from_counts(counts, tokens)
@@ -118,18 +125,12 @@ class LayerChoiceTest(absltest.TestCase):
     self.assertTrue(c.update_from_counts(more, tokens)[0])
     self.assertEqual(c.hot[0], 768)
 
-
   def test_a_menu_of_k_raises_each_layer_to_its_next_value(self):
     """`hot_menu`: the layer that takes 512 hot features without a menu takes 1024 with
     (256, 1024, 2048), the uniform one keeps K = 0; a K past the menu's last is kept; the
     config's spec is checked."""
-    rng = np.random.default_rng(0)
     tokens, h = 10_000, 5632
-    skewed = np.zeros(h, np.int64)
-    hot_ids = rng.choice(h, 300, replace=False)
-    skewed[hot_ids] = tokens // 3 + rng.integers(0, 100, 300)
-    skewed[np.setdiff1d(np.arange(h), hot_ids)] = 5 * tokens // (h - 300)
-    counts = np.stack([skewed, np.full(h, 30 * tokens // h)])
+    counts = np.stack([_skewed_layer(tokens, h)[0], np.full(h, 30 * tokens // h)])
     for menu, want in (((), 512), ((256, 1024, 2048), 1024), ((256,), 512)):
       c = layer_choice.LayerChoice(2, h, sparse_implementation="xla", hot_menu=menu)
       c.update_from_counts(counts, tokens)
