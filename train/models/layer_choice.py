@@ -183,7 +183,7 @@ class LayerChoice:
   shape_scale: float = 1.0
   shape_loses: bool = False
   # The K a layer may take (`parse_hot_menu`; empty: any multiple of 256): a K between two is
-  # raised to the next, one past the last kept. A step's distinct K each compile their own
+  # raised to the next; one above the last stays as it is. A step's distinct K each compile their own
   # hot GEMMs and kernel configurations, so fewer of them make shorter builds, and builds
   # that share what earlier ones compiled.
   hot_menu: tuple[int, ...] = ()
