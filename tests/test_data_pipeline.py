@@ -4,6 +4,7 @@ import collections
 import json
 import os
 import pathlib
+import sys
 from unittest import mock
 
 import ml_collections
@@ -285,6 +286,41 @@ class TfdsByNameTest(absltest.TestCase):
       batch = packer.next_batch()
     self.assertEqual(batch.shape, (2, 16))
     self.assertIn(tokenizer_lib.EOS_ID, batch)
+
+
+class ImportBeforeThreadsTest(absltest.TestCase):
+
+  def test_tfds_imported_before_the_fresh_runs_threads_start(self):
+    # tfds's import swaps builtins.__import__ for every thread (etils lazy imports): a step
+    # traced on a thread meanwhile got a broken module and the run aborted. A fresh run
+    # must import it before `_fresh_state_ahead` and `_first_step_ahead` start their threads;
+    # a run on the user's files never imports it.
+    code = """
+import sys
+from configs import tiny
+from train.training import loop
+seen = []
+def stop(*args):
+  seen.append("tensorflow_datasets" in sys.modules)
+  raise KeyboardInterrupt
+loop._fresh_state_ahead = stop
+cfg = tiny.get_config()
+cfg.data.update(data_dir=sys.argv[2], use_tfds=True)
+if sys.argv[3] != "-":
+  cfg.data.files = sys.argv[3]
+try:
+  loop.train_and_evaluate(cfg, sys.argv[1])
+except KeyboardInterrupt:
+  pass
+print(seen, "tensorflow_datasets" in sys.modules)
+"""
+    tmp = self.create_tempdir()
+    corpus = tmp.create_file("c.txt", content="a b c\n" * 100).full_path
+    for files, expect in (("-", "[True] True"), (corpus, "[False] False")):
+      wd = os.path.join(tmp.full_path, f"wd{len(files)}")
+      out = tu.run([sys.executable, "-c", code, wd, tu.offline_data_dir(), files])
+      self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+      self.assertEqual(out.stdout.strip().splitlines()[-1], expect, files)
 
 
 class PackingTest(absltest.TestCase):

@@ -53,6 +53,24 @@ def tfds_available() -> bool:
   return importlib.util.find_spec("tensorflow_datasets") is not None
 
 
+def uses_tfds(data_cfg) -> bool:
+  """Whether `make_source` reads `data_cfg`'s corpus through tensorflow-datasets."""
+  if data_cfg.get("files"):
+    return False
+  if data_cfg.dataset in text_corpus.CORPORA:
+    return bool(data_cfg.use_tfds) and tfds_available()
+  return True
+
+
+def import_before_threads(data_cfg) -> None:
+  """Imports tensorflow-datasets now where `make_source` will use it. Its import replaces
+  `builtins.__import__` for every thread while it runs (etils' `epy.lazy_imports`), so a thread
+  that imports meanwhile (jax tracing a step imports modules lazily) gets a module that fails
+  when used. Call before starting threads that trace while the data opens."""
+  if uses_tfds(data_cfg) and tfds_available():
+    import tensorflow_datasets  # pylint: disable=g-import-not-at-top,unused-import
+
+
 class _TfdsTextSource:
   """Random-access view of a tfds data source returning the text field."""
 

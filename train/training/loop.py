@@ -178,6 +178,7 @@ def _prepare(cfg, workdir: str, *, accept_config_change: bool, allow_fresh_start
     cfg = hf_init.configure(cfg, workdir)
   tr = trainer_lib.Trainer(cfg)
   logging.info("Devices: %s; model %s", jax.devices(), tr.model_cfg)
+  data_lib.import_before_threads(cfg.data)
   fresh = _fresh_state_ahead(tr, cfg, workdir)
   first_step = _first_step_ahead(tr, cfg) if fresh else None
   # The data opens (local files are checked, the held-out batches made) before the workdir
