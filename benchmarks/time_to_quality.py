@@ -53,7 +53,8 @@ that the runs already timed predict would end past that many seconds. JSON (`--o
 {"device", "seeds", "steps", "corpus", "summary": {"wall_ratio", "ce_ratio_equal_steps",
 "ce_ratio_equal_time", "time_to_dense_ce_ratio"} each {"mean", "ci95": [low, high], "n"},
 with "time_to_dense_ce_ratio_at_least" and the dense runs' own spread over seeds as
-"dense_ce" and "dense_wall_s"), "slope",
+"dense_ce" and "dense_wall_s"), "slope", "phases" (dense's and sparse's wall-clock cut at the
+first step and the evaluations, `whole_run.phases`, each part's mean over seeds),
 "per_seed": [...], "codes", "runs": [whole_run's record + "seed", "arm", "code", "gpu",
 "host_gpus", "started_at"]}. A run's
 "code" is the digest of the code it ran (`cli_run.code_digest`); "codes" counts the runs per
@@ -222,6 +223,20 @@ def summarize(results: dict) -> None:
        if "time_to_dense_ce_ratio_at_least" in r])
   results["summary"]["dense_ce"] = mean_ci([r["eval_ce"] for r in dense])
   results["summary"]["dense_wall_s"] = mean_ci([r["wall_s"] for r in dense])
+  results["phases"] = arm_phases(results["runs"])
+
+
+def arm_phases(runs: list[dict]) -> dict:
+  """{arm: [[label, mean_ci of its seconds]]}: where the wall-clock of dense's and sparse's
+  runs at equal steps goes (`whole_run.phases`: start-up to the first step, between
+  evaluations, after the last), over the seeds that ran the arm."""
+  out = {}
+  for arm in ("dense", "sparse"):
+    cut = [dict(whole_run.phases(r)) for r in runs
+           if r["arm"] == arm and r.get("evals") and "first_step_s" in r]
+    labels = list(cut[0]) if cut else []
+    out[arm] = [[label, mean_ci([c[label] for c in cut if label in c])] for label in labels]
+  return out
 
 
 def lever_name(l1: float, sparse_flags: list[str]) -> str:
@@ -559,6 +574,10 @@ def _print(results: dict) -> None:
   if len(results.get("codes", {})) > 1:
     print("  the runs measured more than one version of the code (runs per digest): "
           + ", ".join(f"{c} {n}" for c, n in results["codes"].items()))
+  for arm, cut in results.get("phases", {}).items():
+    if cut:
+      print(f"  {arm} by phase, seconds: " + ", ".join(
+          f"{label} {v['mean']:.1f}" for label, v in cut))
   for k, v in results["summary"].items():
     ci = v["ci95"]
     print(f"  {k}: " + ("n/a" if v["mean"] is None else f"{v['mean']:.3f}") +

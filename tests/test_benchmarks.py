@@ -643,6 +643,22 @@ class TimeToQualityTest(absltest.TestCase):
     self.assertGreater(time_to_quality.paired_ratio_se(noisy, base), 0.01)
     self.assertIsNone(time_to_quality.paired_ratio_se(noisy, {"evals": [{}]}))
 
+  def test_phases_per_arm_over_seeds(self):
+    """Each arm's wall-clock cut at its first step and evaluations, averaged over seeds."""
+    run = lambda seed, arm, first, evals, wall: {
+        "seed": seed, "arm": arm, "steps": 1000, "wall_s": wall, "eval_ce": 4.0,
+        "first_step_s": first, "evals": [{"step": s, "seconds": t} for s, t in evals]}
+    results = {"runs": [run(0, "dense", 20.0, [(500, 80.0), (1000, 140.0)], 143.0),
+                        run(1, "dense", 22.0, [(500, 84.0), (1000, 146.0)], 149.0),
+                        run(0, "sparse", 15.0, [(500, 60.0), (1000, 100.0)], 102.0),
+                        run(0, "sparse_t", 15.0, [(500, 60.0), (1400, 140.0)], 143.0)]}
+    time_to_quality.summarize(results)
+    got = {arm: [(label, v["mean"], v["n"]) for label, v in cut]
+           for arm, cut in results["phases"].items()}
+    self.assertEqual(got, {
+        "dense": [("start", 21.0, 2), ("1-500", 61.0, 2), ("500-1000", 61.0, 2), ("end", 3.0, 2)],
+        "sparse": [("start", 15.0, 1), ("1-500", 45.0, 1), ("500-1000", 40.0, 1), ("end", 2.0, 1)]})
+
   def test_equal_time_counts_the_evaluations_the_extra_steps_add(self):
     """10 steps/s and 50 s to spare: 500 more steps, but the evaluations at 2,600-3,000 take
     2 s each, so 400 steps and 4 evaluations (48 s) are what fit."""
