@@ -3,6 +3,7 @@ refused before any work, with one error naming the field."""
 
 import math
 import os
+import sys
 
 import jax
 from absl.testing import absltest
@@ -201,6 +202,17 @@ class CommandLineTest(absltest.TestCase):
       self.assertNotIn("Reusing dataset", out.stderr)   # no data pipeline was built
       self.assertNotIn("Parameters:", out.stderr)       # nor any state
       self.assertFalse(os.path.exists(os.path.join(wd, "checkpoints")))
+
+  def test_a_command_that_succeeds_leaves_without_the_teardown(self):
+    # Output still buffered is flushed; the interpreter's exit handlers (JAX's teardown among
+    # them) do not run.
+    code = ("import atexit, sys\n"
+            "from train import cli\n"
+            "atexit.register(lambda: print('teardown ran', flush=True))\n"
+            "sys.argv = ['cmd']\n"
+            "cli.run(lambda: print('done', end=''))\n")
+    out = tu.run([sys.executable, "-c", code])
+    self.assertEqual((out.returncode, out.stdout), (0, "done"), out.stderr[-3000:])
 
 
 class CompilationCacheTest(absltest.TestCase):

@@ -12,6 +12,10 @@ Several processes (`train.runtime.distributed`): each tells the others how it en
 process, the usual cause of a failed collective (its line and exit status 75 replace the
 traceback). A process that fails leaves at once, skipping JAX's shutdown barrier, which would
 wait for peers that are stopping too.
+
+A command that succeeds in one process leaves at once too (`_leave_done`), once its effects,
+logs and output are flushed: every file it writes is closed by then, and the interpreter's
+teardown (JAX destroying its client and every compiled program) only made the user wait.
 """
 
 import os
@@ -34,6 +38,18 @@ def _leave(line: str, code: int, *, failed: bool) -> None:
     sys.stdout.flush()
     os._exit(code)  # pylint: disable=protected-access
   sys.exit(code)
+
+
+def _leave_done() -> None:
+  """Ends a command that succeeded (module docstring); with several processes it returns, and
+  the command ends through JAX's shutdown barrier as usual."""
+  if jax.distributed.is_initialized():
+    return
+  jax.effects_barrier()
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
 
 
 def run(main, define_flags=None) -> None:
@@ -63,6 +79,7 @@ def run(main, define_flags=None) -> None:
       raise
     finally:
       peer_watch.end(failed=False)   # after a success (or SystemExit); else already ended
+    _leave_done()
 
   if define_flags is not None:
     define_flags()
