@@ -183,9 +183,9 @@ class LayerChoice:
   shape_scale: float = 1.0
   shape_loses: bool = False
   # The K a layer may take (`parse_hot_menu`; empty: any multiple of 256): a K between two is
-  # raised to the next; one above the last stays as it is. A step's distinct K each compile their own
-  # hot GEMMs and kernel configurations, so fewer of them make shorter builds, and builds
-  # that share what earlier ones compiled.
+  # raised to the next; one above the last stays as it is. A step compiles one scan per run of
+  # neighbouring layers with the same FFN and K (`ModelConfig.layer_groups`): a K rounded to
+  # equal its neighbour's makes one run fewer and a shorter build.
   hot_menu: tuple[int, ...] = ()
   # Keep every feature with more than twice a fair share of a layer's entries among its hot
   # ones (`twell_jax.features.column_floor`); False: K from the cost model alone.
