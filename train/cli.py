@@ -13,9 +13,11 @@ process, the usual cause of a failed collective (its line and exit status 75 rep
 traceback). A process that fails leaves at once, skipping JAX's shutdown barrier, which would
 wait for peers that are stopping too.
 
-A command that succeeds in one process leaves at once too (`_leave_done`), once its effects,
-logs and output are flushed: every file it writes is closed by then, and the interpreter's
-teardown (JAX destroying its client and every compiled program) only made the user wait.
+A command that succeeds, and one process that stops with one line, leave at once too
+(`_exit_now`), once the logs and output are flushed: every file the command writes is closed
+by then; the interpreter's teardown only made the user wait (JAX destroying its client and
+every compiled program) and let a library's thread print after the last line (an orbax writer
+failing as the interpreter shut down, after a failed checkpoint write).
 """
 
 import os
@@ -30,14 +32,25 @@ from train import errors
 from train.runtime import peer_watch
 
 
+def _exit_now(code: int) -> None:
+  """Exits with `code` once the logs and output are flushed, without the interpreter's
+  teardown: no library thread can print after the command's last line, and JAX's teardown
+  (destroying its client and every compiled program) takes seconds on a GPU."""
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access
+
+
 def _leave(line: str, code: int, *, failed: bool) -> None:
-  """Ends the command with `line` on stderr and exit status `code`."""
+  """Ends the command with `line` on stderr and exit status `code`: at once, except a process
+  of several that stops without failing (preempted), which goes through JAX's shutdown
+  barrier with the others."""
   several = peer_watch.end(failed=failed)
   print(line, file=sys.stderr, flush=True)
-  if several and failed:
-    sys.stdout.flush()
-    os._exit(code)  # pylint: disable=protected-access
-  sys.exit(code)
+  if several and not failed:
+    sys.exit(code)
+  _exit_now(code)
 
 
 def _leave_done() -> None:
@@ -46,10 +59,7 @@ def _leave_done() -> None:
   if jax.distributed.is_initialized():
     return
   jax.effects_barrier()
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(0)  # pylint: disable=protected-access
+  _exit_now(0)
 
 
 def run(main, define_flags=None) -> None:
