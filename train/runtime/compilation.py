@@ -2,6 +2,7 @@
 step compiled without autotuning, and the interpreter settings while one compiles beside a
 running training loop."""
 
+import concurrent.futures
 import contextlib
 import gc
 import os
@@ -47,6 +48,14 @@ def beside_training():
         sys.setswitchinterval(_beside["interval"])
         if _beside["collecting"]:
           gc.enable()
+
+
+def on_worker_thread(fn) -> concurrent.futures.Future:
+  """`fn()` started on a new worker thread; its future (the thread ends with `fn`)."""
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+  future = pool.submit(fn)
+  pool.shutdown(wait=False)
+  return future
 
 
 def use_compilation_cache(path: str | None, backend: str | None = None) -> str | None:

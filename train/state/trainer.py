@@ -154,7 +154,6 @@ class Trainer:
     of the per-layer choice). `autotune=False` compiles a GPU step with
     `compilation.NO_AUTOTUNE`: autotuning's candidate kernels would share the device with the
     training steps."""
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
     like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     specs = (jax.tree.map(like, params), like(self.put_batch(batch, self.eval_sharding)))
     untuned = not autotune and jax.default_backend() == "gpu"
@@ -164,9 +163,7 @@ class Trainer:
         return self._eval_step(layer_key).lower(*specs).compile(
             compiler_options=compilation.NO_AUTOTUNE if untuned else None)
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    self._eval_ahead[layer_key] = pool.submit(build)
-    pool.shutdown(wait=False)
+    self._eval_ahead[layer_key] = compilation.on_worker_thread(build)
 
   def eval_compiled(self, layer_key=None) -> bool | None:
     """Whether the evaluation step of `layer_key` is compiled: True (compiled ahead and

@@ -10,7 +10,6 @@ exactly. Each process reads its own share of the documents (`train.state.trainer
 lays out the devices).
 """
 
-import concurrent.futures
 import json
 import os
 import time
@@ -134,10 +133,7 @@ def _fresh_state_ahead(tr, cfg, workdir: str):
   which must dispatch the same programs in the same order."""
   if jax.process_count() > 1 or checkpointing.steps_on_disk(workdir):
     return None
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-  fresh = pool.submit(tr.new_state, jax.random.key(cfg.seed))
-  pool.shutdown(wait=False)
-  return fresh
+  return compilation.on_worker_thread(lambda: tr.new_state(jax.random.key(cfg.seed)))
 
 
 def _first_step_ahead(tr, cfg):
@@ -159,9 +155,7 @@ def _first_step_ahead(tr, cfg):
     took["s"] = time.perf_counter() - t0
     return step
 
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-  first = pool.submit(build)
-  pool.shutdown(wait=False)
+  first = compilation.on_worker_thread(build)
   first.took = took
   return first
 
