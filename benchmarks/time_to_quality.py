@@ -23,13 +23,17 @@ CE ratio at equal steps (sparse's over dense's), the CE ratio at equal wall-cloc
 over dense's; sparse_t's wall-clock over dense's is recorded beside it), and the time the
 sparse model takes to reach dense's final CE, as dense's wall-clock over it:
 
-  Time to dense CE is read off the two sparse runs, both ended on their schedule: CE as a
-  power of wall-clock, CE(t) = c t^-a, through (wall, CE) of sparse and sparse_t, with `a`
-  pooled over the seeds (the mean of their slopes: one seed's two points sit ~25% apart in
-  time, where one run's CE moves ~1.5%, so a per-seed slope is mostly noise) and `c` the seed's
-  own. Where the pooled slope is not positive (CE did not fall with time) there is no estimate.
-  Beside it, with no model, a lower bound: dense's wall-clock over that of the shorter sparse
-  run that ended at or below dense's CE (`time_to_dense_ce_ratio_at_least`).
+  Time to dense CE is read off the two sparse runs, both ended on their schedule, CE taken as
+  a power of wall-clock, CE(t) = c t^-a. Where dense's CE lies between the two runs' CEs, t*
+  is interpolated between their (wall, CE) points on that law (the seed's own slope: no
+  extrapolation). Otherwise it is extrapolated from the run whose CE is nearer dense's with
+  `a` pooled over the seeds (the mean of their slopes: one seed's two points sit ~25% apart in
+  time, where one run's CE moves ~1.5%, so a per-seed slope is mostly noise), so that t* never
+  contradicts a run: before the shorter run's end where it ended below dense's CE, past the
+  longer one's where both ended above. With no pooled slope (CE did not fall with time) only
+  the interpolation is made. Beside it, with no model, a lower bound: dense's wall-clock over
+  that of the shorter sparse run that ended at or below dense's CE
+  (`time_to_dense_ce_ratio_at_least`).
 
 The CE ratios' standard errors from the held-out batches alone (paired: every run is
 evaluated on the same batches) are recorded per seed beside them, to set the evaluation's own
@@ -172,6 +176,21 @@ def paired_ratio_se(run: dict, base: dict) -> float | None:
   return sd / (math.sqrt(n) * mean_d)
 
 
+def time_to_ce(a: dict, b: dict, target: float, slope: float | None) -> float | None:
+  """Seconds a sparse model takes to reach CE `target`, from runs `a` and `b` ({"wall_s",
+  "eval_ce"}) on CE(t) = c t^-a (module docstring): interpolated between them where `target`
+  lies between their CEs, else extrapolated from the nearer one with the pooled `slope`
+  (None where that is needed and `slope` is not positive)."""
+  (t1, c1), (t2, c2) = ((r["wall_s"], r["eval_ce"]) for r in (a, b))
+  if c1 != c2 and (c1 - target) * (c2 - target) <= 0:
+    f = math.log(c1 / target) / math.log(c1 / c2)
+    return math.exp(math.log(t1) + f * (math.log(t2) - math.log(t1)))
+  if not slope or slope <= 0:
+    return None
+  t0, c0 = min(((t1, c1), (t2, c2)), key=lambda p: abs(math.log(p[1] / target)))
+  return t0 * math.exp(math.log(c0 / target) / slope)
+
+
 def summarize(results: dict) -> None:
   """Per-seed ratios and their means with intervals (module docstring). A seed's ratio is
   there once the runs it needs are: dense and sparse for the whole run and equal steps, dense
@@ -205,11 +224,8 @@ def summarize(results: dict) -> None:
     if reached:
       # No model: a run that ended at or below dense's CE reached it by its end.
       row["time_to_dense_ce_ratio_at_least"] = d["wall_s"] / min(reached)
-    if a and b and slope and slope > 0:
-      # log t* = mean log t + (mean log CE - log CE_dense) / a, CE(t) = c t^-a through both.
-      log_t = (math.log(a["wall_s"]) + math.log(b["wall_s"])) / 2
-      log_ce = (math.log(a["eval_ce"]) + math.log(b["eval_ce"])) / 2
-      t_star = math.exp(log_t + (log_ce - math.log(d["eval_ce"])) / slope)
+    t_star = time_to_ce(a, b, d["eval_ce"], slope) if a and b else None
+    if t_star is not None:
       row["time_to_dense_ce_s"] = t_star
       row["time_to_dense_ce_ratio"] = d["wall_s"] / t_star
     per_seed.append(row)

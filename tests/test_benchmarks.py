@@ -710,6 +710,29 @@ class TimeToQualityTest(absltest.TestCase):
                                      "levers.json")
     time_to_quality._check_setting({}, {"device": "NVIDIA H200"}, None)   # a new file
 
+  def test_time_to_dense_ce_agrees_with_the_seeds_own_runs(self):
+    """Where dense's CE lies between a seed's two sparse runs, the time is interpolated
+    between them (the seed's own slope, not the pooled one); where both ended above it, it
+    lies past the longer run's end; where both ended below, before the shorter run's."""
+    run = lambda seed, arm, wall, ce: {"seed": seed, "arm": arm, "wall_s": wall, "steps": 1,
+                                       "eval_ce": ce}
+    results = {"runs": [
+        # Seed 0: steep (slope log(4.0/3.6)/log(2)), brackets dense's 3.8.
+        run(0, "dense", 300.0, 3.8), run(0, "sparse", 200.0, 4.0), run(0, "sparse_t", 400.0, 3.6),
+        # Seed 1: shallow, both runs above dense's CE.
+        run(1, "dense", 300.0, 3.8), run(1, "sparse", 250.0, 3.9), run(1, "sparse_t", 310.0, 3.88),
+        # Seed 2: both below.
+        run(2, "dense", 300.0, 3.8), run(2, "sparse", 240.0, 3.75), run(2, "sparse_t", 300.0, 3.7)]}
+    time_to_quality.summarize(results)
+    rows = {r["seed"]: r for r in results["per_seed"]}
+    f = np.log(4.0 / 3.8) / np.log(4.0 / 3.6)
+    self.assertAlmostEqual(rows[0]["time_to_dense_ce_s"], 200.0 * 2.0 ** f)
+    self.assertGreater(rows[1]["time_to_dense_ce_s"], 310.0)
+    self.assertAlmostEqual(rows[1]["time_to_dense_ce_s"],
+                           310.0 * (3.88 / 3.8) ** (1 / results["slope"]))
+    self.assertLess(rows[2]["time_to_dense_ce_s"], 240.0)
+    self.assertGreater(results["slope"], 0)
+
   def test_a_seed_counts_in_the_ratios_its_runs_allow(self):
     """Dense and sparse_t alone (a lever screened at equal time) give the equal-time ratio
     only; a dense run alone gives no row but counts in the dense runs' spread."""
