@@ -104,7 +104,7 @@ def plot(result: dict, path: str) -> None:
   for label, rate in CONSUMERS:
     ax.axhline(rate / 1e6, color="grey", lw=0.8, ls="--")
     ax.text(0, rate / 1e6, f" {label}", va="bottom", fontsize=8, color="grey")
-  ax.set_xlabel("tokenizing worker processes (0: the packer's thread)")
+  ax.set_xlabel("tokenizing worker processes (0: in the packer's process)")
   ax.set_ylabel("million tokens/s, packed")
   ax.set_title(f"Input pipeline, {result['format']} shards: {result['device']}, "
                f"{result['cpus']} cores", fontsize=10)

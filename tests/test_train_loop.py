@@ -98,6 +98,32 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)
     self.assertEqual(seen, [("held-out batches", None)])
 
+  def test_making_the_trainer_runs_no_program(self):
+    """Trainer(cfg) and abstract_state() compile no program but the optimizer's step-count
+    scalar (`mesh.state_shardings` makes it on the CPU backend, which a CPU-only test cannot
+    tell apart): on a GPU the process's first compile (the compiler's start-up) then happens
+    on the run's worker threads, not on the main thread before the data opens. A fresh
+    process: the jit cache of this one may hold them."""
+    script = textwrap.dedent("""
+        import logging, jax
+        jax.config.update("jax_log_compiles", True)
+        compiled = []
+        class Seen(logging.Handler):
+          def emit(self, record):
+            if record.getMessage().startswith("Compiling "):
+              compiled.append(record.getMessage().split(" with ")[0])
+        logging.getLogger("jax").addHandler(Seen())
+        import train_test_util as tu
+        from train.state import trainer as trainer_lib
+        tr = trainer_lib.Trainer(tu.micro_config())
+        tr.abstract_state()
+        print("COMPILED", compiled)
+        """)
+    out = tu.run([sys.executable, "-c", script],
+                 PYTHONPATH=os.path.dirname(__file__) + os.pathsep + tu.REPO)
+    self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    self.assertIn("COMPILED ['Compiling jit(convert_element_type)']", out.stdout)
+
   def test_grad_accumulation_matches_one_big_batch(self):
     outs = []
     tokens = np.random.default_rng(0).integers(3, 259, (8, 33)).astype(

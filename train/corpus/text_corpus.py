@@ -65,9 +65,9 @@ def _stdlib_files() -> list[tuple[str, pathlib.Path]]:
 
 
 @functools.cache
-def _source_files(site: bool) -> tuple[tuple[str, pathlib.Path], ...]:
+def _source_files(site: bool, /) -> tuple[tuple[str, pathlib.Path], ...]:
   """(key, path) of every .py file of the standard library (and of site-packages), sorted;
-  listed once per process."""
+  listed once per process (positional only: the cache tells `f(x)` from `f(site=x)`)."""
   paths = sysconfig.get_paths()
   roots = [("stdlib", pathlib.Path(paths["stdlib"]))]
   if site:
@@ -250,7 +250,7 @@ def documents(split: str, name: str = NAME) -> tuple[tuple[str, str], ...]:
   if name == NAME:
     texts = dict(_docstrings())
     return tuple((k, texts[k]) for k in keys[split])
-  paths = dict(_source_files(site=name == SITE_NAME))
+  paths = dict(_source_files(name == SITE_NAME))
   read = ((k, _read_source(paths[k])) for k in keys[split])
   return tuple((k, text) for k, text in read if text is not None)
 
@@ -284,7 +284,7 @@ def document_files(split: str, name: str) -> DocumentFiles:
   _check(split, name)
   if name == NAME:
     raise ValueError(f"{NAME} is parsed from the sources, not read from files: use documents()")
-  paths = dict(_source_files(site=name == SITE_NAME))
+  paths = dict(_source_files(name == SITE_NAME))
   return DocumentFiles(paths[k] for k in split_keys(name)[split])
 
 

@@ -52,7 +52,7 @@ class Trainer:
     self.replicated = NamedSharding(self.mesh, P())
     self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
     self.eval_sharding = mesh_lib.eval_sharding(self.mesh)
-    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    shapes = self._state_shapes()
     # The optimizer's moments, and the gradients inside the step, share one layout.
     self.grad_sharding = mesh_lib.moment_shardings(
         shapes["params"], self.mesh, scan_layers=self.model_cfg.scan_layers,
@@ -74,9 +74,15 @@ class Trainer:
     """A fresh train state, laid out on the mesh (`state_sharding`)."""
     return jax.jit(self.init_state, out_shardings=self.state_sharding)(key)
 
+  def _state_shapes(self):
+    # The key is made inside the trace: `jax.random.key(0)` outside would compile and run a
+    # program on the device, the process's first on the main thread (on a GPU, the
+    # compiler's start-up: a second or two before the data starts opening).
+    return jax.eval_shape(lambda: self.init_state(jax.random.key(0)))
+
   def abstract_state(self):
     """The state's shapes with their shardings on this mesh (the restore target)."""
-    shapes = jax.eval_shape(self.init_state, jax.random.key(0))
+    shapes = self._state_shapes()
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_sharding)
 
