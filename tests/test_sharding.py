@@ -167,6 +167,23 @@ class MeshRulesTest(absltest.TestCase):
       with self.assertRaises(mesh_lib.MeshError, msg=str(bad)):
         mesh_lib.mesh_shape(bad, 8)
 
+  def test_state_layout_without_a_cpu_backend(self):
+    """`JAX_PLATFORMS=cuda` loads no CPU backend: the optimizer's placeholder scalars are
+    made on the default device instead, and the layout is the same."""
+    from unittest import mock  # pylint: disable=import-outside-toplevel
+    from train.state import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+    cfg = tu.micro_config()
+    want = trainer_lib.Trainer(cfg).state_sharding
+    local_devices = mesh_lib.jax.local_devices
+
+    def without_cpu(*args, backend=None, **kwargs):
+      if backend == "cpu":
+        raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+      return local_devices(*args, backend=backend, **kwargs)
+
+    with mock.patch.object(mesh_lib.jax, "local_devices", without_cpu):
+      self.assertEqual(trainer_lib.Trainer(cfg).state_sharding, want)
+
   def test_fsdp_rule(self):
     spec = lambda shape, **kw: tuple(mesh_lib.param_spec(shape, 4, **kw))
     self.assertEqual(spec((2048, 5632)), (None, "fsdp"))        # the largest axis

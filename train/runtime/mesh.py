@@ -149,12 +149,21 @@ def state_shardings(state: Any, tx: optax.GradientTransformation,
   # tree_map_params runs the optimizer's init on a placeholder: its scalars (step counts) are
   # made on the host's CPU device, not compiled for the accelerator on the main thread (on a
   # GPU, the compiler's start-up: a second or two before a run's data starts opening).
-  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+  with jax.default_device(_host_cpu()):
     opt = optax.tree_utils.tree_map_params(
         tx, lambda _, s: s, state["opt_state"], moments,
         transform_non_params=lambda _: replicated, is_leaf=is_leaf)
   out = {k: jax.tree.map(lambda _: replicated, v) for k, v in state.items()}
   return {**out, "params": params, "opt_state": opt}
+
+
+def _host_cpu():
+  """The CPU backend's first device, or None (the default device) where the CPU backend is
+  not loaded (`JAX_PLATFORMS=cuda`)."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
