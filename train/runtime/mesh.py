@@ -148,7 +148,7 @@ def state_shardings(state: Any, tx: optax.GradientTransformation,
   is_leaf = lambda x: isinstance(x, NamedSharding)
   # tree_map_params runs the optimizer's init on a placeholder: its scalars (step counts) are
   # made on the host's CPU device, not compiled for the accelerator on the main thread (on a
-  # GPU, the compiler's start-up: a second or two before a run's data starts opening).
+  # GPU, the compiler's start-up, on the way to a run's first step).
   with jax.default_device(_host_cpu()):
     opt = optax.tree_utils.tree_map_params(
         tx, lambda _, s: s, state["opt_state"], moments,

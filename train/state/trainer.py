@@ -77,7 +77,7 @@ class Trainer:
   def _state_shapes(self):
     # The key is made inside the trace: `jax.random.key(0)` outside would compile and run a
     # program on the device, the process's first on the main thread (on a GPU, the
-    # compiler's start-up: a second or two before the data starts opening).
+    # compiler's start-up, on the way to a run's first step).
     return jax.eval_shape(lambda: self.init_state(jax.random.key(0)))
 
   def abstract_state(self):
