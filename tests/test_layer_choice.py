@@ -512,6 +512,10 @@ class TrainerSwitchTest(tu.FastCompile, absltest.TestCase):
     self.assertTrue(any("ffn " + " ".join(["S"] * n) in line for line in logs.output)
                     or any("ffn S" in line for line in logs.output))
     self.assertIn("hot_features/layer_0", self._rows(wd)[-1])
+    # The first step's wall-clock names the decision after it.
+    self.assertLen([line for line in logs.output
+                    if re.search(r"step 1's wall-clock: data .* on the device [\d.]+ s, "
+                                 r"decision [\d.]+ s$", line)], 1)
     # Resumed: the checkpoint's choice runs from the first step on.
     cfg.num_train_steps = 5
     train_lib.train_and_evaluate(cfg, wd, accept_config_change=True)

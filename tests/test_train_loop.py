@@ -88,7 +88,13 @@ class TrainLoopTest(tu.FastCompile, absltest.TestCase):
                                                   recorded_eval_batches))
     wd = self.create_tempdir().full_path
     cfg = tu.micro_config(num_train_steps=2, eval_every=2, checkpoint_every=2)
-    train_lib.train_and_evaluate(cfg, wd)
+    with self.assertLogs(logger="absl", level="INFO") as logs:
+      train_lib.train_and_evaluate(cfg, wd)
+    # Where the first step's wall-clock went, once (no per-layer choice on the CPU).
+    clocks = [r.getMessage() for r in logs.records if "wall-clock:" in r.getMessage()]
+    self.assertLen(clocks, 1)
+    self.assertRegex(clocks[0], r"^step 1's wall-clock: data [\d.]+ s, dispatch [\d.]+ s, "
+                                r"on the device [\d.]+ s$")
     self.assertEqual(seen[0], ("state", False))
     self.assertIn(("held-out batches", None), seen)
     same = new_state(trainer_lib.Trainer(cfg), jax.random.key(cfg.seed))

@@ -103,6 +103,30 @@ class _StepTracer:
       self.on = False
 
 
+class _FirstStepClock:
+  """Where the wall-clock of a run's first step goes, in one log line: waiting for its batch,
+  dispatching it, the step on the device (its first run: the device loads the program's
+  kernels and libraries), the per-layer choice's decision after it (the first decision reads
+  the step's own counts). The loop reads the first step's results right after anyway, so
+  waiting for them here costs nothing."""
+
+  def __init__(self, step: int):
+    self.step, self.marks = step, []
+
+  def mark(self, step: int, what: str, outputs=None) -> None:
+    if step == self.step and self.marks is not None:
+      if outputs is not None:
+        jax.block_until_ready(outputs)
+      self.marks.append((what, time.perf_counter()))
+
+  def log(self, step: int) -> None:
+    if step == self.step and self.marks:
+      parts = [f"{what} {t - t0:.2f} s"
+               for (_, t0), (what, t) in zip(self.marks, self.marks[1:])]
+      logging.info("step %d's wall-clock: %s", step + 1, ", ".join(parts))
+      self.marks = None
+
+
 def train_and_evaluate(cfg, workdir: str, *, accept_config_change: bool = False,
                        allow_fresh_start: bool = False, hooks=()) -> dict:
   """Trains (resuming if possible); returns the last logged metrics.
@@ -282,24 +306,29 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
     logging.info("compiled the first train step in %.1f s, while the data opened",
                  first_step.took["s"])
   last, preempted, window = {}, None, _Window()
-  tracer = _StepTracer(cfg.get("profile"), workdir)
+  tracer, clock = _StepTracer(cfg.get("profile"), workdir), _FirstStepClock(start)
   try:
     for step in range(start, cfg.num_train_steps):
       if steps is not None:
         train_step = steps.step_for(step)
       ran = None if steps is None else steps.running
       t_wait = time.perf_counter()
+      clock.mark(step, "")
       batch, data_state = next(prefetch)
       window.data_wait += time.perf_counter() - t_wait
+      clock.mark(step, "data")
       tracer.before(step)
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         state, m = train_step(state, tr.put_batch(batch.reshape(shape).astype(np.int32),
                                                   tr.batch_sharding))
+      clock.mark(step, "dispatch")
+      clock.mark(step, "on the device", outputs=m)
       done = step + 1
       tracer.after(done, m)
       window.tokens += cfg.batch_size * cfg.data.seq_len
       if steps is not None:
         state = steps.after_step(done, m, state)
+        clock.mark(step, "decision")
       for hook in hooks:
         hook(tr, done, state, ran)
       if done % cfg.log_every == 0 or done == cfg.num_train_steps or done == start + 1:
@@ -311,6 +340,7 @@ def _train_and_evaluate(cfg, workdir: str, watch: preemption.Watch, *,
                      + ("" if ran is None else f" | ffn {choice.describe(ran)}"))
         last = metrics_lib.flatten_metrics(m)
         writer.write_scalars(done, last)
+      clock.log(step)
       if done == start + 1 and eval_data:
         # Beside the next steps, not beside the first one's compile.
         tr.compile_eval_ahead(state["params"], eval_data[0],
