@@ -63,7 +63,9 @@ first step and the evaluations, `whole_run.phases`, each part's mean over seeds)
 "host_gpus", "started_at"]}. A run's
 "code" is the digest of the code it ran (`cli_run.code_digest`); "codes" counts the runs per
 digest ("unrecorded" for runs from before it was kept), and the summary says when its runs
-measured more than one version. The plot: held-out CE against wall-clock for every run.
+measured more than one version. The plot: held-out CE against wall-clock for every run, and
+beside it each seed's ratios (whole run; CE at equal steps and at equal time) with their means
+and 95% intervals.
 
 The levers (`--levers_out`): every sparse run with its seed's dense run is also merged into a
 table of what was tried, one row per lever (`--l1` and `--sparse_flags`), code digest, seed,
@@ -324,7 +326,9 @@ def plot(results: dict, path: str) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(8, 5))
+  fig = plt.figure(figsize=(12, 5))
+  grid = fig.add_gridspec(2, 2, width_ratios=(2.2, 1))
+  ax = fig.add_subplot(grid[:, 0])
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   styles = {"dense": "-", "sparse": "--", "sparse_t": ":"}
   for r in results["runs"]:
@@ -345,10 +349,40 @@ def plot(results: dict, path: str) -> None:
                                              f"{summary['ce_ratio_equal_time']['n']} seed(s)"
                                              if eq else ""), fontsize=9)
   ax.legend(fontsize=7, ncol=3)
+  top = fig.add_subplot(grid[0, 1])
+  _plot_ratios(top, results, ["wall_ratio"], "dense's wall-clock over sparse's", colors)
+  top.set_title("dots: seeds; black: mean and 95% interval", fontsize=8)
+  _plot_ratios(fig.add_subplot(grid[1, 1]), results,
+               ["ce_ratio_equal_steps", "ce_ratio_equal_time"], "sparse's CE over dense's",
+               colors)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+_RATIO_LABELS = {"wall_ratio": "whole run", "ce_ratio_equal_steps": "equal steps",
+                 "ce_ratio_equal_time": "equal time"}
+
+
+def _plot_ratios(ax, results: dict, keys: list[str], ylabel: str, colors) -> None:
+  """Each seed's ratio (a dot in its seed's colour) and their mean with its 95% interval (a
+  black bar), one column per ratio; a line at 1 (parity with dense)."""
+  for i, key in enumerate(keys):
+    for row in results.get("per_seed", []):
+      if row.get(key) is not None:
+        ax.plot(i + 0.12 * (row["seed"] % 5 - 2) / 2, row[key], "o", markersize=4,
+                color=colors[row["seed"] % len(colors)])
+    s = results.get("summary", {}).get(key) or {}
+    if s.get("mean") is not None:
+      low, high = s["ci95"] or (s["mean"], s["mean"])
+      ax.errorbar(i + 0.25, s["mean"], yerr=[[s["mean"] - low], [high - s["mean"]]], fmt="s",
+                  color="black", capsize=3, markersize=4)
+  ax.axhline(1.0, color="grey", linewidth=0.8)
+  ax.set_xticks(range(len(keys)), [_RATIO_LABELS[k] for k in keys], fontsize=8)
+  ax.set_xlim(-0.5, len(keys) - 0.5)
+  ax.set_ylabel(ylabel, fontsize=8)
+  ax.tick_params(labelsize=7)
 
 
 def predicted_s(runs: list[dict], arm: str, running=()) -> float | None:
