@@ -97,6 +97,9 @@ def _optimization(c: ml_collections.ConfigDict) -> None:
   # Sparsity: loss = CE + l1_coeff(step) * mean over layers of the L1 term.
   c.l1_coeff = 2e-5
   c.l1_warmup_steps = 0       # linear ramp of the coefficient from 0
+  # Per layer, a multiplier of its L1 term, comma-separated, one per layer (e.g. for 8
+  # layers "1,0.25,0.25,0.25,0.5,1,1,2"); "" counts every layer alike.
+  c.l1_layer_scales = ""
   # "per_token_sum": mean over tokens of sum over H of |h| (reference code);
   # "per_element_mean": mean over all M*H entries (paper text; = above / H).
   c.l1_normalization = "per_token_sum"

@@ -107,6 +107,13 @@ class ConfigChangeTest(absltest.TestCase):
     kinds = workdir_config.changes(stored, {"model": {"scan_layers": False, "scan_unroll": False}})
     self.assertEqual(kinds["refused"], [("model.scan_layers", True, False)])
 
+  def test_a_new_l1_weighting_on_resume_needs_the_flag(self):
+    """The per-layer L1 scales, like the coefficient, fit the checkpoints but change the rest
+    of the run: accepted with --accept_config_change, not silently."""
+    from train.config import workdir as workdir_config  # pylint: disable=import-outside-toplevel
+    kinds = workdir_config.changes({"l1_layer_scales": ""}, {"l1_layer_scales": "1,0.5"})
+    self.assertEqual(kinds["acceptable"], [("l1_layer_scales", "", "1,0.5")])
+
 
 class ConfigCheckTest(parameterized.TestCase):
   """`check_config` (train/config_checks.py) names the field, the value and the range."""
@@ -150,6 +157,12 @@ class ConfigCheckTest(parameterized.TestCase):
        r"config\.grad_accum_steps=3"),
       ("sentencepiece_model", dict(data__tokenizer="sentencepiece", data__spm_model="/no/such"),
        r"config\.data\.spm_model='/no/such'"),
+      ("l1_layer_scales_count", dict(l1_layer_scales="1,1,1"),
+       r"config\.l1_layer_scales='1,1,1': has 3 numbers for the model's 2 layers"),
+      ("l1_layer_scales_negative", dict(l1_layer_scales="1,-0.5"),
+       r"config\.l1_layer_scales='1,-0\.5': every number must be finite and >= 0"),
+      ("l1_layer_scales_text", dict(l1_layer_scales="1;1"),
+       r"config\.l1_layer_scales='1;1': must be numbers separated by commas"),
   )
   def test_bad_value_names_the_field(self, overrides, match):
     with self.assertRaisesRegex(errors.ConfigError, match):

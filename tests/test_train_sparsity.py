@@ -23,6 +23,27 @@ class L1AndCountersTest(absltest.TestCase):
     with self.assertRaises(ValueError):
       sparsity.l1_term(l1, 8, "mean")
 
+  def test_l1_layer_scales_weigh_each_layers_term(self):
+    """config.l1_layer_scales multiplies each layer's L1 statistic in the penalty: "" and
+    all ones give the same loss, zeros leave the cross-entropy alone, "2,0" counts the first
+    layer twice and the second not at all (the mean over the 2 layers)."""
+    cfg = tu.micro_config()
+    tr = trainer_lib.Trainer(cfg)
+    params = tr.new_state(jax.random.key(0))["params"]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 259, (4, 33)), jnp.int32)
+    out = {}
+    for scales in ("", "1,1", "0,0", "2,0"):
+      cfg.l1_layer_scales = scales
+      loss_fn = steps_lib.make_loss_fn(tr.lm, cfg)
+      out[scales] = jax.jit(loss_fn)(params, tokens, 0.5)
+    loss, (ce, l1, stats) = out[""]
+    self.assertEqual(float(out["1,1"][0]), float(loss))
+    self.assertEqual(float(out["0,0"][0]), float(out["0,0"][1][0]))
+    self.assertEqual(float(out["0,0"][1][1]), 0.0)
+    np.testing.assert_allclose(float(out["2,0"][1][1]), float(stats.l1[0]), rtol=1e-6)
+    np.testing.assert_allclose(float(l1), float(jnp.mean(stats.l1)), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), float(ce) + 0.5 * float(l1), rtol=1e-6)
+
   def test_since_counters(self):
     since = sparsity.init_since(2, 3)
     fired = jnp.array([[True, False, False], [False, False, True]])

@@ -124,6 +124,14 @@ def _check_values(cfg):
       layer_choice.parse_ahead(ahead)
     except ValueError as e:
       raise ConfigError(f"config.layer_choice.ahead={ahead!r}: {e}") from None
+  scales, n_layers = _get(cfg, "l1_layer_scales"), _get(cfg, "model.n_layers")
+  if scales is not _MISSING and n_layers is not _MISSING:
+    try:
+      if not isinstance(scales, str):
+        raise ValueError("must be a string such as '1,0.5,0.5,1'")
+      parse_l1_layer_scales(scales, n_layers)
+    except ValueError as e:
+      raise ConfigError(f"config.l1_layer_scales={scales!r}: {e}") from None
   menu = _get(cfg, "layer_choice.hot_menu")
   if menu is not _MISSING:
     try:
@@ -186,6 +194,23 @@ def _check_backend(cfg, n_devices: int):
   if problem is not None:
     raise ConfigError(f"config.model.attention={mc.attention!r} {problem}; use 'auto' or "
                       "'xla'")
+
+
+def parse_l1_layer_scales(text: str, n_layers: int) -> tuple[float, ...] | None:
+  """`config.l1_layer_scales`: "" (None: every layer's L1 counts alike) or one finite
+  number >= 0 per layer, comma-separated, that multiplies the layer's L1 statistic in the
+  penalty; ValueError says what is wrong."""
+  if not text.strip():
+    return None
+  try:
+    scales = tuple(float(v) for v in text.split(","))
+  except ValueError:
+    raise ValueError("must be numbers separated by commas, one per layer") from None
+  if len(scales) != n_layers:
+    raise ValueError(f"has {len(scales)} numbers for the model's {n_layers} layers")
+  if not all(math.isfinite(v) and v >= 0 for v in scales):
+    raise ValueError("every number must be finite and >= 0")
+  return scales
 
 
 def check(cfg, n_devices: int, n_processes: int):

@@ -37,6 +37,7 @@ _FREE = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_ch
 _ACCEPTABLE = ("num_train_steps", "learning_rate", "warmup_steps", "min_lr_ratio",
                "adam_b1", "adam_b2", "adam_eps", "weight_decay", "grad_clip",
                "grad_accum_steps", "l1_coeff", "l1_warmup_steps", "l1_normalization",
+               "l1_layer_scales",
                "dead_window_tokens", "dead_reinit", "dead_reinit_every", "model.dtype",
                # Where the files are: the same files elsewhere continue the same stream.
                "data.files", "data.eval_files", "data.tokenizer_file")

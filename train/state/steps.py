@@ -10,7 +10,9 @@ Train state (a plain pytree, what orbax saves):
 One step takes tokens [A, b, T + 1] (A = grad_accum_steps micro-batches of b
 sequences) and minimizes
 
-  loss = CE(logits, next tokens) + l1_coeff(step) * mean_l L1_l
+  loss = CE(logits, next tokens) + l1_coeff(step) * mean_l s_l L1_l
+
+(s_l: `config.l1_layer_scales`, 1 for every layer by default)
 
 with gradients summed over the A micro-batches by `lax.scan` and divided by
 A, then one clipped AdamW update. Per-layer FFN statistics are reduced over
@@ -45,6 +47,7 @@ import optax
 
 from twell_jax import sharded
 from twell_jax import stats as stats_lib
+from train.config import checks as config_checks
 from train.models import losses
 from train.runtime import mesh as mesh_lib
 from train.state import optim
@@ -61,13 +64,16 @@ def _flat(h, tokens):
 
 def make_loss_fn(lm, cfg):
   d_ff = lm.cfg.d_ff
+  scales = config_checks.parse_l1_layer_scales(cfg.get("l1_layer_scales", ""),
+                                               lm.cfg.n_layers)
 
   def loss_fn(params, tokens, l1_coeff):
     h, stats = lm.hidden(params, tokens[:, :-1])
     x, targets = _flat(h, tokens)
     # The LM head in the compute dtype, in chunks, never as f32 [tokens, vocab] logits.
     ce = losses.cross_entropy_sum(x, params["embed"], targets) / targets.shape[0]
-    l1 = sparsity.l1_term(stats.l1, d_ff, cfg.l1_normalization)
+    per_layer = stats.l1 if scales is None else stats.l1 * jnp.asarray(scales, stats.l1.dtype)
+    l1 = sparsity.l1_term(per_layer, d_ff, cfg.l1_normalization)
     return ce + l1_coeff * l1, (ce, l1, stats)
 
   return loss_fn
